@@ -1,0 +1,1 @@
+"""Diagnostics: learner/rollout gap metrics, the divergence tracer, reports, CLI and training monitor."""

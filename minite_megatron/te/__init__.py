@@ -1,0 +1,1 @@
+"""Transformer Engine path: miniTE quantizers behind TE's CustomRecipe (TE >= 2.16)."""

@@ -1,0 +1,1 @@
+"""Training-script helpers: data, progress bar, model providers for the examples."""

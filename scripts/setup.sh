@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv with Python >= 3.12 and install miniTE-Megatron with its test tools.
+# Needs only the package registry: no GPU, no Transformer Engine, no CUTLASS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  local c
+  for c in "${PYTHON:-}" python3.12 python3.13 python3; do
+    [ -n "$c" ] || continue
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$c"; return 0
+    fi
+  done
+  # pyenv installs that are not the global version are not on PATH.
+  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3; do
+    if [ -x "$c" ] && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+PY=$(find_python) || { echo "setup.sh: Python >= 3.12 not found (megatron-core 0.19 needs it); set PYTHON=/path/to/python3.12" >&2; exit 1; }
+echo "setup.sh: using $PY ($("$PY" --version))"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test]'
+.venv/bin/python -c 'import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'

@@ -1,0 +1,34 @@
+"""Test-suite set-up shared by every test.
+
+Without a GPU, Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1): it must be
+set before any kernel module is imported, which is why it happens here.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
+    config.addinivalue_line("markers", "multiproc: spawns several processes (gloo)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed_all():
+    torch.manual_seed(1234)
+    return 1234
