@@ -45,7 +45,8 @@ from .formats import (
     pack_e2m1,
     unpack_e2m1,
 )
-from .gemm import fp32_accumulation_bound, gemm_reference, grouped_gemm_reference
+from .gemm import fp32_accumulation_bound, gemm_reference
+from .grouped import grouped_gemm_reference, grouped_wgrad_reference, pad_groups, padded_group_sizes
 from .hadamard import hadamard_matrix, rht16, rht_signs
 from .quantize import global_scales, quantize_reference
 from .swizzle import swizzle_scales, swizzled_numel, unswizzle_scales
@@ -146,6 +147,25 @@ def grouped_gemm(
     return get_backend(backend, a.device).grouped_gemm(a, b, group_sizes, bias, out_dtype, batch_invariant)
 
 
+def grouped_wgrad(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    group_sizes: Sequence[int],
+    *,
+    global_scale: str = "tensor",
+    grad_rounding: str = "nearest",
+    grad_seed: int | None = None,
+    rht_seed: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """MoE wgrad ``dW[g] = dY_g^T @ X_g`` in NVFP4 (see :mod:`.grouped`) -> ``[G, N, K]``."""
+    return get_backend(backend, x.device).grouped_wgrad(
+        grad_out, x, group_sizes, global_scale=global_scale, grad_rounding=grad_rounding,
+        grad_seed=grad_seed, rht_seed=rht_seed, out_dtype=out_dtype,
+    )
+
+
 __all__ = [
     "BLOCK",
     "E2M1_BIN_EDGES",
@@ -169,6 +189,10 @@ __all__ = [
     "global_scales",
     "grouped_gemm",
     "grouped_gemm_reference",
+    "grouped_wgrad",
+    "grouped_wgrad_reference",
+    "pad_groups",
+    "padded_group_sizes",
     "hadamard_matrix",
     "pack_e2m1",
     "quantize",

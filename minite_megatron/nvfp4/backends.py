@@ -1,7 +1,7 @@
 """Backends that implement the contract, and the dispatcher that picks one.
 
 A backend exposes ``available(device) -> bool``, ``why_not(device) -> str | None`` (the reason
-it cannot run there) and the ops ``quantize``, ``gemm``, ``grouped_gemm`` with the reference's
+it cannot run there) and the ops ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` with the reference's
 signatures. ``get_backend(None, device)`` picks the best available one for the device:
 ``blackwell`` (sm_100a/sm_103a FP4 tensor cores) > ``triton`` (any CUDA GPU) > ``reference``
 (pure torch, always available). ``MINITE_BACKEND=<name>`` overrides the choice.
@@ -19,7 +19,8 @@ from typing import Protocol
 
 import torch
 
-from .gemm import gemm_reference, grouped_gemm_reference
+from .gemm import gemm_reference
+from .grouped import grouped_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
 from .tensor import NVFP4Tensor
 
@@ -56,6 +57,14 @@ class Backend(Protocol):
         batch_invariant: bool = False,
     ) -> torch.Tensor: ...
 
+    def grouped_wgrad(
+        self,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        group_sizes: Sequence[int],
+        **kwargs,
+    ) -> torch.Tensor: ...
+
 
 class ReferenceBackend:
     """The contract itself: pure torch, any device, exact and batch invariant (slow)."""
@@ -76,6 +85,9 @@ class ReferenceBackend:
 
     def grouped_gemm(self, a, b, group_sizes, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
         return grouped_gemm_reference(a, b, group_sizes, bias, out_dtype)
+
+    def grouped_wgrad(self, grad_out, x, group_sizes, **kwargs):
+        return grouped_wgrad_reference(grad_out, x, group_sizes, **kwargs)
 
 
 # name -> "module:attribute" of a lazily imported backend object

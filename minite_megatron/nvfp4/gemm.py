@@ -1,4 +1,4 @@
-"""The NVFP4 GEMM contract and its pure-torch reference (dense and grouped).
+"""The NVFP4 GEMM contract and its pure-torch reference (dense; grouped ops in :mod:`.grouped`).
 
 ``out[m, n] = round_out(alpha[m, n] * acc[m, n] (+ bias[n]))`` with
 ``alpha[m, n] = fp32(S_dec_a[m] * S_dec_b[n])`` and ``acc`` the fp32 sum over k of
@@ -18,8 +18,6 @@ in :func:`fp32_accumulation_bound`; in strict mode a kernel must be batch invari
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -74,37 +72,6 @@ def gemm_reference(
     acc = block_partials_accumulate(a.image_fp32(), bm.image_fp32())
     out = epilogue(acc, a.row_global_decode(), bm.row_global_decode(), bias, out_dtype)
     return out.reshape(*a.shape[:-1], bm.rows)
-
-
-def grouped_gemm_reference(
-    a: NVFP4Tensor,
-    b: NVFP4Tensor,
-    group_sizes: Sequence[int],
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """MoE fprop/dgrad: rows of ``a`` [M, K] are sorted by group; group g uses ``b.group(g)``.
-
-    ``b`` is a ``[G, N, K]`` tensor quantized with ``global_scale="group"``;
-    ``sum(group_sizes) == M``; ``bias`` is ``[G, N]`` or None. Returns ``[M, N]``.
-    """
-    if b.global_scale != "group" or len(b.shape) != 3:
-        raise ValueError("grouped_gemm: b must be a [G, N, K] tensor with global_scale='group'")
-    groups, n = b.shape[0], b.shape[1]
-    if len(group_sizes) != groups:
-        raise ValueError(f"grouped_gemm: {len(group_sizes)} group sizes for {groups} groups")
-    am = a.matrix()
-    if sum(group_sizes) != am.rows:
-        raise ValueError(f"grouped_gemm: group sizes sum to {sum(group_sizes)}, a has {am.rows} rows")
-    out = torch.empty(am.rows, n, dtype=out_dtype, device=a.device)
-    start = 0
-    for g, size in enumerate(group_sizes):
-        if size:
-            out[start : start + size] = gemm_reference(
-                am.row_slice(start, start + size), b.group(g), None if bias is None else bias[g], out_dtype
-            )
-        start += size
-    return out
 
 
 def fp32_accumulation_bound(a: NVFP4Tensor, b: NVFP4Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
