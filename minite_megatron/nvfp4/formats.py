@@ -89,7 +89,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] -> uint8 [..., K] codes; inverse of :func:`pack_e2m1`."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_e2m1 expects uint8, got {packed.dtype}")
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def e4m3_rne_satfinite(v: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ class NVFP4Tensor:
         """fp32 ``[rows, K]``: ``e2m1(code) * fp32(block scale)``, exact."""
         vals = e2m1_decode(unpack_e2m1(self.codes.reshape(self.rows, self.k // 2)))
         sf = self.linear_scales().to(torch.float32)
-        return (vals.view(self.rows, -1, BLOCK) * sf.unsqueeze(-1)).view(self.rows, self.k)
+        return (vals.view(self.rows, self.k // BLOCK, BLOCK) * sf.unsqueeze(-1)).view(self.rows, self.k)
 
     def bf16_image(self) -> torch.Tensor:
         """bf16 ``[rows, K]`` image (the attached one if a kernel emitted it)."""
