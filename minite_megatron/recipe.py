@@ -1,0 +1,202 @@
+"""miniTE's aligned scaling scheme: the recipe that replaces TE's ``NVFP4BlockScaling``.
+
+The defaults are chosen for learner/rollout alignment (DESIGN.md section 2):
+
+* forward activations: 1x16 blocks with a **per-token (per-row) global scale**: a token is
+  quantized the same way whether it sits in a learner batch of whole sequences or in a
+  sampler's one-token decode step (a per-tensor amax would depend on the batch);
+* weights: 16x16 tiles with one global scale per tensor (per expert for grouped experts): the
+  forward and backward see the same quantized weight, and those exact bytes are what the
+  rollout engine receives (export, never re-quantize);
+* backward ("full update"): dgrad and wgrad in NVFP4 too; gradients 1x16, stochastic rounding,
+  a 16x16 random Hadamard transform on both wgrad operands;
+* precision knobs: BF16 first/last layers, FP32 router, optional FP32 LM head;
+* ``strict``: batch-invariant kernels and ops end to end, so teacher-forced learner log-probs
+  equal the sampler's bit for bit.
+
+Built from Python (``Recipe(...)``, ``Recipe.from_dict``) or from ``--minite-*`` command-line
+flags (:func:`add_recipe_args`, :func:`recipe_from_args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from .nvfp4.backends import backend_names
+
+
+class RecipeError(ValueError):
+    """An invalid recipe; the message names the field (and its --minite-* flag)."""
+
+
+def flag(name: str) -> str:
+    return "--minite-" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    # ---- forward: what the rollout engine reproduces ------------------------------------------
+    activation_scale: Literal["row", "tensor"] = field(
+        default="row", metadata={"help": "global scale of forward activations: per token (row) or per tensor"}
+    )
+    weight_tile: Literal["2d", "1d"] = field(
+        default="2d", metadata={"help": "weight blocks: 16x16 tiles (2d, exact transpose) or 1x16 (1d)"}
+    )
+    # ---- backward -----------------------------------------------------------------------------
+    full_update: bool = field(
+        default=True, metadata={"help": "dgrad and wgrad in NVFP4 too (else BF16 backward through the quantized weight)"}
+    )
+    grad_scale: Literal["tensor", "row"] = field(
+        default="tensor", metadata={"help": "global scale of gradients and wgrad operands"}
+    )
+    grad_stochastic_rounding: bool = field(
+        default=True, metadata={"help": "stochastic rounding for gradients (dgrad and wgrad operands)"}
+    )
+    wgrad_rht: bool = field(
+        default=True, metadata={"help": "16x16 random Hadamard transform on both wgrad operands"}
+    )
+    rht_seed: int = field(default=0, metadata={"help": "seed of the RHT sign vector (-1: fixed all-ones signs)"})
+    # ---- precision knobs ----------------------------------------------------------------------
+    bf16_first_layers: int = field(default=0, metadata={"help": "keep the first N transformer layers in BF16"})
+    bf16_last_layers: int = field(default=0, metadata={"help": "keep the last N transformer layers in BF16"})
+    quantize_attention: bool = field(default=True, metadata={"help": "attention qkv/proj linears in NVFP4"})
+    quantize_dense_mlp: bool = field(default=True, metadata={"help": "dense MLP fc1/fc2 in NVFP4"})
+    quantize_experts: bool = field(default=True, metadata={"help": "routed experts in NVFP4"})
+    quantize_shared_experts: bool = field(default=True, metadata={"help": "shared experts in NVFP4"})
+    fp32_router: bool | None = field(default=None, metadata={"help": "FP32 router logits (default: on)"})
+    fp32_lm_head: bool | None = field(default=None, metadata={"help": "FP32 LM head (default: on in strict mode)"})
+    # ---- alignment ----------------------------------------------------------------------------
+    strict: bool = field(
+        default=False, metadata={"help": "batch-invariant kernels and ops: learner log-probs == sampler's, bitwise"}
+    )
+    # ---- execution ----------------------------------------------------------------------------
+    backend: str | None = field(default=None, metadata={"help": "NVFP4 backend (reference, triton, blackwell); default: best for the device"})
+    seed: int = field(default=0, metadata={"help": "base seed of the stochastic-rounding streams"})
+    nonfinite: Literal["propagate", "raise"] = field(
+        default="propagate", metadata={"help": "non-finite activations/gradients: propagate NaN or raise"}
+    )
+
+    def __post_init__(self):
+        # resolve the "auto" fields
+        if self.fp32_router is None:
+            object.__setattr__(self, "fp32_router", True)
+        if self.fp32_lm_head is None:
+            object.__setattr__(self, "fp32_lm_head", self.strict)
+        self.validate()
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        for f in fields(self):
+            choices = _literal_choices(f)
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise RecipeError(f"recipe field {f.name} ({flag(f.name)}) must be one of {choices}, got {value!r}")
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"recipe field {name} ({flag(name)}) must be >= 0")
+        if not self.full_update:
+            for name in ("grad_stochastic_rounding", "wgrad_rht"):
+                if getattr(self, name):
+                    raise RecipeError(
+                        f"recipe field {name} ({flag(name)}) applies to the NVFP4 backward only; "
+                        f"it needs full_update ({flag('full_update')}) or --no-minite-{name.replace('_', '-')}"
+                    )
+        if self.strict:
+            if self.activation_scale != "row":
+                raise RecipeError(
+                    f"strict mode needs per-token activation scales ({flag('activation_scale')} row): "
+                    "a per-tensor amax depends on which tokens share the batch"
+                )
+            if not self.fp32_router:
+                raise RecipeError(f"strict mode needs the FP32 router ({flag('fp32_router')})")
+            if not self.fp32_lm_head:
+                raise RecipeError(f"strict mode needs the FP32 LM head ({flag('fp32_lm_head')})")
+        if self.backend is not None and self.backend not in backend_names():
+            raise RecipeError(
+                f"recipe field backend ({flag('backend')}) must be one of {backend_names()}, got {self.backend!r}"
+            )
+
+    # ---- derived settings used by the modules -------------------------------------------------
+    @property
+    def weight_tile_shape(self) -> tuple[int, int]:
+        return (16, 16) if self.weight_tile == "2d" else (1, 16)
+
+    @property
+    def grad_rounding(self) -> str:
+        return "stochastic" if self.grad_stochastic_rounding else "nearest"
+
+    @property
+    def wgrad_rht_seed(self) -> int | None:
+        return self.rht_seed if self.wgrad_rht else None
+
+    def layer_in_bf16(self, layer_number: int, num_layers: int) -> bool:
+        """Is transformer layer ``layer_number`` (1-based, global) kept in BF16?"""
+        return layer_number <= self.bf16_first_layers or layer_number > num_layers - self.bf16_last_layers
+
+    # ---- (de)serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Recipe":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise RecipeError(f"unknown recipe field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "Recipe":
+        return Recipe.from_dict({**self.to_dict(), **changes})
+
+
+def _literal_choices(f: dataclasses.Field) -> tuple | None:
+    hint = typing.get_type_hints(Recipe)[f.name]
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return None
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def add_recipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--minite-*`` flags (one per recipe field, plus ``--minite-recipe FILE.json``).
+
+    Usable as (part of) a Megatron ``extra_args_provider``. Every flag defaults to None so that
+    only what the user sets overrides the recipe file and the dataclass defaults.
+    """
+    group = parser.add_argument_group("miniTE NVFP4 recipe")
+    group.add_argument("--minite-recipe", type=str, default=None, help="JSON file with recipe fields (flags override it)")
+    hints = typing.get_type_hints(Recipe)
+    for f in fields(Recipe):
+        hint = hints[f.name]
+        kwargs: dict[str, Any] = {"default": None, "dest": f"minite_{f.name}", "help": f.metadata.get("help", "")}
+        choices = _literal_choices(f)
+        base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if choices:
+            kwargs["choices"] = choices
+        elif bool in base:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif int in base:
+            kwargs["type"] = int
+        else:
+            kwargs["type"] = str
+        group.add_argument(flag(f.name), **kwargs)
+    return parser
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """Build the recipe from parsed ``--minite-*`` flags (and ``--minite-recipe``)."""
+    values: dict[str, Any] = {}
+    path = getattr(args, "minite_recipe", None)
+    if path:
+        with open(path) as fh:
+            values.update(json.load(fh))
+    for f in fields(Recipe):
+        v = getattr(args, f"minite_{f.name}", None)
+        if v is not None:
+            values[f.name] = v
+    return Recipe.from_dict(values)
