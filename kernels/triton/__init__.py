@@ -1,1 +1,14 @@
-"""Triton NVFP4 kernels (any CUDA GPU; run on CPU under TRITON_INTERPRET=1 for tests)."""
+"""Triton NVFP4 kernels (any CUDA GPU; run on CPU under TRITON_INTERPRET=1 for tests).
+
+One op per module, each a ``torch.library`` custom op (namespace ``minite::``) equal to its
+reference in :mod:`minite_megatron.nvfp4`: :mod:`.quantize`, :mod:`.amax`, :mod:`.image`,
+:mod:`.gemm`, :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`, :mod:`.decode_gemm`. The backend
+object the dispatcher loads is :data:`.backend.BACKEND`.
+"""
+
+import os as _os
+
+if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from ._interpreter_compat import install as _install
+
+    _install()

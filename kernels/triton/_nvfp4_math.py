@@ -1,0 +1,190 @@
+"""Element-wise NVFP4 arithmetic shared by the Triton kernels, written to equal the contract
+(:mod:`minite_megatron.nvfp4.quantize`, ``.formats``, ``.stochastic``) bit for bit.
+
+Every rounding step is spelled out so the result does not depend on the compiler or on the
+interpreter: IEEE division is ``tl.math.div_rn`` (plain ``/`` may lower to ``div.full.f32``),
+the fp32 -> E4M3 conversion is done on the bits (RNE, satfinite, subnormals kept, NaN -> 0x7F)
+instead of trusting an fp8 cast, clamps are ``tl.where`` on comparisons (``tl.minimum`` may
+drop a NaN), and kernels that use these helpers are launched with ``enable_fp_fusion=False``
+(no FMA may merge two roundings) and ``enable_reflect_ftz=False`` (no flushed subnormal).
+
+NaN bit patterns are fixed to the ones the CPU reference produces, so results compare
+bitwise: fp32 ``0x7FC00000``, bf16 ``0x7FC0``, E4M3 ``0x7F``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+FLT_MAX = 3.4028234663852886e38
+NAN_F32_BITS = 0x7FC00000
+NAN_BF16_BITS = 0x7FC0
+
+#: Launch options of every kernel that rounds (see the module docstring).
+EXACT_LAUNCH = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (CPU tensors; ``tl.dot`` on bf16 is broken there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def exact_launch() -> dict:
+    """Launch kwargs for kernels that round; the interpreter takes no compile options."""
+    return {} if interpreting() else dict(EXACT_LAUNCH)
+
+
+@triton.jit
+def is_nan(x):
+    return x != x
+
+
+@triton.jit
+def global_scales_from_amax(amax):
+    """Contract steps 1-2 on fp32 ``amax``: returns (S_enc, S_dec), NaN for a non-finite amax."""
+    s_enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s_enc = tl.where(s_enc > FLT_MAX, FLT_MAX, s_enc)
+    s_enc = tl.where(amax == 0.0, 1.0, s_enc)
+    finite = (amax == amax) & (amax != float("inf")) & (amax != float("-inf"))
+    s_enc = tl.where(finite, s_enc, float("nan"))
+    s_dec = (1.0 / s_enc.to(tl.float64)).to(tl.float32)
+    return s_enc, s_dec
+
+
+@triton.jit
+def canonical_nan_f32(x):
+    """``x`` with every NaN replaced by the fp32 pattern 0x7FC00000 (the CPU reference's)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x != x, NAN_F32_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_rne_satfinite(y):
+    """fp32 ``y >= 0`` (or NaN/inf) -> (uint8 E4M3 code, fp32 value of that code).
+
+    Round to nearest even; values above 448 (and +inf) saturate to 448 (0x7E); subnormal
+    scales (below 2^-6, step 2^-9) are kept; NaN gives code 0x7F and a NaN value.
+    """
+    nan = y != y
+    y = tl.where(y > 448.0, 448.0, y)
+    y = tl.where(nan, 0.0, y)
+    bits = y.to(tl.int32, bitcast=True)
+    # Normal range [2^-6, 448]: round the fp32 mantissa to 3 bits, ties to even, on the bits.
+    rbits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # & 0xFFF00000
+    n_val = rbits.to(tl.float32, bitcast=True)
+    n_code = (((rbits >> 23) - 120) << 3) | ((rbits >> 20) & 7)
+    # Subnormal range [0, 2^-6): multiples of 2^-9; y * 512 is exact and < 8, so adding and
+    # subtracting 2^23 rounds it to the nearest integer, ties to even.
+    t = y * 512.0
+    r = (t + 8388608.0) - 8388608.0
+    s_val = r * 0.001953125
+    s_code = r.to(tl.int32)
+    sub = y < 0.015625
+    code = tl.where(sub, s_code, n_code)
+    val = tl.where(sub, s_val, n_val)
+    code = tl.where(nan, 0x7F, code)
+    val = tl.where(nan, float("nan"), val)
+    return code.to(tl.uint8), val
+
+
+@triton.jit
+def e2m1_nearest(v):
+    """fp32 ``v`` -> E2M1 codes (int32 0..15): nearest, ties to the even code, |v| > 6 -> 6,
+    the sign bit kept (code 8 is -0), NaN -> 0. The bin edges of ``formats.E2M1_BIN_EDGES``."""
+    a = tl.abs(v)
+    mag = (a > 0.25).to(tl.int32)
+    mag += (a >= 0.75).to(tl.int32)
+    mag += (a > 1.25).to(tl.int32)
+    mag += (a >= 1.75).to(tl.int32)
+    mag += (a > 2.5).to(tl.int32)
+    mag += (a >= 3.5).to(tl.int32)
+    mag += (a > 5.0).to(tl.int32)
+    return _with_sign(mag, v)
+
+
+@triton.jit
+def _with_sign(mag, v):
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    code = mag | (sign << 3)
+    return tl.where(v != v, 0, code)
+
+
+@triton.jit
+def fmix32(h):
+    """murmur3's 32-bit finalizer on uint32 tensors (wrapping arithmetic)."""
+    h = h ^ (h >> 16)
+    h = h * tl.full(h.shape, 0x85EBCA6B, tl.uint32)
+    h = h ^ (h >> 13)
+    h = h * tl.full(h.shape, 0xC2B2AE35, tl.uint32)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def sr_uniform(key, rows, cols):
+    """Uniforms in [0, 1) of :mod:`minite_megatron.nvfp4.stochastic` for int32 ``rows`` [R, 1]
+    and ``cols`` [1, C] of the logical matrix; ``key = fmix32(seed)`` as a uint32 scalar."""
+    inner = fmix32(rows.to(tl.uint32, bitcast=True) + key)
+    bits = fmix32(inner + cols.to(tl.uint32, bitcast=True))
+    return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24, exact
+
+
+@triton.jit
+def e2m1_stochastic(v, u):
+    """Stochastic E2M1 rounding of fp32 ``v`` with uniforms ``u`` -> int32 codes 0..15.
+
+    Between neighbours lo <= |v| < hi (gap 0.5, 1 or 2), round up iff ``u < (|v| - lo) / gap``
+    (exact); |v| >= 6 saturates to code 7; sign kept; NaN -> 0.
+    """
+    a = tl.abs(v)
+    idx = (a >= 0.5).to(tl.int32)
+    idx += (a >= 1.0).to(tl.int32)
+    idx += (a >= 1.5).to(tl.int32)
+    idx += (a >= 2.0).to(tl.int32)
+    idx += (a >= 3.0).to(tl.int32)
+    idx += (a >= 4.0).to(tl.int32)
+    idx += (a >= 6.0).to(tl.int32)
+    saturated = idx >= 7
+    idx = tl.where(saturated, 6, idx)
+    lo = tl.where(idx <= 4, idx.to(tl.float32) * 0.5, tl.where(idx == 5, 3.0, 4.0))
+    inv_gap = tl.where(idx <= 3, 2.0, tl.where(idx <= 5, 1.0, 0.5))
+    frac = (a - lo) * inv_gap
+    up = (u < frac) & (~saturated)
+    mag = tl.where(saturated, 7, idx + up.to(tl.int32))
+    return _with_sign(mag, v)
+
+
+@triton.jit
+def e4m3_value(code):
+    """int32 E4M3 bit patterns (0..255) -> fp32 values, built on the bits (0x7F/0xFF -> NaN)."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = ((e + 120) << 23) | (m << 20)
+    val = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    val = tl.where((code & 127) == 127, float("nan"), val)
+    return _negate_if(val, (code & 128) != 0)
+
+
+@triton.jit
+def e2m1_value(code):
+    """int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0)."""
+    mag = code & 7
+    val = tl.where(mag <= 4, mag.to(tl.float32) * 0.5, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0)))
+    return _negate_if(val, (code & 8) != 0)
+
+
+@triton.jit
+def _negate_if(val, neg):
+    """Flip the sign bit where ``neg`` (Triton's unary minus is ``0 - x``, which loses -0.0)."""
+    bits = val.to(tl.int32, bitcast=True)
+    return tl.where(neg, bits ^ -2147483648, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_image_bits(img):
+    """fp32 image values -> their bf16 bits as int16 (exact values; NaN -> 0x7FC0)."""
+    bits = img.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    return tl.where(img != img, NAN_BF16_BITS, bits)

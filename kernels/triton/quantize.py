@@ -1,0 +1,307 @@
+"""NVFP4 quantization in one Triton kernel, bitwise equal to ``nvfp4.quantize_reference``.
+
+One read of the input writes the packed E2M1 codes, the E4M3 block scales (linear
+``[R, K/16]`` or the 128x4 swizzled layout), the fp32 global decode scale(s) and, on request,
+the bf16 *image* ``e2m1(code) * fp32(scale)`` that the emulated (Hopper) GEMMs consume.
+
+Supported (every option of the reference):
+  * global scale ``"row"`` (computed in the kernel, a second read of the row from L1/L2),
+    ``"tensor"`` / ``"group"`` (one cheap amax pass first, :mod:`.amax`), or an ``amax``
+    override of the global scale's shape;
+  * ``(1, 16)`` blocks and ``(16, 16)`` tiles (weights);
+  * round-to-nearest-even or seeded stochastic rounding with the contract's hash RNG;
+  * the 16x16 random Hadamard transform (applied with the contract's ``rht16`` first: it is
+    bitwise by construction);
+  * strided input (``x.t()`` is read in place, coalesced along its unit-stride dimension)
+    and an optional column gather (``col_index``: column c of the quantized matrix reads source
+    column ``col_index[c]``, or zero where it is -1; the MoE wgrad uses it to pad experts'
+    token ranges to multiples of 16 without a padded copy);
+  * non-finite input: ``"propagate"`` (NaN scales for the domain) or ``"raise"``.
+
+Input: bf16 / fp16 / fp32 ``[..., K]``, K a multiple of 16 (``(16, 16)`` tiles: rows a
+multiple of 16). Raises like the reference (TypeError / ValueError) on bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from minite_megatron.nvfp4.formats import BLOCK
+from minite_megatron.nvfp4.hadamard import rht16, rht_signs
+from minite_megatron.nvfp4.quantize import check_finite, validate_input
+from minite_megatron.nvfp4.stochastic import fmix32 as _fmix32_ref
+from minite_megatron.nvfp4.swizzle import swizzled_numel
+from minite_megatron.nvfp4.tensor import NVFP4Tensor
+
+from ._nvfp4_math import (
+    bf16_image_bits,
+    canonical_nan_f32,
+    e2m1_nearest,
+    e2m1_stochastic,
+    e2m1_value,
+    e4m3_rne_satfinite,
+    exact_launch,
+    global_scales_from_amax,
+    sr_uniform,
+)
+from .amax import amax_forward
+
+ONE_SIXTH = 0.1666666716337204  # RN_fp32(1/6), exactly representable
+
+
+@triton.jit
+def _block_max(a, nan, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TILE16: tl.constexpr):
+    """[BR, BK] |x| and NaN mask -> [BR, BK/16] block amax (NaN wins), 1x16 or 16x16."""
+    nb: tl.constexpr = BLOCK_K // 16
+    m = tl.max(tl.reshape(a, (BLOCK_R, nb, 16)), axis=2)
+    n = tl.max(tl.reshape(nan.to(tl.int32), (BLOCK_R, nb, 16)), axis=2)
+    if TILE16:
+        nt: tl.constexpr = BLOCK_R // 16
+        m = tl.max(tl.reshape(m, (nt, 16, nb)), axis=1)
+        n = tl.max(tl.reshape(n, (nt, 16, nb)), axis=1)
+        m = tl.reshape(tl.broadcast_to(tl.reshape(m, (nt, 1, nb)), (nt, 16, nb)), (BLOCK_R, nb))
+        n = tl.reshape(tl.broadcast_to(tl.reshape(n, (nt, 1, nb)), (nt, 16, nb)), (BLOCK_R, nb))
+    return tl.where(n > 0, float("nan"), m)
+
+
+@triton.jit
+def _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX: tl.constexpr):
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    if HAS_COL_INDEX:
+        src = tl.load(col_ptr + cols, mask=cols < K, other=-1)
+        mask = mask & (src >= 0)[None, :]
+        src = tl.where(src >= 0, src, 0)
+    else:
+        src = cols
+    offs = rows[:, None].to(tl.int64) * stride_r + src[None, :].to(tl.int64) * stride_k
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
+    R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
+    HAS_COL_INDEX: tl.constexpr, ROW_AMAX: tl.constexpr, TILE16: tl.constexpr,
+    STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    nb: tl.constexpr = BLOCK_K // 16
+
+    # Steps 1-2: the global amax of each row's scale domain, then S_enc / S_dec.
+    if ROW_AMAX:
+        amax_bits = tl.zeros((BLOCK_R,), tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
+            amax_bits = tl.maximum(amax_bits, tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1))
+        amax = amax_bits.to(tl.float32, bitcast=True)  # NaN bits sort above +inf: NaN wins
+    else:
+        amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+    s_enc, s_dec = global_scales_from_amax(amax)
+    first_of_domain = rmask & ((rows % rows_per_group) == 0)
+    tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=first_of_domain)
+    scale_mul = (s_enc * ONE_SIXTH)[:, None]
+    if STOCHASTIC:
+        key_u = key.to(tl.uint32, bitcast=True)
+
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
+        # Step 3: block scales.
+        bmax = _block_max(tl.abs(x), x != x, BLOCK_R, BLOCK_K, TILE16)
+        sf_code, sf = e4m3_rne_satfinite(bmax * scale_mul)
+        # Step 4: encode scale, IEEE division, clamped to FLT_MAX (NaN stays NaN).
+        enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec[:, None])
+        enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)
+        # Step 5: E2M1 rounding.
+        v = tl.reshape(tl.reshape(x, (BLOCK_R, nb, 16)) * enc[:, :, None], (BLOCK_R, BLOCK_K))
+        if STOCHASTIC:
+            u = sr_uniform(key_u, rows[:, None], cols[None, :])
+            codes = e2m1_stochastic(v, u)
+        else:
+            codes = e2m1_nearest(v)
+        # Outputs: packed codes, block scales, image.
+        mask = rmask[:, None] & cmask[None, :]
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(codes_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed,
+                 mask=rmask[:, None] & (pcols < K // 2)[None, :])
+        scols = k0 // 16 + tl.arange(0, nb)
+        smask = rmask[:, None] & (scols < K // 16)[None, :]
+        if SWIZZLED:
+            r2 = rows[:, None]
+            c2 = scols[None, :]
+            soffs = ((r2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
+                + (r2 % 32) * 16 + ((r2 // 32) % 4) * 4 + (c2 % 4)
+        else:
+            soffs = rows[:, None].to(tl.int64) * (K // 16) + scols[None, :]
+        tl.store(scales_ptr + soffs, sf_code, mask=smask)
+        if WITH_IMAGE:
+            img = tl.reshape(
+                tl.reshape(e2m1_value(codes), (BLOCK_R, nb, 16)) * sf[:, :, None], (BLOCK_R, BLOCK_K)
+            )
+            tl.store(image_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], bf16_image_bits(img), mask=mask)
+
+
+def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, num_warps): ~4K elements per program and K step."""
+    block_k = min(triton.next_power_of_2(k), 128)
+    block_r = max(16 if tile16 else 1, min(64, 4096 // block_k))
+    if r < block_r and not tile16:
+        block_r = max(1, triton.next_power_of_2(r))
+    return block_r, block_k, 4
+
+
+def sr_key(seed: int) -> int:
+    """fmix32(seed mod 2^32) as a signed int32 (the kernel reinterprets it as uint32)."""
+    key = int(_fmix32_ref(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+@torch.library.custom_op("minite::quantize", mutates_args=())
+def quantize_op(
+    x2d: torch.Tensor,
+    amax: torch.Tensor | None,
+    col_index: torch.Tensor | None,
+    rows_per_group: int,
+    tile16: bool,
+    stochastic: bool,
+    key: int,
+    with_image: bool,
+    swizzled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel launch on a 2D (possibly strided) ``x2d`` ``[R, K]`` (K = ``col_index`` length if given).
+
+    ``amax``: None (per-row amax computed in the kernel, ``rows_per_group`` must be 1) or fp32
+    ``[ceil(R / rows_per_group)]``. Returns ``(codes [R, K/2] uint8, scales uint8 (linear
+    [R, K/16] or flat swizzled), global decode fp32 [domains], image bf16 [R, K] or [0])``.
+    """
+    r = x2d.shape[0]
+    k = col_index.shape[0] if col_index is not None else x2d.shape[1]
+    dev = x2d.device
+    domains = -(-r // rows_per_group) if r else 0
+    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
+    scale_cols = k // BLOCK
+    if swizzled:
+        scales = torch.zeros(swizzled_numel(r, scale_cols), dtype=torch.uint8, device=dev)
+    else:
+        scales = torch.empty(r, scale_cols, dtype=torch.uint8, device=dev)
+    sdec = torch.empty(domains, dtype=torch.float32, device=dev)
+    image = torch.empty((r, k) if with_image else (0,), dtype=torch.bfloat16, device=dev)
+    if r == 0 or k == 0:
+        return codes, scales, sdec, image
+    block_r, block_k, warps = _config(r, k, tile16, stochastic)
+    _quantize_kernel[(triton.cdiv(r, block_r),)](
+        x2d, col_index if col_index is not None else codes, amax if amax is not None else sdec,
+        codes, scales, sdec, image.view(torch.int16),
+        r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, -(-scale_cols // 4) * 4,
+        HAS_COL_INDEX=col_index is not None, ROW_AMAX=amax is None, TILE16=tile16,
+        STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps, **exact_launch(),
+    )
+    return codes, scales, sdec, image
+
+
+@quantize_op.register_fake
+def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled):
+    r = x2d.shape[0]
+    k = col_index.shape[0] if col_index is not None else x2d.shape[1]
+    scale_numel = swizzled_numel(r, k // BLOCK) if swizzled else r * (k // BLOCK)
+    domains = -(-r // rows_per_group) if r else 0
+    return (
+        x2d.new_empty((r, k // 2), dtype=torch.uint8),
+        x2d.new_empty((scale_numel,) if swizzled else (r, k // BLOCK), dtype=torch.uint8),
+        x2d.new_empty((domains,), dtype=torch.float32),
+        x2d.new_empty((r, k) if with_image else (0,), dtype=torch.bfloat16),
+    )
+
+
+def quantize_forward(
+    x: torch.Tensor,
+    *,
+    global_scale: str = "row",
+    tile: tuple[int, int] = (1, BLOCK),
+    rounding: str = "nearest",
+    seed: int | None = None,
+    rht_seed: int | None = None,
+    amax: torch.Tensor | None = None,
+    with_image: bool = False,
+    nonfinite: str = "propagate",
+    scale_layout: str = "linear",
+) -> NVFP4Tensor:
+    """Quantize ``x`` [..., K] to NVFP4: the reference's signature and result, bit for bit.
+
+    ``scale_layout="swizzled"`` writes the block scales directly in the 128x4 swizzled layout.
+    See :func:`minite_megatron.nvfp4.quantize` for the arguments and the errors raised.
+    """
+    validate_input(x, tile, global_scale)
+    if nonfinite == "raise":
+        check_finite(x)
+    elif nonfinite != "propagate":
+        raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and seed is None:
+        raise ValueError("stochastic rounding needs a seed (nvfp4.quantize draws one from `generator`)")
+    if rht_seed is not None and tuple(tile) != (1, BLOCK):
+        raise ValueError("the random Hadamard transform applies to 1x16 blocks only")
+    if scale_layout not in ("linear", "swizzled"):
+        raise ValueError(f"scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
+
+    shape = x.shape
+    k = shape[-1]
+    if rht_seed is not None:
+        signs = rht_signs(None if rht_seed < 0 else rht_seed, device=x.device)
+        x2d = rht16(x, signs).reshape(-1, k)
+    else:
+        x2d = x.reshape(-1, k) if x.dim() != 2 else x
+    rows = x2d.shape[0]
+    tile16 = tuple(tile) == (BLOCK, BLOCK)
+    if global_scale == "row":
+        rpg = 1
+    elif global_scale == "tensor":
+        rpg = max(rows, 1)
+    else:
+        rpg = max(rows // shape[0], 1) if shape[0] else 1
+    if amax is not None:
+        amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+    elif global_scale != "row" and rows and k:
+        amax = amax_forward(x2d, rpg)
+    if global_scale != "row" and rows == 0:
+        # An empty tensor still carries its (tensor/group) global scales: amax = 0 -> S_dec = 1.
+        return _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image)
+    codes, scales, sdec, image = quantize_op(
+        x2d, amax, None, rpg, tile16, rounding == "stochastic",
+        sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled",
+    )
+    q = NVFP4Tensor(
+        codes=codes.reshape(*shape[:-1], k // 2),
+        block_scales=(scales.view(torch.float8_e4m3fn) if scale_layout == "swizzled"
+                      else scales.view(torch.float8_e4m3fn).reshape(*shape[:-1], k // BLOCK)),
+        global_decode=sdec,
+        shape=shape,
+        global_scale=global_scale,
+        tile=tuple(tile),
+        layout=scale_layout,
+        rht_seed=rht_seed,
+    )
+    if with_image:
+        q = replace(q, image=image.reshape(shape))
+    return q
+
+
+def _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image) -> NVFP4Tensor:
+    from minite_megatron.nvfp4.quantize import quantize_reference
+
+    return quantize_reference(
+        x, global_scale=global_scale, tile=tile, rht_seed=rht_seed, amax=amax, with_image=with_image
+    )
