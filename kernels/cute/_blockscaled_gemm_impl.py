@@ -1,0 +1,651 @@
+"""The NVFP4 block-scaled GEMM kernel for Blackwell (sm_100a / sm_103a), in the CuTe DSL.
+
+Private and heavy: imported lazily by :mod:`.gemm` and :mod:`.grouped_gemm` (it imports
+CUTLASS). One kernel serves both ops; :class:`~.tiles.GemmConfig` picks the variant.
+
+What one launch computes (``G`` groups; the dense GEMM is ``G == 1``)::
+
+    for every group g and every row m with offs[g] <= m < offs[g + 1]:
+        acc[m, n]  = sum_k e2m1(A[m, k]) * sfa[m, k // 16] * e2m1(B[g, n, k]) * sfb[g, n, k // 16]
+        alpha      = fp32(sa[m] * sb[g, n])                      (mul.rn.f32)
+        out[m, n]  = round_out(fp32(acc * alpha) (+ bias[g, n]))  (mul.rn.f32, add.rn.f32, cvt.rn)
+
+Operands (all device pointers; shapes are runtime values):
+    A    uint8 ``[M, K/2]`` E2M1 codes, two per byte, element 2i in the low nibble (K-major).
+    B    uint8 ``[G, N, K/2]`` (the dense GEMM: ``[N, K/2]``), K-major.
+    SFA  float8_e4m3fn, the 128x4 swizzled layout of the ``[M, K/16]`` scale matrix.
+    SFB  float8_e4m3fn, ``G`` swizzled ``[N, K/16]`` matrices back to back.
+    sa   fp32 ``[M]`` (stride 1); sb fp32 ``[N, G]`` with runtime strides (0 broadcasts).
+    bias fp32 ``[G, N]`` (contiguous), read only when ``config.has_bias``.
+    offs int32 ``[G + 1]`` group row offsets (``offs[0] == 0``, ``offs[G] == M``, non-
+         decreasing), read only when ``config.grouped``.
+    out  ``[M, N]`` row-major in ``config.out_dtype``.
+
+Kernel design (one CTA per 128 x tile_n output tile, 6 warps, warp specialized):
+    warp 5     TMA producer: A, B, SFA, SFB k-tiles (256 wide) into a multi-stage smem ring.
+    warp 4     MMA issuer: copies the k-tile's scales smem -> tensor memory (``tcgen05.cp``),
+               then four ``tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16``
+               (K = 64 each) into an fp32 accumulator in tensor memory.
+    warps 0-3  epilogue: ``tcgen05.ld`` (32 lanes x 32 bit: thread t owns row t of the tile),
+               the contract's epilogue in fp32 with explicitly rounded ``mul.rn.f32`` /
+               ``add.rn.f32`` (no FMA contraction may merge the scale and the bias), one
+               rounding to the output dtype, predicated stores.
+Grouped (MoE) rows: M tiles are aligned to the whole row range, so a tile may straddle
+experts. The CTA finds the experts whose rows meet its tile (binary search in ``offs``) and
+runs one *pass* (full K loop with ``B[g]``) per non-empty expert; each pass stores only its
+own expert's rows. No host sync, no padding of the token dimension, one launch.
+
+Tail handling: TMA zero-fills A/B/scale reads beyond M, N, K; the swizzled scale layout is
+padded to 128 rows and 4 columns (zeros), so padded K contributes exact zeros; stores are
+predicated on ``m < M``, ``n < N`` and the pass's rows.
+
+Never run on hardware here (no Blackwell GPU was available); compiled and PTX-checked only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import TmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from .tiles import MMA_K, SF_VEC, TILE_M, GemmConfig
+
+_OUT_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+}
+
+_EPI_N = 32
+"""Accumulator columns the epilogue loads per ``tcgen05.ld`` (32 lanes x 32 bit x 32)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicitly rounded fp32 arithmetic: PTX ``mul.rn`` / ``add.rn`` are never contracted into an
+# FMA by ptxas (plain ``mul.f32`` + ``add.f32`` may be), which the contract's epilogue needs.
+# ---------------------------------------------------------------------------------------------
+@dsl_user_op
+def mul_rn_f32(a, b, *, loc=None, ip=None) -> cutlass.Float32:
+    """fp32 ``a * b`` rounded to nearest even, as its own instruction."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def add_rn_f32(a, b, *, loc=None, ip=None) -> cutlass.Float32:
+    """fp32 ``a + b`` rounded to nearest even, as its own instruction."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+            "add.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+class Nvfp4BlockScaledGemmKernel:
+    """NVFP4 x NVFP4 -> bf16/fp16/fp32 GEMM with the contract's epilogue (see module docstring).
+
+    Heuristics fixed at construction (never depending on M): CTA tile ``128 x tile_n x 256``,
+    1-SM MMA, no cluster, as many smem stages as fit, two accumulator stages when the tensor
+    memory holds them (``tile_n == 128``) so a grouped tile's next pass overlaps the epilogue.
+    """
+
+    arch = "sm_100"
+    epilogue_warps = (0, 1, 2, 3)
+    mma_warp = 4
+    tma_warp = 5
+    threads_per_cta = 32 * 6
+
+    def __init__(self, config: GemmConfig):
+        self.config = config
+        self.tile_n = config.tile_n
+        self.c_dtype = _OUT_DTYPES[config.out_dtype]
+        self.has_bias = config.has_bias
+        self.grouped = config.grouped
+        self.ab_dtype = cutlass.Float4E2M1FN
+        self.sf_dtype = cutlass.Float8E4M3FN
+        self.acc_dtype = cutlass.Float32
+        self.mma_inst_mn = (TILE_M, self.tile_n)
+        self.num_acc_stage = 2 if self.tile_n == 128 else 1
+        self.smem_capacity = utils.get_smem_capacity_in_bytes(self.arch)
+        self.num_tmem_alloc_cols = cute.arch.get_max_tmem_alloc_cols(self.arch)
+        self.epilogue_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=32 * len(self.epilogue_warps))
+        self.tmem_alloc_sync = pipeline.NamedBarrier(
+            barrier_id=2, num_threads=32 * (1 + len(self.epilogue_warps))
+        )
+
+    # ---- heuristics / static layouts ----------------------------------------------------------
+    def _make_tiled_mma(self):
+        return sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            self.sf_dtype,
+            SF_VEC,
+            tcgen05.CtaGroup.ONE,
+            self.mma_inst_mn,
+        )
+
+    def _setup(self, tiled_mma):
+        mma_k = cute.size(tiled_mma.shape_mnk, mode=[2])
+        assert mma_k == MMA_K, f"unexpected MMA K {mma_k}"
+        self.kblocks_per_tile = 4
+        self.mma_tiler = (TILE_M, self.tile_n, mma_k * self.kblocks_per_tile)
+
+        def staged(num_stages):
+            return (
+                sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, num_stages),
+                sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, num_stages),
+                blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, SF_VEC, num_stages),
+                blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, SF_VEC, num_stages),
+            )
+
+        a1, b1, sfa1, sfb1 = staged(1)
+        stage_bytes = (
+            cute.size_in_bytes(self.ab_dtype, a1)
+            + cute.size_in_bytes(self.ab_dtype, b1)
+            + cute.size_in_bytes(self.sf_dtype, sfa1)
+            + cute.size_in_bytes(self.sf_dtype, sfb1)
+        )
+        reserved = 1024  # mbarriers, tensor-memory pointer, alignment slack
+        self.num_ab_stage = (self.smem_capacity - reserved) // stage_bytes
+        (
+            self.a_smem_layout,
+            self.b_smem_layout,
+            self.sfa_smem_layout,
+            self.sfb_smem_layout,
+        ) = staged(self.num_ab_stage)
+
+        # Tensor memory: accumulator stages, then the SFA and SFB columns of one k-tile.
+        sf_atom_rows = 32
+        self.num_acc_cols = self.tile_n * self.num_acc_stage
+        self.num_sfa_cols = (TILE_M // sf_atom_rows) * self.kblocks_per_tile
+        self.num_sfb_cols = (self.tile_n // sf_atom_rows) * self.kblocks_per_tile
+        assert self.num_acc_cols + self.num_sfa_cols + self.num_sfb_cols <= self.num_tmem_alloc_cols
+
+    @staticmethod
+    def _cluster_layout_vmnk(tiled_mma):
+        """A 1x1x1 cluster seen as (atom thread, M, N, K) (built where used: host and device
+        values must not cross the launch boundary)."""
+        return cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
+
+    # ---- launch ---------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        sa_ptr: cute.Pointer,
+        sb_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
+        offs_ptr: cute.Pointer,
+        mnkg: Tuple[cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Int32],
+        sb_strides: Tuple[cutlass.Int32, cutlass.Int32],
+        stream: cuda.CUstream,
+    ):
+        m, n, k, g = mnkg
+        tiled_mma = self._make_tiled_mma()
+        self._setup(tiled_mma)
+
+        # Global tensors. A: (M, K, 1) and B: (N, K, G), both K-major.
+        mA = cute.make_tensor(a_ptr, cute.make_ordered_layout((m, cute.assume(k, MMA_K), 1), order=(1, 0, 2)))
+        mB = cute.make_tensor(b_ptr, cute.make_ordered_layout((n, cute.assume(k, MMA_K), g), order=(1, 0, 2)))
+        # The swizzled scale layout is CUTLASS's block-scaled atom ((32, 4), (16, 4)) tiled
+        # over (rows, K) with K tiles fastest: byte (r % 32) * 16 + (r // 32) * 4 + c per atom.
+        mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, SF_VEC))
+        mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, SF_VEC))
+        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n), stride=(n, 1)))
+        mSA = cute.make_tensor(sa_ptr, cute.make_layout(m))
+        mSB = cute.make_tensor(sb_ptr, cute.make_layout((n, g), stride=sb_strides))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((n, g), stride=(1, n)))
+        mOffs = cute.make_tensor(offs_ptr, cute.make_layout(g + 1))
+
+        # TMA loads (no cluster, no multicast).
+        tma_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        cluster_shape = self._cluster_layout_vmnk(tiled_mma).shape
+        a_smem_one = cute.slice_(self.a_smem_layout, (None, None, None, 0))
+        b_smem_one = cute.slice_(self.b_smem_layout, (None, None, None, 0))
+        sfa_smem_one = cute.slice_(self.sfa_smem_layout, (None, None, None, 0))
+        sfb_smem_one = cute.slice_(self.sfb_smem_layout, (None, None, None, 0))
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_op, mA, a_smem_one, self.mma_tiler, tiled_mma, cluster_shape
+        )
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_op, mB, b_smem_one, self.mma_tiler, tiled_mma, cluster_shape
+        )
+        tma_atom_sfa, tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_op, mSFA, sfa_smem_one, self.mma_tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16
+        )
+        tma_atom_sfb, tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_op, mSFB, sfb_smem_one, self.mma_tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16
+        )
+        self.tma_bytes_per_stage = (
+            cute.size_in_bytes(self.ab_dtype, a_smem_one)
+            + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+            + cute.size_in_bytes(self.sf_dtype, sfa_smem_one)
+            + cute.size_in_bytes(self.sf_dtype, sfb_smem_one)
+        )
+
+        align = 1024
+
+        @cute.struct
+        class SharedStorage:
+            ab_full: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            ab_empty: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            acc_full: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            acc_empty: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            tmem_base: cutlass.Int32
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout.outer)], align]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout.outer)], align]
+            sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_layout)], align]
+            sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_layout)], align]
+
+        self.shared_storage = SharedStorage
+
+        grid = ((m + TILE_M - 1) // TILE_M, (n + self.tile_n - 1) // self.tile_n, 1)
+        self.kernel(
+            tiled_mma,
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_sfa,
+            tma_sfa,
+            tma_atom_sfb,
+            tma_sfb,
+            mC,
+            mSA,
+            mSB,
+            mBias,
+            mOffs,
+            self.a_smem_layout,
+            self.b_smem_layout,
+            self.sfa_smem_layout,
+            self.sfb_smem_layout,
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1), stream=stream)
+
+    # ---- kernel ---------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_atom_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        mC: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        mBias: cute.Tensor,
+        mOffs: cute.Tensor,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        sfa_smem_layout: cute.Layout,
+        sfb_smem_layout: cute.Layout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        m_tile, n_tile, _ = cute.arch.block_idx()
+        m = cute.size(mC, mode=[0])
+        n = cute.size(mC, mode=[1])
+        num_groups = cute.size(mSB, mode=[1])
+        m0 = m_tile * TILE_M
+        cluster_layout_vmnk = self._cluster_layout_vmnk(tiled_mma)
+
+        if warp_idx == self.tma_warp:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tma_atom_sfa)
+            cpasync.prefetch_descriptor(tma_atom_sfb)
+
+        # ---- shared memory, pipelines, tensor-memory allocator ----
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=self.tma_bytes_per_stage,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.epilogue_warps)),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = TmemAllocator(
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=self.tmem_alloc_sync,
+            allocator_warp_id=self.epilogue_warps[0],
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_layout)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_layout)
+
+        # ---- per-CTA tiles of the global tensors, partitioned for the MMA and the TMA ----
+        # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestL)
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        gSFA = cute.local_tile(mSFA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gSFB = cute.local_tile(mSFB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        thr_mma = tiled_mma.get_slice(0)
+        one_cta = cute.make_layout(1)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a, 0, one_cta, cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, 0, one_cta, cute.group_modes(sB, 0, 3), cute.group_modes(thr_mma.partition_B(gB), 0, 3)
+        )
+        tAsSFA, tAgSFA = cpasync.tma_partition(
+            tma_atom_sfa, 0, one_cta, cute.group_modes(sSFA, 0, 3), cute.group_modes(thr_mma.partition_A(gSFA), 0, 3)
+        )
+        tAsSFA = cute.filter_zeros(tAsSFA)
+        tAgSFA = cute.filter_zeros(tAgSFA)
+        tBsSFB, tBgSFB = cpasync.tma_partition(
+            tma_atom_sfb, 0, one_cta, cute.group_modes(sSFB, 0, 3), cute.group_modes(thr_mma.partition_B(gSFB), 0, 3)
+        )
+        tBsSFB = cute.filter_zeros(tBsSFB)
+        tBgSFB = cute.filter_zeros(tBgSFB)
+
+        # MMA operand fragments (smem descriptors) and the accumulator's layout in tensor memory.
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)).layout
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        # Groups whose rows meet this tile: g_first holds row m0 (binary search for the largest
+        # g with offs[g] <= m0), then the following ones up to the tile's last row (the scan
+        # stops at G - 1). Every role skips the empty groups inside the span alike.
+        g_first = cutlass.Int32(0)
+        g_last = cutlass.Int32(0)
+        if cutlass.const_expr(self.grouped):
+            lo = cutlass.Int32(0)
+            hi = num_groups - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if mOffs[mid] <= m0:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            g_first = lo
+            g_last = lo
+            tile_last_row = cutlass.min(m0 + TILE_M, m) - 1
+            while (g_last + 1 < num_groups) & (mOffs[g_last + 1] <= tile_last_row):
+                g_last = g_last + 1
+
+        # ======================= TMA producer warp =======================
+        if warp_idx == self.tma_warp:
+            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
+            for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                rows_lo = cutlass.Int32(0)
+                rows_hi = m
+                if cutlass.const_expr(self.grouped):
+                    rows_lo = mOffs[gi]
+                    rows_hi = mOffs[gi + 1]
+                if rows_hi > rows_lo:
+                    tAgA_t = tAgA[(None, m_tile, None, 0)]
+                    tBgB_t = tBgB[(None, n_tile, None, gi)]
+                    tAgSFA_t = tAgSFA[(None, m_tile, None, 0)]
+                    tBgSFB_t = tBgSFB[(None, n_tile, None, gi)]
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ab_pipeline.producer_acquire(ab_state)
+                        bar = ab_pipeline.producer_get_barrier(ab_state)
+                        stage = ab_state.index
+                        cute.copy(tma_atom_a, tAgA_t[(None, kt)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgB_t[(None, kt)], tBsB[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_sfa, tAgSFA_t[(None, kt)], tAsSFA[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_sfb, tBgSFB_t[(None, kt)], tBsSFB[(None, stage)], tma_bar_ptr=bar)
+                        ab_state.advance()
+            ab_pipeline.producer_tail(ab_state)
+
+        # ======================= MMA warp =======================
+        if warp_idx == self.mma_warp:
+            tmem.wait_for_alloc()
+            acc_base = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_all = cute.make_tensor(acc_base, tCtAcc_layout)
+            sfa_tmem = cute.recast_ptr(acc_base + self.num_acc_cols, dtype=self.sf_dtype)
+            tCtSFA = cute.make_tensor(
+                sfa_tmem,
+                blockscaled_utils.make_tmem_layout_sfa(
+                    tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfa_smem_layout, (None, None, None, 0))
+                ),
+            )
+            sfb_tmem = cute.recast_ptr(acc_base + self.num_acc_cols + self.num_sfa_cols, dtype=self.sf_dtype)
+            tCtSFB = cute.make_tensor(
+                sfb_tmem,
+                blockscaled_utils.make_tmem_layout_sfb(
+                    tiled_mma, self.mma_tiler, SF_VEC, cute.slice_(sfb_smem_layout, (None, None, None, 0))
+                ),
+            )
+            s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._scales_smem_to_tmem(sSFA, tCtSFA)
+            s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._scales_smem_to_tmem(sSFB, tCtSFB)
+
+            ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
+            for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                rows_lo = cutlass.Int32(0)
+                rows_hi = m
+                if cutlass.const_expr(self.grouped):
+                    rows_lo = mOffs[gi]
+                    rows_hi = mOffs[gi + 1]
+                if rows_hi > rows_lo:
+                    acc_pipeline.producer_acquire(acc_state)
+                    tCtAcc = tCtAcc_all[(None, None, None, acc_state.index)]
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ab_pipeline.consumer_wait(ab_state)
+                        stage = ab_state.index
+                        cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, stage)], tCtSFA_s2t)
+                        cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, stage)], tCtSFB_s2t)
+                        for kb in cutlass.range_constexpr(self.kblocks_per_tile):
+                            cute.gemm(
+                                tiled_mma,
+                                tCtAcc,
+                                [tCrA[(None, None, kb, stage)], tCtSFA[(None, None, kb)]],
+                                [tCrB[(None, None, kb, stage)], tCtSFB[(None, None, kb)]],
+                                tCtAcc,
+                            )
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        ab_pipeline.consumer_release(ab_state)
+                        ab_state.advance()
+                    acc_pipeline.producer_commit(acc_state)
+                    acc_state.advance()
+            acc_pipeline.producer_tail(acc_state)
+
+        # ======================= epilogue warps =======================
+        if warp_idx < self.mma_warp:
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            acc_base = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_all = cute.make_tensor(acc_base, tCtAcc_layout)
+
+            # Accumulator, output and coordinate tiles, split into 128 x 32 subtiles.
+            epi_tile = (TILE_M, _EPI_N)
+            tAcc_epi = cute.flat_divide(tCtAcc_all[((None, None), 0, 0, None)], epi_tile)
+            t2r = tcgen05.make_tmem_copy(
+                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+                tAcc_epi[(None, None, 0, 0, 0)],
+            )
+            thr_t2r = t2r.get_slice(tidx)
+            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
+            tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
+            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+            gC = cute.local_tile(mC, tile_mn, (m_tile, n_tile))
+            cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (m_tile, n_tile))
+            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N)
+            tTR_gC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(gC)[((None, None), 0, 0)], epi_tile))
+            tTR_cC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(cC)[((None, None), 0, 0)], epi_tile))
+            frag_shape = tTR_gC[(None, None, None, 0, 0)].shape
+            tTR_rAcc = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            num_subtiles = cute.size(tTR_tAcc, mode=[4])
+
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+            for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                rows_lo = cutlass.Int32(0)
+                rows_hi = m
+                if cutlass.const_expr(self.grouped):
+                    rows_lo = mOffs[gi]
+                    rows_hi = mOffs[gi + 1]
+                if rows_hi > rows_lo:
+                    acc_pipeline.consumer_wait(acc_state)
+                    for sub in cutlass.range(num_subtiles, unroll=1):
+                        cute.copy(t2r, tTR_tAcc[(None, None, None, 0, sub, acc_state.index)], tTR_rAcc)
+                        # tcgen05.ld is asynchronous: wait before the registers are read.
+                        cute.arch.fence_view_async_tmem_load()
+                        tTR_cC_sub = tTR_cC[(None, None, None, 0, sub)]
+                        tTR_gC_sub = tTR_gC[(None, None, None, 0, sub)]
+                        for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
+                            row, col = tTR_cC_sub[i]
+                            # Clamped indices keep the vector loads in bounds; tails are not stored.
+                            row_c = cutlass.min(row, m - 1)
+                            col_c = cutlass.min(col, n - 1)
+                            alpha = mul_rn_f32(mSA[row_c], mSB[(col_c, gi)])
+                            value = mul_rn_f32(tTR_rAcc[i], alpha)
+                            if cutlass.const_expr(self.has_bias):
+                                value = add_rn_f32(value, mBias[(col_c, gi)])
+                            if (row >= rows_lo) & (row < rows_hi) & (col < n):
+                                tTR_gC_sub[i] = value.to(self.c_dtype)
+                    acc_pipeline.consumer_release(acc_state)
+                    acc_state.advance()
+
+            tmem.relinquish_alloc_permit()
+            self.epilogue_sync.arrive_and_wait()
+            tmem.free(acc_base)
+
+    def _scales_smem_to_tmem(self, sSF: cute.Tensor, tSF: cute.Tensor):
+        """``tcgen05.cp`` (4 x 32 x 128 bit) copy of one k-tile's scales, smem -> tensor memory."""
+        sSF_compact = cute.filter_zeros(sSF)
+        tSF_compact = cute.filter_zeros(tSF)
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.sf_dtype)
+        s2t = tcgen05.make_s2t_copy(atom, tSF_compact)
+        thr = s2t.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(sSF_compact))
+        dst = thr.partition_D(tSF_compact)
+        return s2t, src, dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached compilation
+# ---------------------------------------------------------------------------------------------
+def _placeholder_args(config: GemmConfig):
+    """Compile-time stand-ins: null pointers with the alignments the launches guarantee."""
+    gmem = cute.AddressSpace.gmem
+    return (
+        make_ptr(cutlass.Float4E2M1FN, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Float4E2M1FN, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Float8E4M3FN, 0, gmem, assumed_align=16),
+        make_ptr(_OUT_DTYPES[config.out_dtype], 0, gmem, assumed_align=16),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(MMA_K), cutlass.Int32(1)),
+        (cutlass.Int32(1), cutlass.Int32(1)),
+        cuda.CUstream(0),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def compile_gemm(config: GemmConfig, arch: str = "sm_100a", keep_ptx: bool = False):
+    """Compile the kernel for ``config`` (cached per process). Works without a GPU.
+
+    ``arch`` is the ``--gpu-arch`` target (``sm_100a`` B200/GB200, ``sm_103a`` B300/GB300);
+    ``keep_ptx=True`` keeps the PTX on the result (``compiled.__ptx__``) for inspection.
+    """
+    options = f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else "")
+    kernel = Nvfp4BlockScaledGemmKernel(config)
+    return cute.compile(kernel, *_placeholder_args(config), options=options)
+
+
+def launch(
+    config: GemmConfig,
+    a_codes,
+    b_codes,
+    a_scales,
+    b_scales,
+    out,
+    row_scale_a,
+    row_scale_b,
+    bias,
+    offsets,
+    m: int,
+    n: int,
+    k: int,
+    groups: int,
+    sb_strides: tuple[int, int],
+    arch: str,
+) -> None:
+    """Run the compiled kernel on torch CUDA tensors (already validated by the public ops)."""
+    import torch
+
+    gmem = cute.AddressSpace.gmem
+
+    def ptr(dtype, t, align):
+        return make_ptr(dtype, t.data_ptr(), gmem, assumed_align=align)
+
+    compiled = compile_gemm(config, arch)
+    dummy = row_scale_a  # never read when the variant has no bias / no groups
+    stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+    compiled(
+        ptr(cutlass.Float4E2M1FN, a_codes, 16),
+        ptr(cutlass.Float4E2M1FN, b_codes, 16),
+        ptr(cutlass.Float8E4M3FN, a_scales, 16),
+        ptr(cutlass.Float8E4M3FN, b_scales, 16),
+        ptr(_OUT_DTYPES[config.out_dtype], out, 16),
+        ptr(cutlass.Float32, row_scale_a, 4),
+        ptr(cutlass.Float32, row_scale_b, 4),
+        ptr(cutlass.Float32, bias if bias is not None else dummy, 4),
+        ptr(cutlass.Int32, offsets if offsets is not None else dummy, 4),
+        (m, n, k, groups),
+        sb_strides,
+        stream,
+    )
