@@ -46,7 +46,14 @@ from .formats import (
     unpack_e2m1,
 )
 from .gemm import fp32_accumulation_bound, gemm_reference
-from .grouped import grouped_gemm_reference, grouped_wgrad_reference, pad_groups, padded_group_sizes
+from .grouped import (
+    grouped_gemm_reference,
+    grouped_wgrad_gemm_reference,
+    grouped_wgrad_reference,
+    pad_groups,
+    padded_group_sizes,
+    quantize_wgrad_operand,
+)
 from .hadamard import hadamard_matrix, rht16, rht_signs
 from .quantize import global_scales, quantize_reference
 from .swizzle import swizzle_scales, swizzled_numel, unswizzle_scales
@@ -191,6 +198,8 @@ __all__ = [
     "grouped_gemm_reference",
     "grouped_wgrad",
     "grouped_wgrad_reference",
+    "grouped_wgrad_gemm_reference",
+    "quantize_wgrad_operand",
     "pad_groups",
     "padded_group_sizes",
     "hadamard_matrix",

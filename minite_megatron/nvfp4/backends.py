@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .gemm import gemm_reference
-from .grouped import grouped_gemm_reference, grouped_wgrad_reference
+from .grouped import grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
 from .tensor import NVFP4Tensor
 
@@ -65,6 +65,10 @@ class Backend(Protocol):
         **kwargs,
     ) -> torch.Tensor: ...
 
+    # optional: the GEMM half of grouped_wgrad on pre-quantized operands (the reference's is
+    # used on the backend's device when a backend does not provide it)
+    # def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype, batch_invariant) -> Tensor
+
 
 class ReferenceBackend:
     """The contract itself: pure torch, any device, exact and batch invariant (slow)."""
@@ -88,6 +92,9 @@ class ReferenceBackend:
 
     def grouped_wgrad(self, grad_out, x, group_sizes, **kwargs):
         return grouped_wgrad_reference(grad_out, x, group_sizes, **kwargs)
+
+    def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype=torch.float32, batch_invariant=False):
+        return grouped_wgrad_gemm_reference(a, b, padded_group_sizes, out_dtype)
 
 
 # name -> "module:attribute" of a lazily imported backend object

@@ -71,6 +71,57 @@ def grouped_gemm_reference(
     return out
 
 
+def grouped_wgrad_gemm_reference(
+    a: NVFP4Tensor,
+    b: NVFP4Tensor,
+    padded_group_sizes: Sequence[int],
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The GEMM half of the MoE wgrad: ``out[g] = a[:, cols_g] @ b[:, cols_g].T`` -> ``[G, N, K]``.
+
+    ``a`` ``[N, T_pad]`` and ``b`` ``[K, T_pad]`` are the token-major operands quantized along
+    tokens (:func:`pad_groups` then ``quantize(t.t())``); ``cols_g`` are expert g's padded
+    columns (every size a multiple of 16). An expert with no tokens gets zeros.
+    """
+    if any(int(s) % BLOCK for s in padded_group_sizes):
+        raise ValueError(f"grouped_wgrad_gemm: padded group sizes must be multiples of {BLOCK}: {list(padded_group_sizes)}")
+    if a.k != b.k or a.k != sum(padded_group_sizes):
+        raise ValueError(
+            f"grouped_wgrad_gemm: operands have K={a.k} and K={b.k}, padded groups sum to {sum(padded_group_sizes)}"
+        )
+    ia, ib = a.image_fp32(), b.image_fp32()
+    out = torch.zeros(len(padded_group_sizes), a.rows, b.rows, dtype=out_dtype, device=a.device)
+    col = 0
+    for g, psize in enumerate(padded_group_sizes):
+        if psize:
+            acc = block_partials_accumulate(ia[:, col : col + psize], ib[:, col : col + psize])
+            out[g] = epilogue(acc, a.row_global_decode(), b.row_global_decode(), None, out_dtype)
+        col += psize
+    return out
+
+
+def quantize_wgrad_operand(
+    t: torch.Tensor,
+    group_sizes: Sequence[int],
+    *,
+    global_scale: str = "tensor",
+    rounding: str = "nearest",
+    seed: int | None = None,
+    rht_seed: int | None = None,
+    nonfinite: str = "propagate",
+    quantize=quantize_reference,
+) -> NVFP4Tensor:
+    """``[T, H]`` token-major rows sorted by expert -> NVFP4 ``[H, T_pad]`` along tokens."""
+    return quantize(
+        pad_groups(t, group_sizes).t(),
+        global_scale=global_scale,
+        rounding=rounding,
+        seed=seed,
+        rht_seed=rht_seed,
+        nonfinite=nonfinite,
+    )
+
+
 def grouped_wgrad_reference(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -93,16 +144,8 @@ def grouped_wgrad_reference(
             f"grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)} and group sizes "
             f"summing to {sum(group_sizes)} disagree"
         )
-    dy_t = pad_groups(grad_out, group_sizes).t()
-    x_t = pad_groups(x, group_sizes).t()
-    qa = quantize_reference(dy_t, global_scale=global_scale, rounding=grad_rounding, seed=grad_seed, rht_seed=rht_seed)
-    qb = quantize_reference(x_t, global_scale=global_scale, rht_seed=rht_seed)
-    ia, ib = qa.image_fp32(), qb.image_fp32()
-    out = torch.zeros(len(group_sizes), grad_out.shape[1], x.shape[1], dtype=out_dtype, device=x.device)
-    col = 0
-    for g, psize in enumerate(padded_group_sizes(group_sizes)):
-        if psize:
-            acc = block_partials_accumulate(ia[:, col : col + psize], ib[:, col : col + psize])
-            out[g] = epilogue(acc, qa.row_global_decode(), qb.row_global_decode(), None, out_dtype)
-        col += psize
-    return out
+    qa = quantize_wgrad_operand(
+        grad_out, group_sizes, global_scale=global_scale, rounding=grad_rounding, seed=grad_seed, rht_seed=rht_seed
+    )
+    qb = quantize_wgrad_operand(x, group_sizes, global_scale=global_scale, rht_seed=rht_seed)
+    return grouped_wgrad_gemm_reference(qa, qb, padded_group_sizes(group_sizes), out_dtype)

@@ -149,22 +149,28 @@ class NVFP4Tensor:
         )
 
     def transpose(self) -> "NVFP4Tensor":
-        """The exact quantization of ``x.T`` (2D, 16x16 tiles only).
+        """The exact quantization of ``x.T`` (of each matrix for ``"group"``); 16x16 tiles only.
 
-        With 16x16 tiles and one global scale, every element's code and scale do not depend
-        on the direction of the blocks, so the transposed operand (dgrad) is a relayout of the
-        bytes, never a re-quantization.
+        With 16x16 tiles and one global scale per matrix, an element's code and scale do not
+        depend on the direction of the blocks, so the transposed operand (dgrad) is a relayout
+        of the bytes, never a re-quantization.
         """
-        if self.tile != (BLOCK, BLOCK) or self.global_scale != "tensor" or len(self.shape) != 2:
-            raise ValueError("transpose() needs a 2D tensor with 16x16 tiles and a tensor scale")
-        n, k = self.shape
+        ok = (len(self.shape) == 2 and self.global_scale == "tensor") or (
+            len(self.shape) == 3 and self.global_scale == "group"
+        )
+        if self.tile != (BLOCK, BLOCK) or not ok:
+            raise ValueError(
+                "transpose() needs 16x16 tiles and a [N, K] tensor with a tensor scale "
+                "(or [G, N, K] with group scales)"
+            )
+        *lead, n, k = self.shape
         lin = self.linear()
-        codes = pack_e2m1(unpack_e2m1(lin.codes).t().contiguous())
-        tile_scales = lin.block_scales.reshape(n // BLOCK, BLOCK, k // BLOCK)[:, 0, :]
-        scales = tile_scales.t().repeat_interleave(BLOCK, dim=0).contiguous()
-        image = None if lin.image is None else lin.image.t()
+        codes = pack_e2m1(unpack_e2m1(lin.codes).transpose(-1, -2).contiguous())
+        tile_scales = lin.block_scales.reshape(*lead, n // BLOCK, BLOCK, k // BLOCK)[..., 0, :]
+        scales = tile_scales.transpose(-1, -2).repeat_interleave(BLOCK, dim=-2).contiguous()
+        image = None if lin.image is None else lin.image.transpose(-1, -2)
         return replace(
-            lin, codes=codes, block_scales=scales, shape=torch.Size([k, n]), image=image
+            lin, codes=codes, block_scales=scales, shape=torch.Size([*lead, k, n]), image=image
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,210 @@
+"""The NVFP4 grouped linear for MoE experts, behind Megatron's grouped-MLP module.
+
+Built by ``TEGroupedMLP`` (which runs without Transformer Engine when TE's fp8/fp4 flags are
+off) through its fc1/fc2 builders::
+
+    NVFP4GroupedLinear(num_local_experts, input_size, output_size, *, config, init_method, bias,
+                       skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection, name,
+                       recipe=..., parallel_mode="column" | "row")
+    forward(x [T, K], tokens_per_expert: list[int]) -> (y [T, N], bias or None)
+
+One call runs all local experts. Parameters are ``weight{i}`` / ``bias{i}`` as TE's grouped
+linear names them, so Megatron's expert sharded state dict (and its SwiGLU fc1 factory) apply
+unchanged and checkpoints are interchangeable with TE's and the sequential experts'. Expert
+linears do no communication (the token dispatcher does); with expert tensor parallelism the
+column output / row input is divided by the expert-TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    _initialize_affine_weight_gpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import divide
+
+from ..ops.grouped_linear import _ExpertWeightsCache, nvfp4_grouped_linear
+from ..ops.linear import LinearContext
+from ..recipe import Recipe
+from .linear import check_multiple_of_16
+
+
+def _pg_size(group) -> int:
+    return group.size() if group is not None else 1
+
+
+def _pg_rank(group) -> int:
+    return group.rank() if group is not None else 0
+
+
+class NVFP4GroupedLinear(MegatronModule):
+    """All local experts' ``y_g = x_g @ W_g^T (+ b_g)`` in one NVFP4 op."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection=None,
+        name: str | None = None,
+        recipe: Recipe | None = None,
+        parallel_mode: str = "column",
+        precision: str = "nvfp4",
+    ):
+        super().__init__(config=config)
+        if parallel_mode not in ("column", "row"):
+            raise ValueError(f"parallel_mode must be 'column' or 'row', got {parallel_mode!r}")
+        if precision not in ("nvfp4", "bf16"):
+            raise ValueError(f"precision must be 'nvfp4' or 'bf16', got {precision!r}")
+        self.precision = precision
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "expt_dp"])
+        self.recipe = recipe if recipe is not None else Recipe()
+        self.num_gemms = num_gemms
+        self.parallel_mode = parallel_mode
+        self.skip_bias_add = skip_bias_add
+        self.use_bias = bias
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        tp = _pg_size(self._tp_group)
+        self.in_features = divide(input_size, tp) if parallel_mode == "row" else input_size
+        self.out_features = divide(output_size, tp) if parallel_mode == "column" else output_size
+        if precision == "nvfp4":
+            flags = "--hidden-size, --moe-ffn-hidden-size and --expert-tensor-parallel-size"
+            check_multiple_of_16(self.in_features, "the per-rank input size of an expert linear", flags)
+            check_multiple_of_16(self.out_features, "the per-rank output size of an expert linear (16x16 tiles)", flags)
+        # Megatron's rule (ColumnParallelLinear): expert params reduce over the expert-DP group
+        # when experts are sharded differently from dense layers
+        use_expert_pgs = _pg_size(pg_collection.ep) > 1 or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() and not config.use_cpu_initialization else "cpu"
+        partition_dim = 0 if parallel_mode == "column" else 1
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=config.params_dtype, device=device))
+            if config.perform_initialization and config.use_cpu_initialization:
+                _initialize_affine_weight_cpu(
+                    w, output_size, input_size, self.out_features if parallel_mode == "column" else self.in_features,
+                    partition_dim, init_method, params_dtype=config.params_dtype,
+                    rank=_pg_rank(self._tp_group), world_size=tp,
+                )
+            elif config.perform_initialization:
+                _initialize_affine_weight_gpu(w, init_method, partition_dim=partition_dim, is_expert=True)
+            else:
+                set_tensor_model_parallel_attributes(w, is_parallel=True, dim=partition_dim, stride=1)
+            setattr(w, "allreduce", not use_expert_pgs)
+            self.register_parameter(f"weight{i}", w)
+            if bias:
+                b = torch.nn.Parameter(torch.zeros(self.out_features, dtype=config.params_dtype, device=device))
+                if parallel_mode == "column":
+                    set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
+                setattr(b, "allreduce", not use_expert_pgs)
+                self.register_parameter(f"bias{i}", b)
+        self.minite_ctx = LinearContext(self.recipe, None)
+        self._weights_cache = _ExpertWeightsCache()
+
+    # ---- forward ------------------------------------------------------------------------------
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    @property
+    def trace_name(self) -> str | None:
+        return self.minite_ctx.trace_name
+
+    @trace_name.setter
+    def trace_name(self, name: str | None) -> None:
+        self.minite_ctx.trace_name = name
+
+    def forward(self, x: torch.Tensor, tokens_per_expert):
+        sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
+        fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
+        if self.precision == "nvfp4":
+            y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache)
+        else:
+            y = self._bf16_forward(x, sizes, fused_bias)
+        if self.use_bias and self.skip_bias_add:
+            return y, self.biases
+        return y, None
+
+    def _bf16_forward(self, x, sizes, biases):
+        """High-precision experts (BF16 layers): one GEMM per expert, batch invariant in strict mode."""
+        if self.recipe.strict:
+            from ..strict.matmul import linear
+        else:
+            linear = torch.nn.functional.linear
+        outs = [
+            linear(xe, w, None if biases is None else biases[g])
+            for g, (xe, w) in enumerate(zip(torch.split(x, sizes), self.weights))
+        ]
+        return torch.cat(outs) if outs else x.new_zeros(0, self.out_features)
+
+    def quantized_weight(self):
+        """The ``[G, N, K]`` NVFP4 expert weights the forward uses (what export writes), or None
+        in BF16 precision."""
+        from ..ops.linear import backend_for
+
+        if self.precision != "nvfp4":
+            return None
+        return self._weights_cache.get(self.weights, self.recipe, backend_for(self.recipe, self.weight0.device))
+
+    def backward_dw(self) -> None:
+        """Delayed wgrad is not used: weight gradients are computed in backward."""
+
+    # ---- checkpointing --------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Per expert: ``weight{i}`` sharded over expert TP (axis 0 column / 1 row) and placed at
+        its global expert index along the expert axis, keys identical to the sequential experts'."""
+        singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
+        ep = self._pg_collection.ep
+        num_global = _pg_size(ep) * self.num_gemms
+        offset = _pg_rank(ep) * self.num_gemms
+        ep_axis = len(sharded_offsets)
+        tp_axis = 0 if self.parallel_mode == "column" else 1
+        out = {}
+        for i in range(self.num_gemms):
+            gidx = offset + i
+            state = {f"{i}.weight": getattr(self, f"weight{i}")}
+            axis_map = {f"{i}.weight": tp_axis}
+            if self.use_bias:
+                state[f"{i}.bias"] = getattr(self, f"bias{i}")
+                if self.parallel_mode == "column":
+                    axis_map[f"{i}.bias"] = 0
+            if singleton_local_shards:
+                expert_prefix, offsets = f"{gidx}.{prefix}", sharded_offsets
+            else:
+                expert_prefix, offsets = prefix, (*sharded_offsets, (ep_axis, gidx, num_global))
+            sub = make_sharded_tensors_for_checkpoint(
+                state, "", axis_map, offsets, tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"]
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            if self.use_bias:
+                out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        expt_dp_rank = _pg_rank(getattr(self._pg_collection, "expt_dp", None))
+        for sh in out.values():
+            sh.replica_id = (*sh.replica_id[:2], expt_dp_rank)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(per expert [in={self.in_features}, out={self.out_features}] x "
+            f"{self.num_gemms}, bias={self.use_bias}, mode={self.parallel_mode}, recipe.strict={self.recipe.strict})"
+        )

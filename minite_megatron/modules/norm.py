@@ -1,0 +1,49 @@
+"""LayerNorm / RMSNorm for the minite specs: sequence-parallel capable, batch invariant in strict mode.
+
+Megatron's torch fallback norm refuses sequence parallelism (its SP gradient all-reduce relies
+on the ``sequence_parallel`` attribute that apex's fused norm sets on its parameters); this norm
+sets it, so Megatron's ``finalize_model_grads`` all-reduces the norm weights across TP ranks as
+it does for apex/TE norms. In strict mode RMSNorm uses the batch-invariant formulation of
+:mod:`minite_megatron.strict.rmsnorm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class MiniteNorm(torch.nn.Module):
+    """Megatron's ``LayerNormBuilder`` interface: ``MiniteNorm(config=, hidden_size=, eps=)``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, batch_invariant: bool = False, **_):
+        super().__init__()
+        self.normalization = getattr(config, "normalization", "LayerNorm")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"MiniteNorm supports LayerNorm and RMSNorm, got {self.normalization!r} (--normalization)")
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.eps = eps
+        self.batch_invariant = batch_invariant
+        self.hidden_size = hidden_size
+        device = "cpu" if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available() else torch.cuda.current_device()
+        init = 0.0 if self.zero_centered_gamma else 1.0
+        self.weight = torch.nn.Parameter(torch.full((hidden_size,), init, dtype=config.params_dtype, device=device))
+        self.bias = None
+        if self.normalization == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+        sp = bool(getattr(config, "sequence_parallel", False))
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "RMSNorm":
+            if self.batch_invariant:
+                from ..strict.rmsnorm import rms_norm
+
+                return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
+            w = self.weight + 1 if self.zero_centered_gamma else self.weight
+            return F.rms_norm(x.float(), (self.hidden_size,), w.float(), self.eps).to(x.dtype)
+        if self.batch_invariant:
+            raise NotImplementedError("strict mode supports RMSNorm only (--normalization RMSNorm)")
+        w = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return F.layer_norm(x.float(), (self.hidden_size,), w.float(), self.bias.float(), self.eps).to(x.dtype)

@@ -1,0 +1,169 @@
+"""The NVFP4 grouped (MoE expert) linear: all local experts in one op, full update.
+
+Rows of ``x`` ``[T, K]`` are tokens sorted by expert (``tokens_per_expert[g]`` rows for expert
+g, as Megatron's token dispatcher permutes them); the experts' weights ``W_g`` ``[N, K]`` are
+quantized together as one ``[G, N, K]`` tensor with 16x16 tiles and one global scale per
+expert::
+
+    fprop   y[g]  = gemm(Q_row(x_g),                 Q_2d(W_g))
+    dgrad   dx[g] = gemm(Q_row(dy_g, SR),            Q_2d(W_g)^T)        exact relayout
+    wgrad   dW_g  = gemm(Q_col(dy_g, SR, RHT),       Q_col(x_g, RHT))    along the expert's tokens
+
+The wgrad operands are quantized along tokens, each expert's tokens zero-padded to a multiple of
+16 so that no block straddles two experts (:mod:`minite_megatron.nvfp4.grouped`); the forward
+saves ``Q_col(x)`` (codes and scales), not a BF16 copy of ``x``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from .. import nvfp4
+from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes, quantize_wgrad_operand
+from ..nvfp4.tensor import NVFP4Tensor
+from .linear import LinearContext, _trace, add_wgrad, backend_for
+
+
+def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend) -> NVFP4Tensor:
+    """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert."""
+    w = torch.stack([t.detach() for t in weights])
+    if recipe.weight_tile == "2d":
+        return backend.quantize(w, global_scale="group", tile=(16, 16), with_image=True, nonfinite=recipe.nonfinite)
+    raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
+
+
+def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
+    fn = getattr(backend, "grouped_wgrad_gemm", None)
+    if fn is None:  # a backend without its own: the contract's, on the backend's device
+        return grouped_wgrad_gemm_reference(a, b, padded, out_dtype)
+    return fn(a, b, padded, out_dtype, strict)
+
+
+class _ExpertWeightsCache:
+    """Quantized ``[G, N, K]`` expert weights (and their transpose), once per optimizer step."""
+
+    def __init__(self):
+        from .weight_cache import _GENERATION
+
+        self._gen = _GENERATION
+        self._key = None
+        self._q = self._qt = None
+
+    def get(self, weights, recipe, backend) -> NVFP4Tensor:
+        key = (self._gen[0], backend.name) + tuple((w._version, w.data_ptr()) for w in weights)
+        if key != self._key:
+            with torch.no_grad():
+                self._q = quantize_expert_weights(weights, recipe, backend)
+            self._qt = None
+            self._key = key
+        return self._q
+
+    def transposed(self) -> NVFP4Tensor:
+        if self._qt is None:
+            self._qt = self._q.transpose()
+        return self._qt
+
+
+class NVFP4GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: _ExpertWeightsCache, has_bias, *params):
+        recipe = lctx.recipe
+        backend = backend_for(recipe, x.device)
+        groups = len(tokens_per_expert)
+        weights, biases = params[:groups], (params[groups:] if has_bias else None)
+        qw = cache.get(weights, recipe, backend)
+        qx = backend.quantize(x, global_scale=recipe.activation_scale, with_image=True, nonfinite=recipe.nonfinite)
+        _trace(lctx, "input_codes", qx.codes)
+        bias = torch.stack(biases) if has_bias else None
+        y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
+
+        ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
+        ctx.tokens_per_expert = list(tokens_per_expert)
+        ctx.needs_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        saved = list(weights)
+        if ctx.needs_wgrad and recipe.full_update:
+            qx_t = quantize_wgrad_operand(
+                x,
+                tokens_per_expert,
+                global_scale=recipe.grad_scale,
+                rht_seed=recipe.wgrad_rht_seed,
+                nonfinite=recipe.nonfinite,
+                quantize=backend.quantize,
+            )
+            ctx.qx_t_meta = replace(qx_t, image=None)
+            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+        elif ctx.needs_wgrad:
+            saved.append(x)
+        ctx.save_for_backward(*saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lctx: LinearContext = ctx.lctx
+        recipe = lctx.recipe
+        backend = backend_for(recipe, grad_out.device)
+        weights, rest = ctx.saved_tensors[: ctx.groups], ctx.saved_tensors[ctx.groups :]
+        sizes = ctx.tokens_per_expert
+        dy = grad_out
+        dx = None
+        dws: list[torch.Tensor | None] = [None] * ctx.groups
+        qw = ctx.cache.get(weights, recipe, backend)
+        if recipe.full_update:
+            if ctx.needs_input_grad[0]:
+                qdy = backend.quantize(
+                    dy,
+                    global_scale=recipe.grad_scale,
+                    rounding=recipe.grad_rounding,
+                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    with_image=True,
+                    nonfinite=recipe.nonfinite,
+                )
+                dx = backend.grouped_gemm(qdy, ctx.cache.transposed(), sizes, None, grad_out.dtype, recipe.strict)
+            if ctx.needs_wgrad:
+                codes, scales, gdec = rest
+                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
+                qdy_t = quantize_wgrad_operand(
+                    dy,
+                    sizes,
+                    global_scale=recipe.grad_scale,
+                    rounding=recipe.grad_rounding,
+                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    rht_seed=recipe.wgrad_rht_seed,
+                    nonfinite=recipe.nonfinite,
+                    quantize=backend.quantize,
+                )
+                dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), torch.float32, recipe.strict)
+                dws = [add_wgrad(w, dw[g], grad_out) for g, w in enumerate(weights)]
+        else:
+            w_hat = qw.dequantize(dy.dtype)
+            if ctx.needs_input_grad[0]:
+                dx = torch.cat([d @ w_hat[g] for g, d in enumerate(torch.split(dy, sizes))]) if sum(sizes) else dy.new_zeros(0, w_hat.shape[-1])
+            if ctx.needs_wgrad:
+                (x,) = rest
+                parts = zip(torch.split(dy, sizes), torch.split(x, sizes))
+                dws = [add_wgrad(w, d.t().float() @ xx.float(), grad_out) for w, (d, xx) in zip(weights, parts)]
+        dbias = []
+        if ctx.has_bias:
+            dbias = [d.sum(0).to(grad_out.dtype) for d in torch.split(dy, sizes)]
+        return (dx, None, None, None, None, *dws, *dbias)
+
+
+def nvfp4_grouped_linear(
+    x: torch.Tensor,
+    tokens_per_expert: Sequence[int],
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None,
+    lctx: LinearContext,
+    cache: _ExpertWeightsCache,
+) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``."""
+    sizes = [int(s) for s in tokens_per_expert]
+    if len(sizes) != len(weights):
+        raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
+    params = list(weights) + (list(biases) if biases is not None else [])
+    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, *params)

@@ -1,0 +1,174 @@
+"""The NVFP4 linear: ``y = x @ W^T + b`` with fprop, dgrad and wgrad in NVFP4 (full update).
+
+::
+
+    fprop   y  = gemm(Q_row(x),           Q_2d(W))             x: per-token global scale
+    dgrad   dx = gemm(Q_row(dy, SR),      Q_2d(W)^T)           W^T: exact relayout of Q_2d(W)
+    wgrad   dW = gemm(Q_col(dy, SR, RHT), Q_col(x, RHT))       both along tokens, fp32 output
+
+``Q_col(t)`` quantizes ``t^T`` (blocks of 16 tokens). The forward saves ``Q_col(x)`` (packed
+codes and scales: 4.5 bits per element) for wgrad, never a BF16 copy of x. The quantized weight
+comes from a :class:`~.weight_cache.QuantizedWeightCache` (once per optimizer step).
+Stochastic-rounding seeds are drawn from torch's default CPU generator, so a run resumed from a
+Megatron checkpoint (which restores that generator) draws the same seeds as an uninterrupted one.
+
+Where the weight has Megatron's fp32 ``main_grad``, the fp32 wgrad is added there directly (one
+fp32 add, no BF16 rounding of the gradient) and a dummy gradient is returned, as Megatron's own
+gradient-accumulation fusion does, so DDP's hooks still fire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import nvfp4
+from ..nvfp4.tensor import NVFP4Tensor
+from ..recipe import Recipe
+from .weight_cache import QuantizedWeightCache
+
+
+@dataclass
+class LinearContext:
+    """Per-module state the autograd function needs (not tensors)."""
+
+    recipe: Recipe
+    cache: QuantizedWeightCache
+    trace_name: str | None = None
+
+    @property
+    def backend(self):
+        return self.recipe.backend
+
+
+def backend_for(recipe: Recipe, device: torch.device):
+    return nvfp4.get_backend(recipe.backend, device)
+
+
+def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend) -> NVFP4Tensor:
+    """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale."""
+    return backend.quantize(
+        weight, global_scale="tensor", tile=recipe.weight_tile_shape, with_image=True, nonfinite=recipe.nonfinite
+    )
+
+
+def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend) -> NVFP4Tensor:
+    """The dgrad operand ``W^T`` ``[K, N]``: an exact relayout for 16x16 tiles, else re-quantized."""
+    if q.tile == (16, 16):
+        return q.transpose()
+    return backend.quantize(weight.t(), global_scale="tensor", with_image=True, nonfinite=recipe.nonfinite)
+
+
+def _strip_image(q: NVFP4Tensor) -> NVFP4Tensor:
+    return replace(q, image=None)
+
+
+def _trace(ctx: LinearContext, point: str, tensor: torch.Tensor) -> None:
+    if ctx.trace_name is not None:
+        from ..diagnostics.capture import capture
+
+        capture(f"{ctx.trace_name}.{point}", tensor)
+
+
+def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Accumulate an fp32 wgrad into Megatron's ``main_grad`` when there is one; returns the
+    gradient autograd should see (a dummy when it went to ``main_grad``)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
+        main_grad.add_(dw.to(main_grad.dtype))
+        weight.grad_added_to_main_grad = True
+        return torch.empty(weight.shape, dtype=like.dtype, device=like.device)
+    return dw.to(weight.dtype)
+
+
+class NVFP4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext):
+        recipe = lctx.recipe
+        backend = backend_for(recipe, x.device)
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend), extra=backend.name)
+        qx = backend.quantize(
+            x2, global_scale=recipe.activation_scale, with_image=True, nonfinite=recipe.nonfinite
+        )
+        _trace(lctx, "input_codes", qx.codes)
+        _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
+        y = backend.gemm(qx, qw, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
+
+        ctx.lctx = lctx
+        ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        saved = [weight]
+        ctx.needs_wgrad = weight.requires_grad and torch.is_grad_enabled()
+        if ctx.needs_wgrad and recipe.full_update:
+            qx_t = backend.quantize(
+                x2.t(), global_scale=recipe.grad_scale, rht_seed=recipe.wgrad_rht_seed, nonfinite=recipe.nonfinite
+            )
+            ctx.qx_t_meta = _strip_image(qx_t)
+            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+        elif ctx.needs_wgrad:
+            saved.append(x2)
+        ctx.save_for_backward(*saved)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        lctx: LinearContext = ctx.lctx
+        recipe = lctx.recipe
+        weight, *rest = ctx.saved_tensors
+        backend = backend_for(recipe, grad_out.device)
+        n = grad_out.shape[-1]
+        dy = grad_out.reshape(-1, n)
+        if dy.dtype != weight.dtype and dy.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise TypeError(f"NVFP4 linear backward got a {dy.dtype} gradient")
+        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend), extra=backend.name)
+        dx = dw_out = None
+
+        if recipe.full_update:
+            if ctx.needs_input_grad[0]:
+                qdy = backend.quantize(
+                    dy,
+                    global_scale=recipe.grad_scale,
+                    rounding=recipe.grad_rounding,
+                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    with_image=True,
+                    nonfinite=recipe.nonfinite,
+                )
+                qwt = lctx.cache.transposed(lambda q: weight_transposed(q, weight, recipe, backend))
+                dx = backend.gemm(qdy, qwt, None, out_dtype=grad_out.dtype, batch_invariant=recipe.strict)
+            if ctx.needs_wgrad:
+                codes, scales, gdec = rest
+                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
+                qdy_t = backend.quantize(
+                    dy.t(),
+                    global_scale=recipe.grad_scale,
+                    rounding=recipe.grad_rounding,
+                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    rht_seed=recipe.wgrad_rht_seed,
+                    nonfinite=recipe.nonfinite,
+                )
+                dw = backend.gemm(qdy_t, qx_t, None, out_dtype=torch.float32, batch_invariant=recipe.strict)
+                dw_out = add_wgrad(weight, dw, grad_out)
+        else:
+            # BF16 backward through the quantized weight (straight-through estimator)
+            if ctx.needs_input_grad[0]:
+                dx = dy @ qw.dequantize(dy.dtype)
+            if ctx.needs_wgrad:
+                (x2,) = rest
+                dw_out = add_wgrad(weight, dy.t().float() @ x2.float(), grad_out)
+
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        dbias = dy.sum(0).to(grad_out.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw_out, dbias, None
+
+
+def nvfp4_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` in NVFP4 under ``lctx.recipe``; x is ``[..., K]``."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"nvfp4_linear: input has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+    return NVFP4LinearFunction.apply(x, weight, bias, lctx)

@@ -1,0 +1,256 @@
+"""Megatron-Core layer specs for miniTE: NVFP4 linears, grouped NVFP4 experts, BF16 overrides.
+
+``MiniteSpecProvider`` follows Megatron's ``BackendSpecProvider`` protocol: it wraps a fallback
+provider (Megatron's local one) and overrides only the linears, the grouped experts, the norm
+(sequence-parallel capable; batch invariant in strict mode), the core attention and the router in
+strict mode. The builders below only ever call ``backend.X()``.
+
+* :func:`get_gpt_layer_minite_spec`: one transformer layer (dense or MoE; qk-layernorm; per-layer
+  BF16 override; in strict mode batch-invariant attention, norms, router and linears).
+* :func:`get_gpt_decoder_block_minite_spec`: the decoder block for a config, with the recipe's BF16
+  first/last layers, ``--moe-layer-freq`` and the layers of this pipeline stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import _build_shared_experts
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .modules.grouped_linear import NVFP4GroupedLinear
+from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
+from .modules.norm import MiniteNorm
+from .recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+def _precision(quantized: bool, layer_in_bf16: bool) -> str:
+    return "nvfp4" if quantized and not layer_in_bf16 else "bf16"
+
+
+class MiniteSpecProvider(BackendSpecProvider):
+    """miniTE's backend: NVFP4 linears under ``recipe``; everything else from ``fallback``."""
+
+    def __init__(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        linear_precision: str = "nvfp4",
+        expert_precision: str = "nvfp4",
+        fallback: BackendSpecProvider | None = None,
+    ):
+        self.recipe = recipe if recipe is not None else Recipe()
+        self.linear_precision = linear_precision
+        self.expert_precision = expert_precision
+        self.fallback = fallback if fallback is not None else LocalSpecProvider()
+
+    # ---- linears ------------------------------------------------------------------------------
+    def linear(self):
+        return self.column_parallel_linear()
+
+    def column_parallel_linear(self):
+        return partial(NVFP4ColumnParallelLinear, recipe=self.recipe, precision=self.linear_precision)
+
+    def row_parallel_linear(self):
+        return partial(NVFP4RowParallelLinear, recipe=self.recipe, precision=self.linear_precision)
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return False
+
+    def column_parallel_layer_norm_linear(self):
+        return None
+
+    # ---- experts --------------------------------------------------------------------------------
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = True):
+        """All local experts in one grouped NVFP4 op behind Megatron's grouped-MLP module."""
+        return partial(
+            TEGroupedMLP,
+            submodules=GroupedMLPSubmodules(
+                linear_fc1=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="column", precision=self.expert_precision),
+                linear_fc2=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="row", precision=self.expert_precision),
+            ),
+        )
+
+    # ---- the rest: fallback, or the strict (batch-invariant) modules -----------------------------
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return partial(MiniteNorm, batch_invariant=self.recipe.strict)
+
+    def core_attention(self):
+        if self.recipe.strict:
+            from .strict.megatron import StrictDotProductAttention
+
+            return StrictDotProductAttention
+        return self.fallback.core_attention()
+
+    def router(self):
+        if self.recipe.strict:
+            from .strict.megatron import StrictTopKRouter
+
+            return StrictTopKRouter
+        return TopKRouter
+
+    def activation_func(self):
+        return None
+
+
+def get_moe_module_spec_minite(backend: MiniteSpecProvider, shared_backend: MiniteSpecProvider):
+    """MoE layer: router (FP32; batch invariant in strict mode), grouped experts, shared experts."""
+    return partial(
+        MoELayer,
+        submodules=MoESubmodules(
+            experts=backend.grouped_mlp_modules(True),
+            shared_experts=partial(
+                _build_shared_experts,
+                submodules=MLPSubmodules(
+                    linear_fc1=shared_backend.column_parallel_linear(),
+                    linear_fc2=shared_backend.row_parallel_linear(),
+                ),
+            ),
+            router=backend.router(),
+        ),
+    )
+
+
+def get_gpt_layer_minite_spec(
+    recipe: Recipe | None = None,
+    num_experts: int | None = None,
+    qk_layernorm: bool = False,
+    layer_in_bf16: bool = False,
+) -> ModuleSpec:
+    """One GPT transformer layer with miniTE's NVFP4 modules.
+
+    Args:
+        recipe: the scaling recipe (defaults: :class:`Recipe`).
+        num_experts: None for a dense layer, else the MoE layer's global expert count.
+        qk_layernorm: normalise queries and keys (Qwen3).
+        layer_in_bf16: keep every linear of this layer in BF16 (a recipe's first/last layers).
+    """
+    recipe = recipe if recipe is not None else Recipe()
+    attn = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_attention, layer_in_bf16))
+    norm = attn.layer_norm(rms_norm=True)
+    if num_experts is None:
+        mlp_backend = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_dense_mlp, layer_in_bf16))
+        mlp = partial(
+            MLP.as_mlp_submodule,
+            submodules=MLPSubmodules(
+                linear_fc1=mlp_backend.column_parallel_linear(), linear_fc2=mlp_backend.row_parallel_linear()
+            ),
+        )
+    else:
+        experts = MiniteSpecProvider(recipe, expert_precision=_precision(recipe.quantize_experts, layer_in_bf16))
+        shared = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_shared_experts, layer_in_bf16))
+        mlp = get_moe_module_spec_minite(experts, shared)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=attn.column_parallel_linear(),
+                    core_attention=attn.core_attention(),
+                    linear_proj=attn.row_parallel_linear(),
+                    q_layernorm=norm if qk_layernorm else IdentityOp,
+                    k_layernorm=norm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            # the same checkpoint keys as Megatron's local and TE specs
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def moe_layer_pattern(config) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one (``--moe-layer-freq``: an int N or a list)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    if isinstance(freq, list) and len(freq) == config.num_layers:
+        return list(freq)
+    raise MiniteConfigError(f"--moe-layer-freq must be an int or a list of {config.num_layers} entries, got {freq!r}")
+
+
+def validate_config_for_minite(config, recipe: Recipe) -> None:
+    """Fail fast, naming the flag, on model settings the recipe cannot run."""
+    check_multiple_of_16(config.hidden_size, "the hidden size", "--hidden-size")
+    if config.multi_latent_attention:
+        raise MiniteConfigError("--multi-latent-attention is not supported by the minite specs yet")
+    if getattr(config, "mtp_num_layers", None):
+        raise MiniteConfigError("--mtp-num-layers (multi-token prediction) is not supported by the minite specs yet")
+    if recipe.strict and config.normalization != "RMSNorm":
+        raise MiniteConfigError("strict mode needs --normalization RMSNorm")
+    if getattr(config, "fp4", None) or getattr(config, "fp8", None):
+        raise MiniteConfigError(
+            "--transformer-impl minite replaces TE's FP4/FP8 recipes: drop --fp4-format/--fp8-format "
+            "(or use TE with --fp4-recipe custom and miniTE's quantizer factory)"
+        )
+    if config.num_moe_experts and recipe.bf16_first_layers + recipe.bf16_last_layers > config.num_layers:
+        raise MiniteConfigError("--minite-bf16-first-layers + --minite-bf16-last-layers exceeds --num-layers")
+
+
+def get_gpt_decoder_layer_minite_specs(config, recipe: Recipe | None = None) -> list[ModuleSpec]:
+    """One layer spec per global layer (BF16 first/last layers and the MoE pattern applied)."""
+    recipe = recipe if recipe is not None else Recipe()
+    validate_config_for_minite(config, recipe)
+    if config.num_moe_experts and recipe.fp32_router and config.moe_router_dtype != "fp32":
+        log.info("miniTE recipe.fp32_router: computing router logits in fp32 (config.moe_router_dtype='fp32')")
+        config.moe_router_dtype = "fp32"
+    pattern = moe_layer_pattern(config)
+    return [
+        get_gpt_layer_minite_spec(
+            recipe,
+            num_experts=config.num_moe_experts if pattern[i] else None,
+            qk_layernorm=config.qk_layernorm,
+            layer_in_bf16=recipe.layer_in_bf16(i + 1, config.num_layers),
+        )
+        for i in range(config.num_layers)
+    ]
+
+
+def get_gpt_decoder_block_minite_spec(
+    config, recipe: Recipe | None = None, vp_stage: int | None = None, pp_rank: int | None = None
+) -> TransformerBlockSubmodules:
+    """The decoder block spec of this pipeline stage (Megatron's ``transformer_layer_spec``)."""
+    recipe = recipe if recipe is not None else Recipe()
+    layer_specs = get_gpt_decoder_layer_minite_specs(config, recipe)
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+        local = [layer_specs[i] for i in ids]
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local = layer_specs[offset : offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)]
+    final_norm = MiniteSpecProvider(recipe).layer_norm(rms_norm=True)
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=final_norm)
