@@ -1,0 +1,161 @@
+"""Batch- and prefill/decode-invariant causal attention (GQA), one fixed KV-block order.
+
+Reference: :func:`minite_megatron.strict.attention.attention_torch` (same semantics: the queries
+are the last ``Sq`` of the ``Sk`` positions, causal visibility, optional bool mask with True =
+hidden, fp32 softmax, zeros for a query with no visible key; a different fixed reduction order,
+so not bitwise equal to it).
+
+Layout: ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] (any strides);
+``mask`` None or bool broadcastable to [B, Hq, Sq, Sk]. Returns fp32 [B, Hq, Sq, Dv].
+
+Why a query's result is the same in prefill, decode and the learner (and whatever the batch):
+- one program per (query block of ``BLOCK_M`` rows, batch x head); ``BLOCK_M``, ``BLOCK_N`` and
+  the warp count are fixed for every call, so a query runs the same instructions whether it
+  shares its tile with other queries (prefill/learner) or sits alone in it (decode);
+- the KV blocks ``[0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ...`` are visited in that order from key 0,
+  with the online-softmax update ``m' = max(m, rowmax)``, ``l' = l * exp(m - m') + sum p``,
+  ``acc' = acc * exp(m - m') + p @ v``. A block whose keys are all hidden for a query leaves its
+  state bitwise unchanged (``m' = m``, factor ``exp(0) = 1``, ``p = 0``), so a prefill that walks
+  further (for the tile's later queries) or a decode that stops at the query's own block give
+  the same state; hidden keys inside the last block get ``p = 0`` in both;
+- no split-KV, no reduction across programs, no atomics.
+Keys past ``Sk`` are masked loads of zeros. Values of keys that are hidden only causally (later
+tokens in a prefill) enter ``p @ v`` with ``p = 0``: they must be finite (they are real tokens).
+Under ``TRITON_INTERPRET=1`` tiles are cast to fp32 and multiplied with an explicit
+product-and-sum (see :mod:`.bi_common`); on the GPU bf16/fp16
+inputs use the tensor cores (``p`` rounded to the value dtype, as in flash attention) and fp32
+inputs ``input_precision="ieee"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bi_common import interpreting, tile_dot
+
+BLOCK_M, BLOCK_N, NUM_WARPS = 32, 32, 4
+
+
+@triton.jit
+def _bi_attention_kernel(
+    q_ptr, k_ptr, v_ptr, m_ptr, out_ptr,
+    Hq, Sq, Sk, D, Dv, GROUP, scale,
+    sqb, sqh, sqs, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    smb, smh, sms, smk,
+    sob, soh, sos, sod,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr, AS_SUM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUP
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    qmask = offs_m < Sq
+    qpos = Sk - Sq + offs_m
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+                + offs_m[:, None].to(tl.int64) * sqs + offs_d[None, :] * sqd,
+                mask=qmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    if CAST_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BDV), dtype=tl.float32)
+    if CAUSAL:
+        hi = tl.minimum(Sk, Sk - Sq + (pid_m + 1) * BM)
+    else:
+        hi = Sk
+    for n0 in range(0, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        nmask = offs_n < Sk
+        k = tl.load(k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+                    + offs_n[None, :].to(tl.int64) * sks + offs_d[:, None] * skd,
+                    mask=nmask[None, :] & (offs_d < D)[:, None], other=0.0)  # [BD, BN]
+        v = tl.load(v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+                    + offs_n[:, None].to(tl.int64) * svs + offs_dv[None, :] * svd,
+                    mask=nmask[:, None] & (offs_dv < Dv)[None, :], other=0.0)  # [BN, BDV]
+        if CAST_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tile_dot(q, k, tl.zeros((BM, BN), dtype=tl.float32), PRECISION, AS_SUM) * scale
+        vis = qmask[:, None] & nmask[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[None, :] <= qpos[:, None])
+        if HAS_MASK:
+            hidden = tl.load(m_ptr + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+                             + offs_m[:, None].to(tl.int64) * sms + offs_n[None, :].to(tl.int64) * smk,
+                             mask=qmask[:, None] & nmask[None, :], other=1)
+            vis = vis & (hidden == 0)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.where(vis, tl.exp(s - m_safe[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, AS_SUM)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = tl.where(l_i[:, None] > 0, acc / l_safe[:, None], 0.0)
+    tl.store(out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+             + offs_m[:, None].to(tl.int64) * sos + offs_dv[None, :] * sod,
+             out, mask=qmask[:, None] & (offs_dv < Dv)[None, :])
+
+
+@torch.library.custom_op("minite::bi_attention", mutates_args=())
+def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty(b, hq, sq, dv, dtype=torch.float32, device=q.device)
+    if min(b, hq, sq, dv) == 0:
+        return out
+    if sk == 0:
+        return out.zero_()
+    if mask is not None:
+        mask = mask.expand(b, hq, sq, sk).view(torch.uint8)
+        ms = mask.stride()
+    else:
+        ms = (0, 0, 0, 0)
+    cast = interpreting() or q.dtype == torch.float32 or not (q.dtype == k.dtype == v.dtype)
+    grid = (triton.cdiv(sq, BLOCK_M), b * hq)
+    _bi_attention_kernel[grid](
+        q, k, v, mask if mask is not None else out, out,
+        hq, sq, sk, d, dv, hq // hkv, scale,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        CAUSAL=causal, HAS_MASK=mask is not None, CAST_FP32=cast, PRECISION="ieee" if cast else "tf32", AS_SUM=interpreting(),
+        BM=BLOCK_M, BN=BLOCK_N, BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)),
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+@_bi_attention_op.register_fake
+def _(q, k, v, mask, scale, causal):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32)
+
+
+def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 scale: float | None = None, causal: bool = True) -> torch.Tensor:
+    """Batch- and prefill/decode-invariant attention -> fp32 [B, Hq, Sq, Dv] (module docstring).
+
+    Raises ValueError for mismatched shapes, ``Sq > Sk`` or ``Hq % Hkv != 0``; TypeError for a
+    non-bool mask.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("bi_attention: q, k, v must be 4-D [B, H, S, D]")
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"bi_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"bi_attention: {hq} query heads not a multiple of {k.shape[1]} kv heads")
+    if sq > k.shape[2]:
+        raise ValueError(f"bi_attention: {sq} queries but {k.shape[2]} keys")
+    if mask is not None and mask.dtype != torch.bool:
+        raise TypeError(f"bi_attention: mask must be bool (True = hidden), got {mask.dtype}")
+    return _bi_attention_op(q, k, v, mask, float(d ** -0.5 if scale is None else scale), bool(causal))

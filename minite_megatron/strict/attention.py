@@ -1,0 +1,183 @@
+"""Batch- and prefill/decode-invariant causal attention (GQA), fp32 inside.
+
+Layout: ``q`` ``[B, Hq, Sq, D]``, ``k`` ``[B, Hkv, Sk, D]``, ``v`` ``[B, Hkv, Sk, Dv]`` with
+``Hq % Hkv == 0`` (query head ``h`` reads kv head ``h // (Hq // Hkv)``). The queries are the
+*last* ``Sq`` positions of the ``Sk`` keys: query ``i`` sits at position ``Sk - Sq + i``. That one
+rule covers a training/teacher-forced forward (``Sq == Sk``), a prefill and every decode step
+over a KV cache (``Sq`` new tokens after ``Sk - Sq`` cached ones). With ``causal`` a query at
+position ``t`` sees the keys ``0..t``; ``mask`` (bool, broadcastable to ``[B, Hq, Sq, Sk]``, True =
+hidden, Megatron's convention) hides more.
+
+The torch formulation (``"torch"`` backend), per (batch, head, query):
+
+    s_j = tree_d(q_d * k_jd) * scale                   (fp32 products, aligned pairwise tree)
+    m   = max over visible j of s_j                    (exact in any order)
+    e_j = exp(s_j - m) if j visible else +0.0
+    l   = tree_j(e_j);   p_j = e_j / l
+    o_d = tree_j(p_j * v_jd)  (+0.0 where j is hidden)
+
+The key-axis trees are anchored at key 0 and hidden keys are exact ``+0.0``, so by the zero
+padding invariance of :mod:`.tree` a query's output is the same bits whether its key axis is
+``t + 1`` long (decode) or ``T`` long with the rest masked (prefill/learner), and whatever the
+batch size, the other sequences or the other queries in the call. Hidden keys cannot leak
+non-finite values (they are selected away, not multiplied by zero). A query with no visible
+key returns zeros. Visible non-finite values propagate (NaN).
+
+``"triton"`` backend: ``minite_kernels.triton.bi_attention`` (one fixed KV-block order for
+prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
+Backward uses ordinary matmuls (only forward values must agree between engines).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend as _backend
+from .tree import tree_sum
+
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _check(q, k, v, mask):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"strict attention: {name} must be 4-D [B, H, S, D], got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"strict attention: {name} must be floating, got {t.dtype}")
+    b, hq, sq, d = q.shape
+    bk, hkv, sk, dk = k.shape
+    if (bk, hkv, sk) != tuple(v.shape[:3]) or bk != b or dk != d:
+        raise ValueError(f"strict attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"strict attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    if sq > sk:
+        raise ValueError(f"strict attention: {sq} queries but only {sk} keys (queries are the last Sq positions)")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"strict attention: mask must be bool (True = hidden), got {mask.dtype}")
+        try:
+            torch.broadcast_shapes(tuple(mask.shape), (b, hq, sq, sk))
+        except RuntimeError as e:
+            raise ValueError(f"strict attention: mask {tuple(mask.shape)} does not broadcast to {(b, hq, sq, sk)}") from e
+
+
+def visible_keys(b: int, hq: int, sq: int, sk: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor:
+    """bool ``[B|1, Hq|1, Sq, Sk]``: which keys each query sees (True = visible)."""
+    vis = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        qpos = torch.arange(sk - sq, sk, device=device)[:, None]
+        vis = vis & (torch.arange(sk, device=device)[None, :] <= qpos)
+    if mask is not None:
+        vis = vis & ~mask
+    return vis
+
+
+def attention_torch(q, k, v, scale: float, causal: bool, mask: torch.Tensor | None) -> torch.Tensor:
+    """The torch formulation (module docstring); returns fp32 ``[B, Hq, Sq, Dv]``."""
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    out = torch.zeros(b, hq, sq, dv, dtype=torch.float32, device=q.device)
+    if min(b, hq, sq, sk) == 0:
+        return out
+    vis = visible_keys(b, hq, sq, sk, causal, mask, q.device).expand(b, hq, sq, sk).reshape(b * hq, sq, sk)
+    qf = q.to(torch.float32).reshape(b * hq, sq, d)
+    kf = k.to(torch.float32).repeat_interleave(group, dim=1).reshape(b * hq, sk, d)
+    vf = v.to(torch.float32).repeat_interleave(group, dim=1).reshape(b * hq, sk, dv)
+    out = out.view(b * hq, sq, dv)
+    per_query = sk * max(d, dv, 1)
+    if per_query * sq <= _CHUNK_ELEMENTS:
+        heads, rows = max(1, _CHUNK_ELEMENTS // (per_query * sq)), sq
+    else:
+        heads, rows = 1, max(1, _CHUNK_ELEMENTS // per_query)
+    for h0 in range(0, b * hq, heads):
+        kk, vv = kf[h0 : h0 + heads], vf[h0 : h0 + heads]  # [n, Sk, D], [n, Sk, Dv]
+        for q0 in range(0, sq, rows):
+            qq = qf[h0 : h0 + heads, q0 : q0 + rows]  # [n, r, D]
+            vs = vis[h0 : h0 + heads, q0 : q0 + rows]  # [n, r, Sk]
+            s = tree_sum(qq[:, :, None, :] * kk[:, None, :, :], dim=-1) * scale  # [n, r, Sk]
+            s = torch.where(vs, s, float("-inf"))
+            m = torch.amax(s, dim=-1, keepdim=True)
+            m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+            e = torch.where(vs, torch.exp(s - m), 0.0)
+            denom = tree_sum(e, dim=-1, keepdim=True)
+            p = torch.where(denom > 0, e / denom, 0.0)
+            pv = torch.where(vs[..., None], p[..., None] * vv[:, None, :, :], 0.0)  # [n, r, Sk, Dv]
+            out[h0 : h0 + heads, q0 : q0 + rows] = tree_sum(pv, dim=2)
+    return out.view(b, hq, sq, dv)
+
+
+def _probs_reference(q, k, scale, vis):
+    """Ordinary (non-invariant) fp32 attention probabilities, for the backward pass."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    m = torch.amax(s, dim=-1, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m).masked_fill(~vis, 0.0)
+    l = e.sum(-1, keepdim=True)
+    return torch.where(l > 0, e / l, torch.zeros_like(e))
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, causal, which):
+        if which == "triton":
+            from minite_kernels.triton.bi_attention import bi_attention
+
+            out = bi_attention(q, k, v, mask, scale, causal)
+        else:
+            out = attention_torch(q, k, v, scale, causal, mask)
+        ctx.save_for_backward(q, k, v, mask if mask is not None else torch.empty(0))
+        ctx.has_mask, ctx.scale, ctx.causal = mask is not None, scale, causal
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask = ctx.saved_tensors
+        mask = mask if ctx.has_mask else None
+        b, hq, sq, _ = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        group = hq // hkv
+        qf = q.to(torch.float32)
+        kf = k.to(torch.float32).repeat_interleave(group, dim=1)
+        vf = v.to(torch.float32).repeat_interleave(group, dim=1)
+        vis = visible_keys(b, hq, sq, sk, ctx.causal, mask, q.device).expand(b, hq, sq, sk)
+        p = _probs_reference(qf, kf, ctx.scale, vis)
+        g = grad_out.to(torch.float32)
+        dv = torch.matmul(p.transpose(-1, -2), g)
+        dp = torch.matmul(g, vf.transpose(-1, -2))
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, kf) * ctx.scale
+        dk = torch.matmul(ds.transpose(-1, -2), qf) * ctx.scale
+        if group > 1:
+            dk = dk.unflatten(1, (hkv, group)).sum(2)
+            dv = dv.unflatten(1, (hkv, group)).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Batch- and prefill/decode-invariant attention (see the module docstring).
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Sk, D]``; v: ``[B, Hkv, Sk, Dv]``; bf16/fp16/fp32.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+        causal: query ``i`` (position ``Sk - Sq + i``) sees keys ``<=`` its position.
+        mask: optional bool, broadcastable to ``[B, Hq, Sq, Sk]``, True = hidden.
+    Returns:
+        ``[B, Hq, Sq, Dv]`` in ``q.dtype`` (computed in fp32, rounded once). Differentiable.
+    Raises:
+        ValueError / TypeError for bad shapes, dtypes or a mask that does not broadcast.
+    """
+    _check(q, k, v, mask)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    which = _backend.resolve(q.device)
+    return _Attention.apply(q, k, v, mask, float(scale), bool(causal), which)

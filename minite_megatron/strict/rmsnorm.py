@@ -1,0 +1,77 @@
+"""Batch-invariant RMSNorm (layer norm, qk-layernorm, final norm): one row, one fixed order.
+
+``y = round_out(fp32(x) * (1 / sqrt(tree_h(fp32(x)^2) / H + eps)) * w)`` with ``w = weight`` or
+``1 + weight`` (``zero_centered_gamma``), all in fp32, one rounding to ``x.dtype``. The sum of
+squares is the aligned pairwise tree of :mod:`.tree` (``"torch"``) or one fixed-size block
+reduction per row (``"triton"``: ``minite_kernels.triton.bi_rmsnorm``); ``sqrt`` and the division
+are correctly rounded IEEE operations, so a row's result depends on nothing but the row.
+Backward uses the ordinary formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend as _backend
+from .tree import tree_sum
+
+
+def rms_norm_torch(x2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    """The torch formulation; ``x2d`` [M, H] -> [M, H] in ``x2d.dtype``."""
+    xf = x2d.to(torch.float32)
+    h = xf.shape[-1]
+    ms = tree_sum(xf * xf, dim=-1, keepdim=True) / h
+    r = 1.0 / torch.sqrt(ms + eps)
+    w = weight.to(torch.float32)
+    if zero_centered_gamma:
+        w = w + 1.0
+    return (xf * r * w).to(x2d.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps, zero_centered_gamma, which):
+        if which == "triton":
+            from minite_kernels.triton.bi_rmsnorm import bi_rmsnorm
+
+            y = bi_rmsnorm(x2d, weight, eps, zero_centered_gamma)
+        else:
+            y = rms_norm_torch(x2d, weight, eps, zero_centered_gamma)
+        ctx.save_for_backward(x2d, weight)
+        ctx.eps, ctx.zc = eps, zero_centered_gamma
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2d, weight = ctx.saved_tensors
+        xf = x2d.to(torch.float32)
+        g = gy.to(torch.float32)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        n = xf * r
+        w = weight.to(torch.float32) + (1.0 if ctx.zc else 0.0)
+        gn = g * w
+        gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+        gw = (g * n).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx.to(x2d.dtype), gw, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False) -> torch.Tensor:
+    """Batch-invariant RMSNorm over the last dimension.
+
+    Args:
+        x: ``[..., H]`` bf16 / fp16 / fp32.
+        weight: ``[H]`` (any floating dtype, read as fp32).
+        eps: added to the mean square (fp32).
+        zero_centered_gamma: scale by ``1 + weight`` (Megatron's ``layernorm_zero_centered_gamma``).
+    Returns:
+        ``[..., H]`` in ``x.dtype``. Non-finite inputs propagate to their row.
+    Raises:
+        ValueError if ``weight`` is not ``[H]``; TypeError for non-floating ``x``.
+    """
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"rms_norm needs a floating tensor, got {x.dtype}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    which = _backend.resolve(x.device)
+    x2d = x.reshape(-1, x.shape[-1])
+    return _RMSNorm.apply(x2d, weight, float(eps), bool(zero_centered_gamma), which).reshape(x.shape)

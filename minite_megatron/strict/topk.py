@@ -1,0 +1,33 @@
+"""Deterministic top-k with stable ties (MoE routing in strict mode).
+
+``torch.topk`` does not document which index wins a tie, and its algorithm may change with the
+shape. :func:`stable_topk` sorts each row with a *stable* descending sort: the k largest values,
+ties broken by the lower index, the same for a row whatever else shares the call. ``-0.0`` and
+``+0.0`` compare equal (a tie). NaN scores raise instead of being routed somewhere arbitrary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def stable_topk(scores: torch.Tensor, k: int, dim: int = -1, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of ``scores`` along ``dim``, in descending order, ties to the lower
+    index.
+
+    Args:
+        scores: floating tensor; ``+-inf`` allowed.
+        k: ``1 <= k <= scores.shape[dim]``.
+        check_finite: raise on NaN (costs one host sync).
+    Returns:
+        ``(values, indices)``, each ``scores.shape`` with ``dim`` of length ``k``; indices int64.
+    Raises:
+        ValueError for a bad ``k`` or (``check_finite``) NaN scores.
+    """
+    n = scores.shape[dim]
+    if not 1 <= k <= n:
+        raise ValueError(f"stable_topk: k={k} must lie in [1, {n}]")
+    if check_finite and bool(torch.isnan(scores).any()):
+        raise ValueError("stable_topk: NaN in the routing scores (strict mode refuses to route them)")
+    values, indices = torch.sort(scores, dim=dim, descending=True, stable=True)
+    return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
