@@ -82,7 +82,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
 
         ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
         ctx.tokens_per_expert = list(tokens_per_expert)
-        ctx.needs_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        ctx.needs_wgrad = any(ctx.needs_input_grad[5 : 5 + groups])
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand(

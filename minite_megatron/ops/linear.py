@@ -101,7 +101,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
         saved = [weight]
-        ctx.needs_wgrad = weight.requires_grad and torch.is_grad_enabled()
+        ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = backend.quantize(
                 x2.t(), global_scale=recipe.grad_scale, rht_seed=recipe.wgrad_rht_seed, nonfinite=recipe.nonfinite
