@@ -1,0 +1,67 @@
+"""Megatron core attention for strict mode: the ``core_attention`` submodule of ``SelfAttention``.
+
+:class:`StrictDotProductAttention` subclasses Megatron's ``DotProductAttention`` (same
+constructor and builder protocol, so it drops into any ``SelfAttentionSubmodules``) and computes
+:func:`minite_megatron.strict.attention.attention`: a query's output does not depend on the
+batch, on the other queries in the call, or on whether its keys come from the whole sequence
+(training, teacher forcing, prefill) or from Megatron's static KV cache (decode).
+
+How Megatron calls it (megatron-core 0.19, ``SelfAttention.forward``): ``query`` ``[sq, b, np,
+hn]``, ``key``/``value`` ``[sk, b, ng, hn]`` after RoPE; in static inference the keys are the
+cache ``[:sequence_end]`` and the queries the new tokens, i.e. the *last* ``sq`` positions,
+which is the rule the strict attention uses for causal visibility. During decode Megatron
+passes ``attn_mask_type=no_mask`` (and the rows of the causal mask for the new positions); the
+module keeps the causal rule of its constructor's ``attn_mask_type`` (which gives the same
+visibility for the last positions) and additionally honours ``attention_mask`` (bool, True =
+hidden). Output ``[sq, b, np * hn]`` in the query dtype.
+
+Not supported (raise): packed sequences (THD), attention bias, sliding windows, softmax types
+other than ``vanilla``, context parallelism, and attention dropout in training mode (set
+``attention_dropout=0``: RL learners run without dropout, and dropout would break alignment).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from .attention import attention as batch_invariant_attention
+
+
+class StrictDotProductAttention(DotProductAttention):
+    """Batch- and prefill/decode-invariant ``DotProductAttention`` (see the module docstring)."""
+
+    minite_strict = True
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"strict attention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise NotImplementedError("strict attention does not support sliding-window attention")
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        # the net scale of q.k (Megatron divides by the layer number for fp16 and multiplies back)
+        self.strict_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.causal = attn_mask_type == AttnMaskType.causal
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        """``query`` [sq, b, np, hn], ``key``/``value`` [sk, b, ng, hn] -> [sq, b, np * hn]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("strict attention does not support packed sequences (THD)")
+        if attention_bias is not None:
+            raise NotImplementedError("strict attention does not support attention_bias")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError("strict attention needs attention_dropout=0 in training mode")
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        mask = attention_mask
+        if mask is not None and mask.dim() != 4:
+            raise ValueError(f"strict attention: attention_mask must be [b|1, 1|np, sq, sk], got {tuple(mask.shape)}")
+        ctx = batch_invariant_attention(q, k, v, scale=self.strict_scale, causal=self.causal, mask=mask)
+        sq, b = query.shape[0], query.shape[1]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
