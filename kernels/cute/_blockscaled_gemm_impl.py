@@ -52,14 +52,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.memory import TmemAllocator
+from cutlass.memory import SmemAllocator, TmemAllocator, get_smem_capacity_in_bytes
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .tiles import MMA_K, SF_VEC, TILE_M, GemmConfig
@@ -135,7 +134,7 @@ class Nvfp4BlockScaledGemmKernel:
         self.acc_dtype = cutlass.Float32
         self.mma_inst_mn = (TILE_M, self.tile_n)
         self.num_acc_stage = 2 if self.tile_n == 128 else 1
-        self.smem_capacity = utils.get_smem_capacity_in_bytes(self.arch)
+        self.smem_capacity = get_smem_capacity_in_bytes(self.arch)
         self.num_tmem_alloc_cols = cute.arch.get_max_tmem_alloc_cols(self.arch)
         self.epilogue_sync = pipeline.NamedBarrier(barrier_id=1, num_threads=32 * len(self.epilogue_warps))
         self.tmem_alloc_sync = pipeline.NamedBarrier(
@@ -335,7 +334,7 @@ class Nvfp4BlockScaledGemmKernel:
             cpasync.prefetch_descriptor(tma_atom_sfb)
 
         # ---- shared memory, pipelines, tensor-memory allocator ----
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_full.data_ptr(),
@@ -649,3 +648,15 @@ def launch(
         sb_strides,
         stream,
     )
+
+
+def compile_artifacts(config: GemmConfig, arch: str = "sm_100a", dump_dir: str | None = None) -> tuple[str, bytes]:
+    """(PTX text, cubin bytes) of the kernel for ``config`` on ``arch``, compiled here (no GPU
+    needed). The DSL writes the files into ``dump_dir`` (a fresh temporary folder if None)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir or tmp}"
+        compiled = cute.compile(Nvfp4BlockScaledGemmKernel(config), *_placeholder_args(config), options=options)
+        ptx, cubin = compiled.__ptx__, compiled.__cubin__
+    return ptx, cubin if isinstance(cubin, bytes) else bytes(cubin)

@@ -1,0 +1,302 @@
+"""Host side of the Blackwell backend, checked on a CPU: argument validation (clear errors
+before any device work), the scale layouts the kernels read (bitwise against the contract's
+``swizzle_scales`` and against CUTLASS's own block-scaled layout), group offsets, and the
+backend's availability reasons and quantize delegation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.nvfp4 import BackendUnavailable
+from minite_megatron.testing import assert_bitwise_equal, assert_nvfp4_equal
+from minite_kernels.cute import _host
+from minite_kernels.cute.backend import BACKEND
+from minite_kernels.cute.gemm import nvfp4_gemm, validate_gemm_operands
+from minite_kernels.cute.grouped_gemm import group_offsets, nvfp4_grouped_gemm, validate_grouped_operands
+from minite_kernels.cute.scales import check_swizzled, grouped_weight_scales, operand_scales, per_group_swizzle
+from minite_kernels.cute.tiles import GemmConfig, check_k, choose_tile_n
+
+
+def _random_scales(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 0x7F, shape, generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _raw_operands(m=64, n=96, k=128, *, dense=True):
+    """Valid raw operands of the dense op (CPU tensors)."""
+    return dict(
+        a_codes=torch.zeros(m, k // 2, dtype=torch.uint8),
+        a_scales=nvfp4.swizzle_scales(_random_scales(m, k // 16)),
+        a_global=torch.ones(m),
+        b_codes=torch.zeros(n, k // 2, dtype=torch.uint8),
+        b_scales=nvfp4.swizzle_scales(_random_scales(n, k // 16, seed=1)),
+        b_global=torch.ones(n),
+        bias=None,
+        out_dtype=torch.bfloat16,
+    )
+
+
+# ---- tiles and K ---------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [16, 32, 48, 96, 160, 0, -64])
+def test_k_not_a_multiple_of_the_mma_k_is_rejected(k):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_k(k)
+
+
+@pytest.mark.parametrize("k", [64, 128, 192, 256, 320, 4096])
+def test_k_multiple_of_64_is_accepted(k):
+    check_k(k)
+
+
+def test_tile_choice_depends_on_n_only_and_configs_validate():
+    """Strict mode: the tile (hence the accumulation) never depends on M."""
+    assert [choose_tile_n(n) for n in (1, 128, 511, 512, 4096)] == [128, 128, 128, 256, 256]
+    with pytest.raises(ValueError, match="tile_n"):
+        GemmConfig(tile_n=64)
+    with pytest.raises(ValueError, match="out_dtype"):
+        GemmConfig(out_dtype="float8")
+    assert GemmConfig(tile_n=256, has_bias=True, grouped=True).name == "n256_bfloat16_bias_grouped"
+
+
+# ---- raw-operand validation ------------------------------------------------------------------
+def test_valid_raw_operands_pass_validation():
+    assert validate_gemm_operands(**_raw_operands(64, 96, 128)) == (64, 96, 128)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(a_codes=torch.zeros(64, 64, dtype=torch.int8)), TypeError, "uint8"),
+        (dict(b_codes=torch.zeros(96, 32, dtype=torch.uint8)), ValueError, "K mismatch"),
+        (dict(a_codes=torch.zeros(64, 40, dtype=torch.uint8), b_codes=torch.zeros(96, 40, dtype=torch.uint8)), ValueError, "multiple of 64"),
+        (dict(a_scales=_random_scales(64, 8)), ValueError, "swizzled"),  # linear [M, K/16]
+        (dict(a_scales=nvfp4.swizzle_scales(_random_scales(64, 8)).view(torch.uint8)), TypeError, "float8_e4m3fn"),
+        (dict(b_scales=nvfp4.swizzle_scales(_random_scales(200, 8))), ValueError, "swizzled"),
+        (dict(a_global=torch.ones(64, dtype=torch.float16)), TypeError, "float32"),
+        (dict(a_global=torch.ones(63)), ValueError, "64"),
+        (dict(b_global=torch.ones(2)), ValueError, "b_global"),
+        (dict(bias=torch.ones(95)), ValueError, "bias"),
+        (dict(bias=torch.ones(96, dtype=torch.int32)), TypeError, "bias"),
+        (dict(out_dtype=torch.int32), TypeError, "out_dtype"),
+        (dict(a_global=torch.ones(64, device="meta")), ValueError, "several devices"),
+    ],
+)
+def test_bad_raw_operands_raise_clear_errors(change, error, match):
+    args = _raw_operands(64, 96, 128)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        validate_gemm_operands(**args)
+
+
+def test_per_tensor_weight_scale_is_accepted():
+    args = _raw_operands(64, 96, 128)
+    args["b_global"] = torch.ones(1)
+    assert validate_gemm_operands(**args) == (64, 96, 128)
+
+
+def _quantized(m=64, n=96, k=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = nvfp4.quantize_reference(torch.randn(m, k, generator=g), global_scale="row")
+    b = nvfp4.quantize_reference(torch.randn(n, k, generator=g), global_scale="tensor", tile=(16, 16))
+    return a, b
+
+
+def test_linear_scales_are_rejected_by_the_kernel_op():
+    a, b = _quantized()
+    with pytest.raises(ValueError, match=r"a\.swizzled\(\)"):
+        nvfp4_gemm(a, b.swizzled())
+    with pytest.raises(ValueError, match=r"b\.swizzled\(\)"):
+        nvfp4_gemm(a.swizzled(), b)
+
+
+def test_valid_operands_off_blackwell_raise_backend_unavailable_with_the_reason():
+    a, b = _quantized()
+    with pytest.raises(BackendUnavailable, match="CUDA device"):
+        nvfp4_gemm(a.swizzled(), b.swizzled())
+
+
+def test_gemm_rejects_k_not_multiple_of_64_on_quantized_operands():
+    a, b = _quantized(k=96)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        nvfp4_gemm(a.swizzled(), b.swizzled())
+
+
+# ---- grouped validation and offsets ----------------------------------------------------------------
+def _grouped_quantized(sizes=(5, 0, 130, 1), n=80, k=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = nvfp4.quantize_reference(torch.randn(sum(sizes), k, generator=g), global_scale="row")
+    b = nvfp4.quantize_reference(torch.randn(len(sizes), n, k, generator=g), global_scale="group", tile=(16, 16))
+    return a, b
+
+
+def test_group_offsets_are_running_sums_checked_against_rows():
+    assert group_offsets([5, 0, 130, 1], 136, torch.device("cpu")).tolist() == [0, 5, 5, 135, 136]
+    assert group_offsets(torch.tensor([3, 4]), 7, torch.device("cpu")).dtype == torch.int32
+    with pytest.raises(ValueError, match="sum to 6"):
+        group_offsets([3, 3], 7, torch.device("cpu"))
+    with pytest.raises(ValueError, match="negative"):
+        group_offsets([8, -1], 7, torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least one group"):
+        group_offsets([], 0, torch.device("cpu"))
+
+
+def test_grouped_gemm_validation():
+    a, b = _grouped_quantized()
+    with pytest.raises(ValueError, match="3 group sizes for 4 groups"):
+        nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), [5, 0, 131])
+    with pytest.raises(ValueError, match="sum to 137"):
+        nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), [5, 0, 131, 1])
+    with pytest.raises(ValueError, match=r"b\.swizzled\(\)"):
+        nvfp4_grouped_gemm(a.swizzled(), b, [5, 0, 130, 1])
+    with pytest.raises(ValueError, match="global_scale='group'"):
+        nvfp4_grouped_gemm(a.swizzled(), nvfp4.quantize_reference(torch.randn(80, 128)).swizzled(), [136])
+    with pytest.raises(BackendUnavailable, match="CUDA device"):
+        nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), [5, 0, 130, 1])
+
+
+def test_grouped_raw_operand_validation():
+    a, b = _grouped_quantized()
+    args = dict(
+        a_codes=a.codes,
+        a_scales=operand_scales(a),
+        a_global=a.row_global_decode(),
+        b_codes=b.codes,
+        b_scales=grouped_weight_scales(b),
+        b_global=b.global_decode,
+        offsets=torch.tensor([0, 5, 5, 135, 136], dtype=torch.int32),
+        bias=None,
+        out_dtype=torch.bfloat16,
+    )
+    assert validate_grouped_operands(**args) == (136, 80, 128, 4)
+    bad = dict(args, offsets=torch.tensor([0, 5, 5, 135, 136]))
+    with pytest.raises(ValueError, match="int32"):
+        validate_grouped_operands(**bad)
+    whole = dict(args, b_scales=nvfp4.swizzle_scales(b.linear_scales()))  # one matrix, 80 % 128 != 0
+    with pytest.raises(ValueError, match="swizzled"):
+        validate_grouped_operands(**whole)
+    with pytest.raises(ValueError, match="bias"):
+        validate_grouped_operands(**dict(args, bias=torch.ones(80)))
+
+
+# ---- scale layouts ---------------------------------------------------------------------------
+@pytest.mark.parametrize("groups,rows,cols", [(1, 128, 4), (3, 80, 8), (2, 256, 12), (4, 130, 5), (5, 1, 1)])
+def test_per_group_swizzle_equals_swizzle_of_each_group(groups, rows, cols):
+    s = _random_scales(groups, rows, cols, seed=groups * rows)
+    expected = torch.cat([nvfp4.swizzle_scales(s[i]) for i in range(groups)])
+    assert_bitwise_equal(per_group_swizzle(s), expected, "per-group swizzle")
+
+
+def test_grouped_weight_scales_reuse_the_swizzled_tensor_when_n_is_a_multiple_of_128():
+    """With N % 128 == 0 the whole-matrix swizzle is already per group: no copy is made."""
+    a, b = _grouped_quantized(sizes=(3, 4), n=128)
+    bs = b.swizzled()
+    got = grouped_weight_scales(bs)
+    assert got.data_ptr() == bs.block_scales.data_ptr()
+    expected = per_group_swizzle(b.linear_scales().reshape(2, 128, 8))
+    assert_bitwise_equal(got, expected, "grouped scales")
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_grouped_weight_scales_convert_when_n_is_not_a_multiple_of_128(layout):
+    _, b = _grouped_quantized(n=80)
+    q = b if layout == "linear" else b.swizzled()
+    expected = torch.cat([nvfp4.swizzle_scales(b.group(i).linear_scales()) for i in range(4)])
+    assert_bitwise_equal(grouped_weight_scales(q), expected, "grouped scales")
+
+
+def test_operand_scales_equal_the_contract_swizzle():
+    a, _ = _quantized(m=200, k=192)
+    assert_bitwise_equal(operand_scales(a), nvfp4.swizzle_scales(a.linear_scales()), "linear -> swizzled")
+    assert_bitwise_equal(operand_scales(a.swizzled()), nvfp4.swizzle_scales(a.linear_scales()), "swizzled")
+
+
+def test_check_swizzled_names_the_expected_size():
+    with pytest.raises(ValueError, match="2 x \\[80, 8\\]"):
+        check_swizzled(_random_scales(10), 80, 128, 2, "b_scales")
+
+
+def test_contract_swizzle_is_cutlass_block_scaled_layout():
+    """The bytes the kernel reads are where CUTLASS's ``tile_atom_to_shape_SF`` says: for every
+    (row, K block, group), CUTLASS's layout of an (M, K, G) operand maps to the offset at which
+    ``per_group_swizzle`` (== ``nvfp4.swizzle_scales`` per group) stored that scale. Pins the
+    layout agreement between the contract and the kernel without a GPU."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    import cutlass.cute as cute
+    import cutlass.utils.blockscaled_layout as blockscaled_utils
+
+    groups, rows, k = 2, 160, 192
+    cols = k // 16
+    found = {}
+
+    @cute.jit
+    def offsets_of_every_scale():
+        layout = blockscaled_utils.tile_atom_to_shape_SF((rows, k, groups), 16)
+        found["offsets"] = [layout((r, c * 16, g)) for g in range(groups) for r in range(rows) for c in range(cols)]
+
+    offsets_of_every_scale()
+    ids = torch.arange(groups * rows * cols, dtype=torch.int32).reshape(groups, rows, cols) + 1
+    swizzled = per_group_swizzle(ids)
+    got = swizzled[torch.tensor(found["offsets"])].reshape(groups, rows, cols)
+    assert_bitwise_equal(got, ids, "scale at CUTLASS's offset")
+
+
+# ---- backend ---------------------------------------------------------------------------------
+def test_backend_is_unavailable_on_cpu_with_reason():
+    assert BACKEND.name == "blackwell"
+    assert not BACKEND.available(torch.device("cpu"))
+    assert "CUDA device" in BACKEND.why_not(torch.device("cpu"))
+    assert "CUDA device" in BACKEND.why_not(None)
+    reasons = nvfp4.available_backends("cpu")
+    assert reasons["blackwell"] and "CUDA" in reasons["blackwell"]
+    with pytest.raises(BackendUnavailable, match="blackwell"):
+        nvfp4.get_backend("blackwell", "cpu")
+
+
+@pytest.mark.parametrize(
+    "capability,expected",
+    [((9, 0), "is 9.0"), ((12, 0), "is 12.0"), ((10, 1), "is 10.1"), ((10, 0), None), ((10, 3), None)],
+)
+def test_backend_availability_by_compute_capability(monkeypatch, capability, expected):
+    """Only 10.0 (sm_100a) and 10.3 (sm_103a) qualify; Hopper and consumer Blackwell are named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+    monkeypatch.setattr(_host, "dsl_import_error", lambda: None)
+    reason = BACKEND.why_not(torch.device("cuda", 0))
+    if expected is None:
+        assert reason is None and BACKEND.available(torch.device("cuda", 0))
+        assert _host.device_arch("cuda:0") == {(10, 0): "sm_100a", (10, 3): "sm_103a"}[capability]
+    else:
+        assert expected in reason and "FakeGPU" in reason
+        with pytest.raises(BackendUnavailable, match="compute capability"):
+            _host.device_arch("cuda:0")
+
+
+def test_backend_reports_a_missing_dsl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(_host, "dsl_import_error", lambda: "the CUTLASS Python DSL is not importable (x)")
+    assert "CUTLASS Python DSL" in BACKEND.why_not(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (16, 16)])
+def test_backend_quantize_is_the_contract_with_swizzled_scales(tile):
+    """Quantization delegates (Triton when available, else the reference) and hands back the
+    scales in the layout the GEMMs read; codes, scales and global scales stay bitwise."""
+    x = torch.randn(48, 128, generator=torch.Generator().manual_seed(7)) * 3
+    x[0, :16] = 0.0
+    x[1, 5] = 1e30
+    gs = "row" if tile == (1, 16) else "tensor"
+    q = BACKEND.quantize(x, global_scale=gs, tile=tile)
+    assert q.layout == "swizzled"
+    assert_nvfp4_equal(q, nvfp4.quantize_reference(x, global_scale=gs, tile=tile), "blackwell.quantize")
+
+
+def test_backend_grouped_wgrad_delegates_to_the_contract():
+    g = torch.Generator().manual_seed(3)
+    dy, x, sizes = torch.randn(40, 32, generator=g), torch.randn(40, 48, generator=g), [7, 0, 33]
+    got = BACKEND.grouped_wgrad(dy, x, sizes)
+    assert_bitwise_equal(got, nvfp4.grouped_wgrad_reference(dy, x, sizes), "grouped_wgrad")
