@@ -63,15 +63,18 @@ def mma_k_loop(
                 acc = add_rn(acc, p, not DOT_FP32)
     else:
         offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_base + (k_start + offs_k)[None, :] * s_ak
+        b_ptrs = b_base + (k_start + offs_k)[:, None] * s_bk
         for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + offs_k
-            kmask = kk < k_end
-            a = tl.load(a_base + kk[None, :] * s_ak, mask=a_rmask & kmask[None, :], other=0.0)
-            b = tl.load(b_base + kk[:, None] * s_bk, mask=kmask[:, None] & b_cmask, other=0.0)
+            kmask = offs_k < k_end - k0
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * s_ak
+            b_ptrs += BLOCK_K * s_bk
     return acc
 
 

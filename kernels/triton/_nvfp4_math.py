@@ -19,9 +19,9 @@ import os
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
-NAN_F32_BITS = 0x7FC00000
-NAN_BF16_BITS = 0x7FC0
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+NAN_F32_BITS = tl.constexpr(0x7FC00000)
+NAN_BF16_BITS = tl.constexpr(0x7FC0)
 
 #: Launch options of every kernel that rounds (see the module docstring).
 EXACT_LAUNCH = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
@@ -188,3 +188,19 @@ def bf16_image_bits(img):
     """fp32 image values -> their bf16 bits as int16 (exact values; NaN -> 0x7FC0)."""
     bits = img.to(tl.bfloat16).to(tl.int16, bitcast=True)
     return tl.where(img != img, NAN_BF16_BITS, bits)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, BITWISE_BF16: tl.constexpr):
+    """fp32 -> ``dtype`` with one round-to-nearest-even.
+
+    The interpreter's fp32 -> bf16 cast truncates (Triton 3.6), so with ``BITWISE_BF16`` the
+    bf16 rounding is done on the bits (NaN -> 0x7FC0); the GPU's ``cvt.rn`` is used otherwise.
+    """
+    if (dtype == tl.bfloat16) and BITWISE_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = tl.where(x != x, NAN_BF16_BITS, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)

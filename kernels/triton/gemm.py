@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_common import epilogue, mma_k_loop
-from ._nvfp4_math import exact_launch, interpreting
+from ._gemm_common import add_rn, epilogue, mma_k_loop
+from ._nvfp4_math import exact_launch, interpreting, round_to
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,8 +53,9 @@ def _gemm_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_base = a_ptr + rm[:, None].to(tl.int64) * s_am
-    b_base = b_ptr + rn[None, :].to(tl.int64) * s_bn
+    # Rows past the M / N tails read in-bounds rows (never stored), so the K loop needs no row mask.
+    a_base = a_ptr + (rm % M)[:, None].to(tl.int64) * s_am
+    b_base = b_ptr + (rn % N)[None, :].to(tl.int64) * s_bn
     acc = mma_k_loop(a_base, b_base, (rm < M)[:, None], (rn < N)[None, :], 0, K, s_ak, s_bk,
                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, CANONICAL)
 
@@ -72,12 +73,70 @@ def _gemm_kernel(
         bias = sb
     out = epilogue(acc, sa, sb, bias, HAS_BIAS)
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+    tl.store(c_ptrs, round_to(out, c_ptr.dtype.element_ty, DOT_FP32), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _gemm_tma_kernel(
+    a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+    SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr, CANONICAL: tl.constexpr,
+):
+    """Hopper path: operands and output move through TMA descriptors (no address registers).
+
+    ``b_desc`` covers the ``[N, K]`` operand (``B_KMAJOR=False``, blocks [BN, BK]) or its
+    transpose stored ``[K, N]`` (``B_KMAJOR=True``: dgrad on ``W.image.t()``, blocks [BK, BN]).
+    """
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([m0, k0])
+        if B_KMAJOR:
+            b = b_desc.load([k0, n0])
+        else:
+            b = b_desc.load([n0, k0]).T
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if CANONICAL:
+            # BLOCK_K == 16: one exact block partial, then one round-to-nearest add.
+            acc = add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    if SA_ROWS:
+        sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
+    else:
+        sa = tl.full((BLOCK_M,), tl.load(sa_ptr), tl.float32)
+    if SB_ROWS:
+        sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0)
+    else:
+        sb = tl.full((BLOCK_N,), tl.load(sb_ptr), tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    else:
+        bias = sb
+    out = epilogue(acc, sa, sb, bias, HAS_BIAS)
+    c_desc.store([m0, n0], round_to(out, c_desc.dtype, DOT_FP32))
 
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
 STRICT_CONFIG = (128, 128, 64, 8, 8, 3)
 """The one config of strict (batch-invariant) mode, for every M."""
+CANONICAL_CONFIG = (128, 128, 16, 8, 8, 8)
+"""Canonical (contract-order) accumulation: 16-wide K steps, deep pipeline."""
 
 
 def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool) -> tuple:
@@ -85,14 +144,27 @@ def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool
     if interpreting():
         # BLOCK_K = 16: the interpreter's tl.dot(a, b, acc) then adds exact block partials in
         # K order, i.e. the contract's own accumulation.
-        return (32, 32, 16, 4, 4, 1) if not batch_invariant else (16, 16, 16, 4, 4, 1)
+        return (16, 16, 16, 4, 4, 1) if batch_invariant else (32, 32, 16, 4, 4, 1)
+    if canonical:
+        return CANONICAL_CONFIG
     if batch_invariant:
         return STRICT_CONFIG
-    if canonical:
-        return (128, 128, 64, 8, 8, 3)
     if m <= 64:
         return (64, 128, 64, 8, 4, 4)
     return (128, 256, 64, 8, 8, 3)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2D tensor TMA can describe: unit last stride, 16-byte aligned base and row stride."""
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.shape[0] > 0 and t.shape[1] > 0)
+
+
+def use_tma(device: torch.device) -> bool:
+    """TMA descriptors: Hopper and newer, and the interpreter (which emulates them)."""
+    if interpreting():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @torch.library.custom_op("minite::gemm", mutates_args=())
@@ -112,17 +184,32 @@ def gemm_op(
     out = torch.empty(m, n, dtype=out_dtype, device=a_img.device)
     if m == 0 or n == 0:
         return out
+    if k == 0:
+        return out.zero_()
     bm, bn, bk, gm, warps, stages = select_config(m, n, k, batch_invariant, canonical)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _gemm_kernel[grid](
-        a_img, b_img, out, a_scale, b_scale, bias if bias is not None else a_scale,
-        m, n, k, a_img.stride(0), a_img.stride(1), b_img.stride(0), b_img.stride(1),
-        out.stride(0), out.stride(1),
+    common = dict(
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, DOT_FP32=interpreting(), CANONICAL=canonical,
-        num_warps=warps, num_stages=stages, **exact_launch(),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+        DOT_FP32=interpreting(), CANONICAL=canonical, num_warps=warps, num_stages=stages, **exact_launch(),
     )
+    bias_arg = bias if bias is not None else a_scale
+    b_kmajor = b_img.stride(0) == 1 and b_img.stride(1) != 1
+    b_phys = b_img.t() if b_kmajor else b_img
+    if use_tma(a_img.device) and _tma_ok(a_img) and _tma_ok(b_phys) and _tma_ok(out):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a_img, [bm, bk])
+        b_desc = TensorDescriptor.from_tensor(b_phys, [bk, bn] if b_kmajor else [bn, bk])
+        c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+        _gemm_tma_kernel[grid](a_desc, b_desc, c_desc, a_scale, b_scale, bias_arg, m, n, k,
+                               B_KMAJOR=b_kmajor, **common)
+    else:
+        _gemm_kernel[grid](
+            a_img, b_img, out, a_scale, b_scale, bias_arg,
+            m, n, k, a_img.stride(0), a_img.stride(1), b_img.stride(0), b_img.stride(1),
+            out.stride(0), out.stride(1), **common,
+        )
     return out
 
 

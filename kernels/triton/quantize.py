@@ -38,6 +38,7 @@ from minite_megatron.nvfp4.swizzle import swizzled_numel
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import (
+    FLT_MAX,
     bf16_image_bits,
     canonical_nan_f32,
     e2m1_nearest,
@@ -50,7 +51,7 @@ from ._nvfp4_math import (
 )
 from .amax import amax_forward
 
-ONE_SIXTH = 0.1666666716337204  # RN_fp32(1/6), exactly representable
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), exactly representable
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _quantize_kernel(
         sf_code, sf = e4m3_rne_satfinite(bmax * scale_mul)
         # Step 4: encode scale, IEEE division, clamped to FLT_MAX (NaN stays NaN).
         enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec[:, None])
-        enc = tl.where(enc > 3.4028234663852886e38, 3.4028234663852886e38, enc)
+        enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
         # Step 5: E2M1 rounding.
         v = tl.reshape(tl.reshape(x, (BLOCK_R, nb, 16)) * enc[:, :, None], (BLOCK_R, BLOCK_K))
         if STOCHASTIC:

@@ -1,0 +1,77 @@
+"""Compile a Triton kernel for a GPU that is not here (ahead of time) and read its machine code.
+
+CI machines have no GPU, but Triton's wheel carries ``ptxas`` and ``cuobjdump``, so a kernel
+can be compiled for sm_90a (H200) on a CPU and its SASS inspected: that the image GEMMs use
+wgmma (``HGMMA``), that no FMA merges two roundings in the quantize kernel, registers and
+spills. Must run in a process without ``TRITON_INTERPRET=1`` (the interpreter replaces
+``triton.jit`` functions). Used by tests (in a subprocess) and by ``python -m
+minite_kernels.triton._aot`` (a resource report of every kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_for(fn, signature: dict, constexprs: dict, arch: int = 90, **options):
+    """``triton.compile`` of JIT function ``fn`` for ``sm_<arch>``; ``signature`` maps every
+    non-constexpr argument to a Triton type string (``"*bf16"``, ``"i32"``, ``"fp32"``)."""
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def sass(kernel) -> str:
+    """The SASS of a compiled kernel (cuobjdump from Triton's wheel)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+        path = f.name
+    try:
+        return subprocess.run([tool, "-sass", path], check=True, capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+
+
+def opcode_counts(text: str, names=("HGMMA", "HMMA", "FFMA", "FADD", "FMUL", "LDL", "STL", "MUFU")) -> dict:
+    """How many times each SASS opcode appears (``HGMMA`` counts ``HGMMA.*`` variants)."""
+    return {n: len(re.findall(rf"\b{n}\b", text)) for n in names}
+
+
+def ptxas_resources(kernel, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes as ``ptxas -v`` reports them for the kernel's PTX."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([tool, f"-arch={arch}", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
+                             check=True, capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return {"regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
+
+
+def report(kernel) -> dict:
+    """Registers, spills, shared memory and opcode counts of a compiled kernel."""
+    return {**ptxas_resources(kernel), "shared": kernel.metadata.shared, **opcode_counts(sass(kernel))}
+
+
+def _main() -> None:  # pragma: no cover - a developer tool
+    from . import _aot_kernels
+
+    for name, kernel in _aot_kernels.all_kernels():
+        print(f"{name:40s} {report(kernel)}")
+
+
+if __name__ == "__main__":
+    _main()

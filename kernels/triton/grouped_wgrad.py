@@ -1,0 +1,216 @@
+"""MoE wgrad in NVFP4: ``dW[g] = dY_g^T @ X_g`` for every expert in one launch.
+
+Equal to ``nvfp4.grouped_wgrad_reference``: quantization blocks run along tokens and must not
+straddle experts, so each expert's token range is zero-padded to a multiple of 16 and both
+operands are quantized as whole ``[N, T_pad]`` / ``[K, T_pad]`` matrices (global scale
+``"tensor"`` or ``"row"``, over all experts). Here the padding costs no copy: the quantize
+kernel reads ``dY.t()`` / ``X.t()`` in place through a column gather (``col_index``: padded
+token -> source token, -1 for padding), in the same pass that writes codes, scales and the
+bf16 image. Stochastic rounding draws its bits at the padded (row, column), like the
+reference. With the random Hadamard transform the padded, transposed operands are built in
+torch first (``rht16`` is bitwise by construction).
+
+The GEMM: one program per (expert, N tile, K tile) runs over its expert's padded token range,
+TMA tiles of ``BLOCK_T`` tokens then one masked tail (a multiple of 16 tokens), in token
+order; epilogue ``fp32(s_a[n] * s_b[k]) * acc``, one rounding to ``out_dtype``; an expert
+without tokens gets zeros. ``group_sizes``: list of ints (exact padding) or an int tensor on
+the device (no host sync; the padded width is then the bound ``T + 15 G``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minite_megatron.nvfp4.formats import BLOCK
+from minite_megatron.nvfp4.hadamard import rht16, rht_signs
+
+from ._gemm_common import add_rn
+from ._nvfp4_math import exact_launch, interpreting, round_to
+from .amax import amax_forward
+from .grouped_gemm import group_offsets
+from .quantize import quantize_op, sr_key
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_desc, b_desc, a_ptr, b_ptr, out_ptr, poffs_ptr, sa_ptr, sb_ptr,
+    N, KX, T_PAD,
+    SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_FP32: tl.constexpr, CANONICAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M)
+    num_n = tl.cdiv(KX, BLOCK_N)
+    g = pid // (num_m * num_n)
+    tile = pid % (num_m * num_n)
+    m0 = (tile // num_n) * BLOCK_M
+    n0 = (tile % num_n) * BLOCK_N
+    p0 = tl.load(poffs_ptr + g)
+    p1 = tl.load(poffs_ptr + g + 1)
+    full_end = p0 + ((p1 - p0) // BLOCK_T) * BLOCK_T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for t0 in range(p0, full_end, BLOCK_T):
+        a = a_desc.load([m0, t0])
+        b = b_desc.load([n0, t0]).T
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if CANONICAL:
+            acc = add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    if full_end < p1:  # the tail: fewer than BLOCK_T tokens (a multiple of 16), masked loads
+        tt = full_end + tl.arange(0, BLOCK_T)
+        tmask = tt < p1
+        a = tl.load(a_ptr + (rm % N)[:, None].to(tl.int64) * T_PAD + tt[None, :], mask=tmask[None, :], other=0.0)
+        b = tl.load(b_ptr + (rn % KX)[None, :].to(tl.int64) * T_PAD + tt[:, None], mask=tmask[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+    if SA_ROWS:
+        sa = tl.load(sa_ptr + rm, mask=rm < N, other=1.0)
+    else:
+        sa = tl.full((BLOCK_M,), tl.load(sa_ptr), tl.float32)
+    if SB_ROWS:
+        sb = tl.load(sb_ptr + rn, mask=rn < KX, other=1.0)
+    else:
+        sb = tl.full((BLOCK_N,), tl.load(sb_ptr), tl.float32)
+    out = acc * (sa[:, None] * sb[None, :])
+    out = tl.where(p1 > p0, out, 0.0)  # an expert without tokens gets zeros (even with NaN scales)
+    ptrs = out_ptr + g.to(tl.int64) * N * KX + rm[:, None].to(tl.int64) * KX + rn[None, :]
+    tl.store(ptrs, round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=(rm < N)[:, None] & (rn < KX)[None, :])
+
+
+def select_config(canonical: bool) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_T, num_warps, num_stages)."""
+    if interpreting() or canonical:
+        return (16, 16, 16, 4, 1) if interpreting() else (128, 128, 16, 8, 8)
+    return (128, 128, 64, 8, 4)
+
+
+def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(col_index int32 [T_pad], padded offsets int32 [G + 1], T_pad) on ``device``.
+
+    ``col_index[c]`` is the source token of padded column c, or -1 for padding.
+    """
+    if isinstance(group_sizes, torch.Tensor):
+        sizes = group_sizes.to(device=device, dtype=torch.int64).reshape(-1)
+        t_pad = -(-(t + (BLOCK - 1) * sizes.numel()) // BLOCK) * BLOCK
+    else:
+        sizes = torch.tensor([int(s) for s in group_sizes], dtype=torch.int64).to(device)
+        t_pad = sum(-(-int(s) // BLOCK) * BLOCK for s in group_sizes)
+    psizes = (sizes + BLOCK - 1) // BLOCK * BLOCK
+    offs = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
+    poffs = torch.nn.functional.pad(torch.cumsum(psizes, 0), (1, 0))
+    c = torch.arange(t_pad, device=device)
+    g = torch.searchsorted(poffs[1:], c, right=True).clamp(max=max(sizes.numel() - 1, 0))
+    local = c - poffs[g]
+    src = torch.where((local < sizes[g]) & (c < poffs[-1]), offs[g] + local, -1)
+    return src.to(torch.int32), poffs.to(torch.int32), t_pad
+
+
+def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed):
+    """Quantize ``pad_groups(x).t()`` ([H, T_pad]) with its image: (image, global decode)."""
+    h = x.shape[1]
+    if rht_seed is not None:
+        gathered = torch.where((col_index >= 0)[:, None], x[col_index.clamp(min=0).long()], 0)
+        xt = rht16(gathered.t(), rht_signs(None if rht_seed < 0 else rht_seed, device=x.device))
+        src, cols = xt, None
+    else:
+        src, cols = x.t(), col_index
+    if global_scale == "tensor":
+        amax = amax_forward(src if cols is None else x, max(src.shape[0] if cols is None else x.shape[0], 1))
+        rpg = max(h, 1)
+    else:
+        amax, rpg = None, 1
+    _, _, sdec, image = quantize_op(src, amax, cols, rpg, False, stochastic,
+                                    sr_key(seed) if stochastic else 0, True, False)
+    return image, sdec
+
+
+def grouped_wgrad_forward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    group_sizes,
+    *,
+    global_scale: str = "tensor",
+    grad_rounding: str = "nearest",
+    grad_seed: int | None = None,
+    rht_seed: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    canonical: bool = False,
+) -> torch.Tensor:
+    """``grad_out [T, N]``, ``x [T, K]`` (bf16/fp16/fp32, rows sorted by expert) -> ``[G, N, K]``.
+
+    Raises ValueError when the shapes and group sizes disagree, for a global scale other than
+    ``"tensor"``/``"row"``, or stochastic rounding without ``grad_seed``.
+    """
+    t = x.shape[0]
+    if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != t:
+        raise ValueError(f"grouped_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} disagree")
+    if not isinstance(group_sizes, torch.Tensor) and sum(int(s) for s in group_sizes) != t:
+        raise ValueError(
+            f"grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)} and group sizes "
+            f"summing to {sum(group_sizes)} disagree"
+        )
+    if global_scale not in ("tensor", "row"):
+        raise ValueError(f"grouped_wgrad: global_scale must be 'tensor' or 'row', got {global_scale!r}")
+    if grad_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {grad_rounding!r}")
+    if grad_rounding == "stochastic" and grad_seed is None:
+        raise ValueError("stochastic rounding needs a seed (grad_seed)")
+    for name, tns in (("grad_out", grad_out), ("x", x)):
+        if tns.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"grouped_wgrad: {name} must be bf16/fp16/fp32, got {tns.dtype}")
+    groups = group_sizes.numel() if isinstance(group_sizes, torch.Tensor) else len(group_sizes)
+    n, kx = grad_out.shape[1], x.shape[1]
+    if n == 0 or kx == 0 or groups == 0:
+        return torch.zeros(groups, n, kx, dtype=out_dtype, device=x.device)
+    col_index, poffs, t_pad = pad_index(group_sizes, t, x.device)
+    if t_pad == 0:
+        return torch.zeros(groups, n, kx, dtype=out_dtype, device=x.device)
+    a_img, sa = _quantize_padded_t(grad_out, col_index, t_pad, global_scale, grad_rounding == "stochastic",
+                                   grad_seed, rht_seed)
+    b_img, sb = _quantize_padded_t(x, col_index, t_pad, global_scale, False, None, rht_seed)
+    return grouped_wgrad_op(a_img, b_img, poffs, sa, sb, groups, out_dtype, canonical)
+
+
+@torch.library.custom_op("minite::grouped_wgrad", mutates_args=())
+def grouped_wgrad_op(
+    a_img: torch.Tensor,
+    b_img: torch.Tensor,
+    poffs: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    groups: int,
+    out_dtype: torch.dtype,
+    canonical: bool,
+) -> torch.Tensor:
+    """Images ``a [N, T_pad]``, ``b [K, T_pad]``, padded offsets ``[G + 1]`` -> ``[G, N, K]``."""
+    n, t_pad = a_img.shape
+    kx = b_img.shape[0]
+    out = torch.empty(groups, n, kx, dtype=out_dtype, device=a_img.device)
+    bm, bn, bt, warps, stages = select_config(canonical)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor.from_tensor(a_img, [bm, bt])
+    b_desc = TensorDescriptor.from_tensor(b_img, [bn, bt])
+    grid = (groups * triton.cdiv(n, bm) * triton.cdiv(kx, bn),)
+    _grouped_wgrad_kernel[grid](
+        a_desc, b_desc, a_img, b_img, out, poffs, a_scale, b_scale, n, kx, t_pad,
+        SA_ROWS=a_scale.numel() != 1 or n == 1, SB_ROWS=b_scale.numel() != 1 or kx == 1,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_T=bt, DOT_FP32=interpreting(), CANONICAL=canonical,
+        num_warps=warps, num_stages=stages, **exact_launch(),
+    )
+    return out
+
+
+@grouped_wgrad_op.register_fake
+def _(a_img, b_img, poffs, a_scale, b_scale, groups, out_dtype, canonical):
+    return a_img.new_empty((groups, a_img.shape[0], b_img.shape[0]), dtype=out_dtype)
