@@ -61,3 +61,35 @@ def kernel_artifacts():
         return _compile(config, arch)
 
     return get
+
+
+def _exact_operand(rows: int, k: int, gen, *, lead=None, device="cpu"):
+    """An NVFP4 operand whose GEMM partial sums are exact in fp32 in any order: random codes,
+    block scales in {0.5, 1, 2}, random positive global scales (per row, or per group with
+    ``lead=(G,)``). With K <= 1024 every partial sum is a multiple of 2^-4 below 2^18."""
+    from dataclasses import replace
+
+    import torch
+
+    from minite_megatron.nvfp4 import NVFP4Tensor
+
+    shape = (*(lead or ()), rows, k)
+    codes = torch.randint(0, 256, (*shape[:-1], k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (*shape[:-1], k // 16), generator=gen)]
+    global_decode = torch.rand(shape[0] if lead else rows, generator=gen) * 1e-2 + 1e-4
+    q = NVFP4Tensor(
+        codes=codes,
+        block_scales=scales.to(torch.float8_e4m3fn),
+        global_decode=global_decode,
+        shape=torch.Size(shape),
+        global_scale="group" if lead else "row",
+    )
+    return replace(
+        q, codes=codes.to(device), block_scales=q.block_scales.to(device), global_decode=global_decode.to(device)
+    )
+
+
+@pytest.fixture(scope="session")
+def exact_operand():
+    """Factory of exact-sum NVFP4 operands (see :func:`_exact_operand`)."""
+    return _exact_operand

@@ -300,3 +300,35 @@ def test_backend_grouped_wgrad_delegates_to_the_contract():
     dy, x, sizes = torch.randn(40, 32, generator=g), torch.randn(40, 48, generator=g), [7, 0, 33]
     got = BACKEND.grouped_wgrad(dy, x, sizes)
     assert_bitwise_equal(got, nvfp4.grouped_wgrad_reference(dy, x, sizes), "grouped_wgrad")
+
+
+# ---- the premise of the GPU bitwise tests ------------------------------------------------------
+@pytest.mark.parametrize("m,n,k", [(5, 7, 64), (33, 20, 320), (9, 3, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_exact_data_makes_any_accumulation_order_bitwise(exact_operand, m, n, k, with_bias):
+    """test_cute_gpu.py expects the tensor cores to match the reference bit for bit on
+    exact data whatever their accumulation order. Checked here: the canonical-order reference
+    equals the exact (fp64) sum pushed through the same epilogue, and a reversed-K-order fp32
+    accumulation gives the same accumulator."""
+    from minite_megatron.nvfp4.gemm import block_partials_accumulate, epilogue
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    a, b = exact_operand(m, k, gen), exact_operand(n, k, gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    ref = nvfp4.gemm_reference(a, b, bias)
+    ia, ib = a.image_fp32(), b.image_fp32()
+    exact_acc = (ia.double() @ ib.double().t()).float()
+    assert torch.equal(exact_acc.double(), ia.double() @ ib.double().t())  # exact in fp32
+    reversed_acc = block_partials_accumulate(ia.flip(1), ib.flip(1))
+    assert_bitwise_equal(reversed_acc, exact_acc, "reversed-order accumulator")
+    via_exact = epilogue(exact_acc, a.row_global_decode(), b.row_global_decode(), bias, torch.bfloat16)
+    assert_bitwise_equal(ref, via_exact, "reference vs exact sum")
+
+
+def test_exact_grouped_operands_match_the_grouped_reference_structure(exact_operand):
+    gen = torch.Generator().manual_seed(1)
+    b = exact_operand(24, 128, gen, lead=(3,))
+    assert b.global_scale == "group" and tuple(b.shape) == (3, 24, 128) and b.global_decode.shape == (3,)
+    a = exact_operand(10, 128, gen)
+    out = nvfp4.grouped_gemm_reference(a, b, [4, 0, 6])
+    assert out.shape == (10, 24) and torch.isfinite(out.float()).all()

@@ -1,0 +1,117 @@
+"""Execution tests of the Blackwell kernels against the contract. They need a Blackwell GPU
+(compute capability 10.0 / 10.3) and the CUTLASS DSL, and skip elsewhere with the reason.
+
+Two kinds of checks:
+* exact data (block scales in {0.5, 1, 2}, K <= 1024): every partial sum of the products is
+  a multiple of 2^-4 below 2^18, exact in fp32 in *any* order, so the tensor-core result must
+  equal the reference bit for bit -- this pins the epilogue (one fp32 alpha product, scale,
+  bias add, one rounding) and the tile / group / tail bookkeeping;
+* realistic data (quantized heavy-tailed values): within the fp32 accumulation bound of
+  ``nvfp4.fp32_accumulation_bound`` plus one output rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.testing import assert_bitwise_equal, assert_within, gemm_output_bound
+from minite_kernels.cute.backend import BACKEND
+
+_REASON = BACKEND.why_not(torch.device("cuda")) if torch.cuda.is_available() else "needs a CUDA GPU"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_REASON is not None, reason=f"needs a Blackwell GPU (sm_100a/sm_103a): {_REASON}"),
+]
+
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("m", [1, 127, 128, 300])
+@pytest.mark.parametrize("n,k", [(1, 64), (96, 192), (200, 320), (512, 256), (640, 1024)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_bitwise_on_exact_data(exact_operand, m, n, k, out_dtype, with_bias):
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    a, b = exact_operand(m, k, gen, device=DEV), exact_operand(n, k, gen, device=DEV)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(DEV) if with_bias else None
+    got = nvfp4.gemm(a, b, bias, out_dtype=out_dtype, backend="blackwell")
+    ref = nvfp4.gemm_reference(a, b, bias, out_dtype)
+    assert_bitwise_equal(got, ref, f"blackwell gemm m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("sizes", [[300], [0, 1, 127, 0, 129, 5, 300, 0], [1] * 40, [0, 0, 64, 0]])
+@pytest.mark.parametrize("n,k", [(96, 128), (512, 320)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_bitwise_on_exact_data(exact_operand, sizes, n, k, with_bias):
+    """Groups of size 0 and 1, groups straddling 128-row tiles, many groups in one tile."""
+    gen = torch.Generator().manual_seed(len(sizes) * 101 + n + k)
+    a = exact_operand(sum(sizes), k, gen, device=DEV)
+    b = exact_operand(n, k, gen, lead=(len(sizes),), device=DEV)
+    bias = (torch.randn(len(sizes), n, generator=gen) * 0.1).to(DEV) if with_bias else None
+    got = nvfp4.grouped_gemm(a, b, sizes, bias, backend="blackwell")
+    ref = nvfp4.grouped_gemm_reference(a, b, sizes, bias)
+    assert_bitwise_equal(got, ref, f"blackwell grouped gemm sizes={sizes}")
+
+
+def _heavy_tailed(*shape, gen):
+    x = torch.randn(*shape, generator=gen)
+    return (x * torch.exp(torch.randn(*shape, generator=gen) * 1.5)).to(DEV)
+
+
+@pytest.mark.parametrize("m,n,k", [(256, 384, 2048), (77, 4096, 512), (1000, 200, 1024)])
+def test_dense_within_the_fp32_accumulation_bound(m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = nvfp4.quantize(_heavy_tailed(m, k, gen=gen), global_scale="row", backend="blackwell")
+    b = nvfp4.quantize(_heavy_tailed(n, k, gen=gen), global_scale="tensor", tile=(16, 16), backend="blackwell")
+    bias = torch.randn(n, generator=gen).to(DEV)
+    got = nvfp4.gemm(a, b, bias, backend="blackwell")
+    exact, bound = nvfp4.fp32_accumulation_bound(a, b, bias)
+    assert_within(got, exact, gemm_output_bound(exact, bound, torch.bfloat16), "blackwell gemm")
+
+
+def test_grouped_within_the_fp32_accumulation_bound():
+    gen = torch.Generator().manual_seed(5)
+    sizes, n, k = [33, 0, 200, 1, 90], 256, 1536
+    a = nvfp4.quantize(_heavy_tailed(sum(sizes), k, gen=gen), global_scale="row", backend="blackwell")
+    b = nvfp4.quantize(_heavy_tailed(len(sizes), n, k, gen=gen), global_scale="group", tile=(16, 16), backend="blackwell")
+    got = nvfp4.grouped_gemm(a, b, sizes, backend="blackwell")
+    start = 0
+    for g, size in enumerate(sizes):
+        if size:
+            rows = a.row_slice(start, start + size)
+            exact, bound = nvfp4.fp32_accumulation_bound(rows, b.group(g))
+            assert_within(got[start : start + size], exact, gemm_output_bound(exact, bound, torch.bfloat16), f"group {g}")
+        start += size
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Strict mode: a row's output is the same whether it is computed alone or in a batch."""
+    gen = torch.Generator().manual_seed(11)
+    a = nvfp4.quantize(_heavy_tailed(333, 768, gen=gen), backend="blackwell")
+    b = nvfp4.quantize(_heavy_tailed(640, 768, gen=gen), global_scale="tensor", backend="blackwell")
+    full = nvfp4.gemm(a, b, backend="blackwell", batch_invariant=True)
+    for start, end in [(0, 1), (5, 42), (128, 333)]:
+        part = nvfp4.gemm(a.row_slice(start, end).swizzled(), b, backend="blackwell", batch_invariant=True)
+        assert_bitwise_equal(part, full[start:end], f"rows {start}:{end}")
+
+
+def test_nonfinite_rows_give_nan_rows():
+    """The non-finite policy: a NaN row (NaN global and block scales) yields a NaN output row,
+    and no other row is touched."""
+    gen = torch.Generator().manual_seed(2)
+    x = _heavy_tailed(130, 256, gen=gen)
+    x[3, 7] = float("nan")
+    a = nvfp4.quantize(x, backend="blackwell")
+    b = nvfp4.quantize(_heavy_tailed(64, 256, gen=gen), global_scale="tensor", backend="blackwell")
+    got = nvfp4.gemm(a, b, backend="blackwell").float()
+    assert torch.isnan(got[3]).all()
+    assert torch.isfinite(torch.cat([got[:3], got[4:]])).all()
+
+
+def test_empty_inputs(exact_operand):
+    gen = torch.Generator().manual_seed(0)
+    b = exact_operand(32, 64, gen, device=DEV)
+    a = exact_operand(0, 64, gen, device=DEV)
+    assert nvfp4.gemm(a, b, backend="blackwell").shape == (0, 32)
