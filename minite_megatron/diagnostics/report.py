@@ -150,8 +150,7 @@ def markdown_report(cmp: Comparison) -> str:
         "|---:|---|---:|---|:---:|---:|---:|---:|---:|",
     ]
     for g in groups:
-        name = g.names[0] if len(g.names) == 1 else f"{g.label} ({len(g.names)} points)"
-        cell = f"`{name}`"
+        cell = f"`{g.names[0]}`" if len(g.names) == 1 else f"`{g.label}` ({len(g.names)} points)"
         status = g.status + (f" (routing: {g.routing_mismatch_tokens} tokens)" if g.routing_mismatch_tokens else "")
         if g.is_first_divergence:
             cell = f"**{cell} <- first divergence**"
@@ -211,8 +210,7 @@ def plot_report(cmp: Comparison, path: str | Path, title: str | None = None) -> 
         vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (-8.0, 0.0)
         if vmax - vmin < 1:
             vmin, vmax = vmin - 0.5, vmax + 0.5
-        cmap = matplotlib.colormaps["magma_r"].copy()
-        cmap.set_bad(alpha=0.0)
+        cmap = matplotlib.colormaps["magma_r"].with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
         ax1.imshow(np.where(equal, 1.0, np.nan), cmap=ListedColormap(["#dcdcdc"]), aspect="auto", vmin=0, vmax=1)
         ax1.imshow(np.where(exact_bad, 1.0, np.nan), cmap=ListedColormap([_EXACT_COLOR]), aspect="auto", vmin=0, vmax=1)
         im = ax1.imshow(grid, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)
