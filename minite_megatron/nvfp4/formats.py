@@ -42,10 +42,33 @@ E2M1_BIN_EDGES = (
 SIGN_BIT = 8
 
 
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device) -> torch.Tensor:
+    device = torch.device(device if device is not None else "cpu")
+    key = (name, device)
+    t = _TABLES.get(key)
+    if t is None:
+        if name == "values":
+            mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+            t = torch.cat([mags, -mags])
+        elif name == "bytes":  # [256, 2]: the two values of a packed byte (low nibble first)
+            vals = _table("values", "cpu")
+            b = torch.arange(256)
+            t = torch.stack([vals[b & 0xF], vals[b >> 4]], dim=1)
+        else:  # "edges": every edge as a strict threshold (|v| > e' moves up): a tie that goes
+            # up compares against the largest fp32 below the edge, so ">" means ">=" there
+            e = torch.tensor([edge for edge, _ in E2M1_BIN_EDGES], dtype=torch.float32)
+            up = torch.tensor([tie_up for _, tie_up in E2M1_BIN_EDGES])
+            t = torch.where(up, torch.nextafter(e, torch.zeros_like(e)), e)
+        t = _TABLES[key] = t.to(device)
+    return t
+
+
 def e2m1_values(device: torch.device | str | None = None) -> torch.Tensor:
     """fp32 [16]: the value of every code (code 8 is -0.0)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])
+    return _table("values", device)
 
 
 def e2m1_encode_nearest(v: torch.Tensor) -> torch.Tensor:
@@ -57,10 +80,8 @@ def e2m1_encode_nearest(v: torch.Tensor) -> torch.Tensor:
     """
     if v.dtype != torch.float32:
         raise TypeError(f"e2m1_encode_nearest expects float32, got {v.dtype}")
-    a = v.abs()
-    mag = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-    for edge, tie_up in E2M1_BIN_EDGES:
-        mag += (a >= edge) if tie_up else (a > edge)
+    # magnitude code = number of edges passed (bucketize: count of thresholds strictly below |v|)
+    mag = torch.bucketize(v.abs(), _table("edges", v.device), out_int32=True).to(torch.uint8)
     return _with_sign(mag, v)
 
 
@@ -75,6 +96,14 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise TypeError(f"e2m1_decode expects uint8 codes, got {codes.dtype}")
     return e2m1_values(codes.device)[codes.long()]
+
+
+def decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] packed codes -> fp32 [..., K] values (one table lookup per byte)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"decode_packed expects uint8, got {packed.dtype}")
+    vals = _table("bytes", packed.device)[packed.long()]
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1_MAGNITUDES, _with_sign
+from .formats import _with_sign, e2m1_values
 
 _M32 = 0xFFFFFFFF
 
@@ -56,10 +56,8 @@ def e2m1_encode_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if v.dtype != torch.float32 or u.dtype != torch.float32:
         raise TypeError("e2m1_encode_stochastic expects float32 values and uniforms")
     a = v.abs()
-    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=v.device)
-    lo_idx = torch.zeros(v.shape, dtype=torch.int64, device=v.device)
-    for g in E2M1_MAGNITUDES[1:]:
-        lo_idx += a >= g
+    grid = e2m1_values(v.device)[:8]
+    lo_idx = torch.bucketize(a, grid[1:], right=True)  # number of grid points (above 0) <= |v|
     saturated = lo_idx >= 7
     lo_idx = lo_idx.clamp(max=6)
     lo = grid[lo_idx]

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from .formats import BLOCK, e2m1_decode, pack_e2m1, unpack_e2m1
+from .formats import BLOCK, decode_packed, pack_e2m1, unpack_e2m1
 from .swizzle import swizzle_scales, unswizzle_scales
 
 GlobalScale = Literal["tensor", "row", "group"]
@@ -77,7 +77,7 @@ class NVFP4Tensor:
     # ---- values ---------------------------------------------------------------------------
     def image_fp32(self) -> torch.Tensor:
         """fp32 ``[rows, K]``: ``e2m1(code) * fp32(block scale)``, exact."""
-        vals = e2m1_decode(unpack_e2m1(self.codes.reshape(self.rows, self.k // 2)))
+        vals = decode_packed(self.codes.reshape(self.rows, self.k // 2))
         sf = self.linear_scales().to(torch.float32)
         return (vals.view(self.rows, self.k // BLOCK, BLOCK) * sf.unsqueeze(-1)).view(self.rows, self.k)
 

@@ -126,3 +126,10 @@ def test_pack_errors():
         nvfp4.unpack_e2m1(torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError):
         nvfp4.e2m1_encode_nearest(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def test_decode_packed_equals_unpack_then_decode():
+    packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    from minite_megatron.nvfp4.formats import decode_packed
+
+    assert_bitwise_equal(decode_packed(packed), nvfp4.e2m1_decode(nvfp4.unpack_e2m1(packed)))
