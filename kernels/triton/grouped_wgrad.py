@@ -195,6 +195,8 @@ def grouped_wgrad_op(
     """Images ``a [N, T_pad]``, ``b [K, T_pad]``, padded offsets ``[G + 1]`` -> ``[G, N, K]``."""
     n, t_pad = a_img.shape
     kx = b_img.shape[0]
+    if n == 0 or kx == 0 or t_pad == 0 or groups == 0:
+        return torch.zeros(groups, n, kx, dtype=out_dtype, device=a_img.device)
     out = torch.empty(groups, n, kx, dtype=out_dtype, device=a_img.device)
     bm, bn, bt, warps, stages = select_config(canonical)
     from triton.tools.tensor_descriptor import TensorDescriptor

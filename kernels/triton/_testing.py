@@ -1,0 +1,81 @@
+"""Helpers of the Triton kernel tests (pure torch): the device under test and input factories.
+
+On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it);
+with a GPU they run on it. References always run on the CPU, so NaN bit patterns are the
+CPU's (the kernels write those same patterns).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_runnable() -> bool:
+    return HAS_CUDA or INTERPRETING
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int = 0, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    """Fresh normal data (CPU), cast to ``dtype``."""
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype)
+
+
+def heavy_tailed(*shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """Student-t-like data with outliers: normal / sqrt(chi2_1 / 1), clipped to stay finite."""
+    g = gen(seed)
+    z = torch.randn(*shape, generator=g)
+    w = torch.randn(*shape, generator=g).abs().clamp_min(1e-3)
+    return (z / w).clamp(-1e4, 1e4).to(dtype)
+
+
+def tie_matrix(rows: int = 4) -> torch.Tensor:
+    """fp32 [rows, 64]: each row's amax is 2688 (S_enc = S_dec = 1), so a block with amax 6 has
+    scale 1 and every E2M1 bin edge, its neighbours one fp32 ulp away and the saturating
+    values show their rounding directly; a tiny block gets a subnormal E4M3 scale, another one
+    a scale that rounds to zero (encode scale FLT_MAX)."""
+    edges = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    up = [torch.nextafter(torch.tensor(e), torch.tensor(10.0)).item() for e in edges]
+    dn = [torch.nextafter(torch.tensor(e), torch.tensor(0.0)).item() for e in edges]
+    block0 = [6.0] + edges + [-e for e in edges] + [-0.0]
+    block1 = [6.0] + up + [-e for e in dn] + [6.5]
+    block2 = [2688.0] + [0.0] * 14 + [-2688.0]
+    block3 = [0.01, -0.003, 0.0071, 1e-4] + [0.0] * 12  # subnormal e4m3 scale
+    out = torch.zeros(rows, 64)
+    for r in range(rows):
+        blocks = [block0, block1, block2, block3]
+        row = sum(blocks[r % 4:] + blocks[: r % 4], [])
+        out[r] = torch.tensor(row)
+    out[-1, -16:] = torch.tensor([1e-30, -2e-30] + [0.0] * 14)  # scale rounds to 0 -> enc = FLT_MAX
+    return out
+
+
+def assert_same_bits_or_both_nan(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Bitwise equality, except that any NaN equals any NaN.
+
+    NaN payloads are not part of the contract and torch's own fp32 -> bf16 conversion does not
+    fix them (its vectorized CPU path writes 0xFFFF, the scalar path 0x7FC0).
+    """
+    from minite_megatron.testing import assert_bitwise_equal
+
+    actual, expected = actual.cpu(), expected.cpu()
+    nan_a, nan_e = torch.isnan(actual.float()), torch.isnan(expected.float())
+    assert_bitwise_equal(nan_a, nan_e, f"{name} (NaN positions)")
+    assert_bitwise_equal(torch.where(nan_a, 0, actual), torch.where(nan_e, 0, expected), name)
+
+
+def assert_quantized_equal(actual, expected, name: str = "q") -> None:
+    """``assert_nvfp4_equal`` on codes, scales and global scales; the image with NaN-aware bits."""
+    from minite_megatron.testing import assert_nvfp4_equal
+
+    assert_nvfp4_equal(actual, expected, name, image=False)
+    if actual.image is not None:
+        assert_same_bits_or_both_nan(actual.bf16_image(), expected.image_fp32().to(torch.bfloat16), f"{name}.image")

@@ -1,0 +1,197 @@
+"""The ``triton`` NVFP4 backend: the object ``nvfp4.get_backend("triton")`` loads.
+
+Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``why_not``,
+``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad``), each op equal to its reference:
+
+* ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
+* ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for M <= 64 rows outside
+  strict mode the decode GEMM on packed weights (:mod:`.decode_gemm`). Operands quantized
+  without an image get one from :mod:`.image`.
+* ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
+  already quantized along padded tokens): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
+
+``batch_invariant=True`` (strict mode) always takes the image GEMM with its one fixed config
+(``STRICT_CONFIG``; with :data:`STRICT_CANONICAL` the contract's own accumulation order, so
+strict results are also bitwise equal to the reference), never the decode kernel, whose
+split-K order differs from the image GEMM's.
+
+Where it runs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores; TMA paths need
+9.0 and fall back to pointer loads below), or CPU tensors under ``TRITON_INTERPRET=1`` (CI).
+Elsewhere every op raises :class:`BackendUnavailable` with :meth:`why_not`'s reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minite_megatron.nvfp4.backends import BackendUnavailable
+from minite_megatron.nvfp4.formats import BLOCK
+from minite_megatron.nvfp4.tensor import NVFP4Tensor
+
+from ._nvfp4_math import interpreting
+from .decode_gemm import MAX_M, decode_gemm_forward
+from .gemm import OUT_DTYPES, gemm_forward
+from .grouped_gemm import group_offsets, grouped_gemm_forward
+from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op
+from .image import image_2d, image_op
+from .quantize import quantize_forward
+
+#: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
+STRICT_CANONICAL = False
+#: Outside strict mode, GEMMs with at most this many rows use the decode kernel.
+DECODE_MAX_M = MAX_M
+
+
+def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
+    """The GEMM's per-row or per-tensor scale of a 2D operand (never a stride-0 expansion)."""
+    if q.global_scale in ("row", "tensor"):
+        return q.global_decode.reshape(-1).contiguous()
+    return q.row_global_decode().contiguous()
+
+
+class TritonBackend:
+    """NVFP4 contract on Triton kernels (see the module docstring)."""
+
+    name = "triton"
+
+    def why_not(self, device: torch.device | str | None = None) -> str | None:
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "no CUDA device is available"
+            cc = torch.cuda.get_device_capability(device)
+            if cc < (8, 0):
+                return f"needs a GPU of compute capability >= 8.0 (bf16 tensor cores); {device} has {cc[0]}.{cc[1]}"
+            return None
+        if device.type == "cpu":
+            if interpreting():
+                return None
+            return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (tests); use the reference backend"
+        return f"unsupported device type {device.type!r}"
+
+    def available(self, device: torch.device | str | None = None) -> bool:
+        return self.why_not(device) is None
+
+    def _require(self, device: torch.device) -> None:
+        reason = self.why_not(device)
+        if reason is not None:
+            raise BackendUnavailable(f"NVFP4 backend 'triton' unavailable on {device}: {reason}")
+
+    # ---- quantize -------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
+        """:func:`nvfp4.quantize_reference`'s signature and result, bit for bit."""
+        if isinstance(x, torch.Tensor):
+            self._require(x.device)
+        return quantize_forward(x, **kwargs)
+
+    # ---- dense GEMM -----------------------------------------------------------------------
+    def gemm(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """``a @ b.T``: ``a`` [..., K], ``b`` [N, K] (any global scale) -> ``[..., N]``."""
+        _check_pair(a, b)
+        self._require(a.device)
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        bm = b.matrix()
+        n = bm.rows
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"nvfp4.gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+        a_img = image_2d(a)
+        a_scale, b_scale = _global_decode(a), _global_decode(bm)
+        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and bm.layout == "linear":
+            out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
+                                      bias, out_dtype)
+        else:
+            out = gemm_forward(a_img, image_2d(bm), a_scale, b_scale, bias, out_dtype, batch_invariant,
+                               canonical=batch_invariant and STRICT_CANONICAL)
+        return out.reshape(*a.shape[:-1], n)
+
+    # ---- grouped (MoE) GEMMs --------------------------------------------------------------
+    def grouped_gemm(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        group_sizes: Sequence[int] | torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """MoE fprop/dgrad: ``a`` [M, K] rows sorted by group, ``b`` [G, N, K] (``"group"`` scales)."""
+        if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
+            raise TypeError("grouped_gemm takes two NVFP4Tensor operands (quantize them first)")
+        if b.global_scale != "group" or len(b.shape) != 3:
+            raise ValueError("grouped_gemm: b must be a [G, N, K] tensor with global_scale='group'")
+        if a.k != b.k:
+            raise ValueError(f"grouped_gemm: K mismatch, a has K={a.k} and b has K={b.k}")
+        self._require(a.device)
+        am = a.matrix()
+        groups, n, k = b.shape
+        if b.image is not None:
+            b_img = b.image
+        else:
+            lin = b.linear()
+            b_img = image_op(lin.codes.reshape(groups * n, k // 2),
+                             lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
+        return grouped_gemm_forward(image_2d(am), b_img, group_sizes, _global_decode(am), b.global_decode,
+                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+
+    def grouped_wgrad(
+        self,
+        grad_out: torch.Tensor,
+        x: torch.Tensor,
+        group_sizes: Sequence[int] | torch.Tensor,
+        **kwargs,
+    ) -> torch.Tensor:
+        """MoE wgrad ``dW[g] = dY_g^T @ X_g`` -> ``[G, N, K]`` (kwargs of the reference)."""
+        self._require(x.device)
+        return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs)
+
+    def grouped_wgrad_gemm(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        padded_group_sizes: Sequence[int],
+        out_dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """The GEMM half of the MoE wgrad on operands quantized along padded tokens:
+        ``a`` [N, T_pad], ``b`` [K, T_pad] -> ``[G, N, K]`` (``grouped_wgrad_gemm_reference``)."""
+        if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
+            raise TypeError("grouped_wgrad_gemm takes two NVFP4Tensor operands")
+        sizes = [int(s) for s in padded_group_sizes]
+        if any(s % BLOCK or s < 0 for s in sizes):
+            raise ValueError(f"grouped_wgrad_gemm: padded group sizes must be multiples of {BLOCK}: {sizes}")
+        if a.k != b.k or a.k != sum(sizes):
+            raise ValueError(
+                f"grouped_wgrad_gemm: operands have K={a.k} and K={b.k}, padded groups sum to {sum(sizes)}"
+            )
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"grouped_wgrad_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        self._require(a.device)
+        am, bm = a.matrix(), b.matrix()
+        poffs = group_offsets(sizes, a.device)
+        a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
+        return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
+                                batch_invariant and STRICT_CANONICAL)
+
+
+def _check_pair(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+    if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
+        raise TypeError("nvfp4.gemm takes two NVFP4Tensor operands (quantize them first)")
+    if a.k != b.k:
+        raise ValueError(f"nvfp4.gemm: K mismatch, a has K={a.k} and b has K={b.k}")
+    if a.device != b.device:
+        raise ValueError(f"nvfp4.gemm: operands on {a.device} and {b.device}")
+
+
+BACKEND = TritonBackend()
