@@ -2,42 +2,21 @@
 size, the batch composition, or prefill vs decode -- so the learner's teacher-forced log-probs
 equal the rollout engine's bitwise.
 
-Functional ops (pure torch; ``"torch"`` fixed-order formulation on any device, the Triton
-``bi_*`` kernels on CUDA, see :mod:`.backend`)::
+Functional ops (pure torch; the fixed-order ``"torch"`` formulation on any device, the Triton
+``bi_*`` kernels on CUDA, see :mod:`.backend`), one module each::
 
-    from minite_megatron import strict
-    strict.linear(x, w, b, out_dtype=torch.float32)     # GEMM
-    strict.rms_norm(x, w, eps)                          # RMSNorm
-    strict.log_softmax(logits) / strict.softmax(x, mask=...) / strict.token_log_probs(logits, ids)
-    strict.attention(q, k, v, scale=..., causal=True)   # prefill == decode, bitwise
-    strict.stable_topk(scores, k); strict.silu(x); strict.tree_sum(x, dim)
+    from minite_megatron.strict.matmul import linear             # GEMM
+    from minite_megatron.strict.rmsnorm import rms_norm           # RMSNorm
+    from minite_megatron.strict.softmax import log_softmax, softmax, token_log_probs, sigmoid
+    from minite_megatron.strict.attention import attention        # prefill == decode, bitwise
+    from minite_megatron.strict.topk import stable_topk
+    from minite_megatron.strict.activations import silu, gelu_tanh
+    from minite_megatron.strict.tree import tree_sum              # the fixed reduction order
 
-Megatron-Core modules and specs (import megatron): :mod:`.megatron`, :mod:`.specs`,
-:mod:`.config`. See ``docs/strict.md`` for the guarantee, the cost and what is not covered.
+Megatron-Core modules and specs (these import megatron): :mod:`.megatron` (all modules),
+:mod:`.specs`, :mod:`.config`, :mod:`.parallel_linear`, :mod:`.core_attention`, :mod:`.router`,
+:mod:`.moe`, :mod:`.collectives`. See ``docs/strict.md`` for the guarantee, the cost and what is
+not covered.
+
+(The package deliberately re-exports nothing: several functions share their module's name.)
 """
-
-from .activations import gelu_tanh, silu
-from .attention import attention
-from .backend import resolve as resolve_backend
-from .backend import use_backend
-from .matmul import linear
-from .rmsnorm import rms_norm
-from .softmax import log_softmax, sigmoid, softmax, token_log_probs
-from .topk import stable_topk
-from .tree import tree_sum
-
-__all__ = [
-    "attention",
-    "gelu_tanh",
-    "linear",
-    "log_softmax",
-    "resolve_backend",
-    "rms_norm",
-    "sigmoid",
-    "silu",
-    "softmax",
-    "stable_topk",
-    "token_log_probs",
-    "tree_sum",
-    "use_backend",
-]

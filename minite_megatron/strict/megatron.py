@@ -9,7 +9,7 @@
 """
 
 from .core_attention import StrictDotProductAttention
-from .linear import StrictColumnParallelLinear, StrictRowParallelLinear
+from .parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
 from .moe import StrictMoELayer, deterministic_unpermute
 from .router import StrictTopKRouter, topk_routing
 from .specs import StrictRMSNorm, StrictSpecProvider

@@ -37,7 +37,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from ..modules.norm import MiniteNorm
 from .core_attention import StrictDotProductAttention
-from .linear import StrictColumnParallelLinear, StrictRowParallelLinear
+from .parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
 from .moe import StrictMoELayer
 from .router import StrictTopKRouter
 

@@ -1,0 +1,93 @@
+"""Per-token log-probs, the same code for the learner and the rollout engine.
+
+:func:`token_logprobs` turns logits into the *raw* log-probability of given tokens (log-softmax
+of the FP32 logits, before any temperature / top-k / top-p: the quantity RL's importance ratios
+need). In strict mode it is the batch-invariant :func:`minite_megatron.strict.token_log_probs`;
+otherwise ``torch.log_softmax`` in fp32.
+
+:func:`teacher_forced_logprobs` is the learner side: one full forward of Megatron's
+``GPTModel`` over the (padded) sequences, then :func:`token_logprobs`. The rollout engine
+(:mod:`.engine`) calls :func:`token_logprobs` on the logits of its prefill and decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def model_is_strict(model: torch.nn.Module) -> bool:
+    """True if ``model`` holds strict (batch-invariant) modules: the strict core attention, or an
+    output layer flagged ``minite_strict`` (:func:`minite_megatron.model.finalize_gpt_model`)."""
+    return any(getattr(m, "minite_strict", False) for m in model.modules())
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool) -> torch.Tensor:
+    """fp32 ``log_softmax(logits)[..., tokens]`` for ``logits`` ``[..., V]`` and ``tokens`` ``[...]``.
+
+    ``strict`` selects the batch-invariant log-softmax. Raises ValueError for token ids outside
+    ``[0, V)`` or mismatched shapes."""
+    if tuple(tokens.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} vs logits {tuple(logits.shape)}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
+        raise ValueError(f"token_logprobs: token ids must lie in [0, {logits.shape[-1]})")
+    if strict:
+        from ..strict.softmax import token_log_probs
+
+        return token_log_probs(logits, tokens)
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, list[int]]:
+    """``[B, T]`` int64 right-padded with ``pad_id``, and the lengths. Raises ValueError for an
+    empty batch or a sequence shorter than 2 tokens (no token to score)."""
+    if len(sequences) == 0:
+        raise ValueError("no sequences")
+    lengths = [len(s) for s in sequences]
+    if min(lengths) < 2:
+        raise ValueError("every sequence needs at least 2 tokens (a context and a token to score)")
+    tokens = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long, device=device)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long, device=device)
+    return tokens, lengths
+
+
+def causal_mask(length: int, device=None) -> torch.Tensor:
+    """Megatron's attention mask for one causal sequence: bool ``[1, 1, T, T]``, True = hidden."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def teacher_forced_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    *,
+    strict: bool | None = None,
+    pad_id: int = 0,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """The learner's log-probs of ``sequences`` from one full forward of ``model``.
+
+    Args:
+        model: a Megatron ``GPTModel`` (pre- and post-process stage; any TP, logits are gathered).
+        sequences: token ids, each at least 2 long; batched right-padded with ``pad_id`` (causal
+            attention: padding never affects earlier positions).
+        strict: batch-invariant log-softmax (default: :func:`model_is_strict`).
+        device: where the tokens go (default: the model's parameters' device).
+    Returns:
+        One fp32 tensor per sequence, ``len(seq) - 1`` long: entry ``t`` is
+        ``log p(seq[t + 1] | seq[: t + 1])``. Carries gradients if grad mode is on (the model's
+        train/eval mode is the caller's choice).
+    Raises:
+        ValueError for empty batches, short sequences or token ids outside the vocabulary.
+    """
+    strict = model_is_strict(model) if strict is None else strict
+    if device is None:
+        device = next(model.parameters()).device
+    tokens, lengths = pad_sequences(sequences, pad_id, device=device)
+    b, t = tokens.shape
+    position_ids = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
+    logits = model(tokens, position_ids, causal_mask(t, device=device), runtime_gather_output=True)  # [B, T, V]
+    lp = token_logprobs(logits[:, :-1], tokens[:, 1:], strict)
+    return [lp[i, : n - 1] for i, n in enumerate(lengths)]
