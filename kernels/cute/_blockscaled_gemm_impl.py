@@ -129,6 +129,7 @@ class Nvfp4BlockScaledGemmKernel:
         self.c_dtype = _OUT_DTYPES[config.out_dtype]
         self.has_bias = config.has_bias
         self.grouped = config.grouped
+        self.k_grouped = config.k_grouped
         self.ab_dtype = cutlass.Float4E2M1FN
         self.sf_dtype = cutlass.Float8E4M3FN
         self.acc_dtype = cutlass.Float32
@@ -157,7 +158,7 @@ class Nvfp4BlockScaledGemmKernel:
     def _setup(self, tiled_mma):
         mma_k = cute.size(tiled_mma.shape_mnk, mode=[2])
         assert mma_k == MMA_K, f"unexpected MMA K {mma_k}"
-        self.kblocks_per_tile = 4
+        self.kblocks_per_tile = self.config.tile_k // mma_k
         self.mma_tiler = (TILE_M, self.tile_n, mma_k * self.kblocks_per_tile)
 
         def staged(num_stages):
@@ -176,7 +177,7 @@ class Nvfp4BlockScaledGemmKernel:
             + cute.size_in_bytes(self.sf_dtype, sfb1)
         )
         reserved = 1024  # mbarriers, tensor-memory pointer, alignment slack
-        self.num_ab_stage = (self.smem_capacity - reserved) // stage_bytes
+        self.num_ab_stage = min((self.smem_capacity - reserved) // stage_bytes, 16)
         (
             self.a_smem_layout,
             self.b_smem_layout,
@@ -218,14 +219,17 @@ class Nvfp4BlockScaledGemmKernel:
         tiled_mma = self._make_tiled_mma()
         self._setup(tiled_mma)
 
-        # Global tensors. A: (M, K, 1) and B: (N, K, G), both K-major.
+        # Global tensors, K-major. A: (M, K, 1); B: (N, K, G) when rows are grouped, else
+        # (N, K, 1); C: (M, N, G) when K is grouped (one output matrix per group), else (M, N, 1).
+        b_batch = g if cutlass.const_expr(self.grouped) else 1
+        c_batch = g if cutlass.const_expr(self.k_grouped) else 1
         mA = cute.make_tensor(a_ptr, cute.make_ordered_layout((m, cute.assume(k, MMA_K), 1), order=(1, 0, 2)))
-        mB = cute.make_tensor(b_ptr, cute.make_ordered_layout((n, cute.assume(k, MMA_K), g), order=(1, 0, 2)))
+        mB = cute.make_tensor(b_ptr, cute.make_ordered_layout((n, cute.assume(k, MMA_K), b_batch), order=(1, 0, 2)))
         # The swizzled scale layout is CUTLASS's block-scaled atom ((32, 4), (16, 4)) tiled
         # over (rows, K) with K tiles fastest: byte (r % 32) * 16 + (r // 32) * 4 + c per atom.
         mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, SF_VEC))
         mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, SF_VEC))
-        mC = cute.make_tensor(c_ptr, cute.make_layout((m, n), stride=(n, 1)))
+        mC = cute.make_tensor(c_ptr, cute.make_ordered_layout((m, n, c_batch), order=(1, 0, 2)))
         mSA = cute.make_tensor(sa_ptr, cute.make_layout(m))
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n, g), stride=sb_strides))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((n, g), stride=(1, n)))
@@ -273,7 +277,7 @@ class Nvfp4BlockScaledGemmKernel:
 
         self.shared_storage = SharedStorage
 
-        grid = ((m + TILE_M - 1) // TILE_M, (n + self.tile_n - 1) // self.tile_n, 1)
+        grid = ((m + TILE_M - 1) // TILE_M, (n + self.tile_n - 1) // self.tile_n, c_batch)
         self.kernel(
             tiled_mma,
             tma_atom_a,
@@ -320,7 +324,7 @@ class Nvfp4BlockScaledGemmKernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        m_tile, n_tile, _ = cute.arch.block_idx()
+        m_tile, n_tile, out_batch = cute.arch.block_idx()
         m = cute.size(mC, mode=[0])
         n = cute.size(mC, mode=[1])
         num_groups = cute.size(mSB, mode=[1])
@@ -405,6 +409,9 @@ class Nvfp4BlockScaledGemmKernel:
         # stops at G - 1). Every role skips the empty groups inside the span alike.
         g_first = cutlass.Int32(0)
         g_last = cutlass.Int32(0)
+        if cutlass.const_expr(self.k_grouped):
+            g_first = out_batch  # one group (one output matrix) per CTA z index
+            g_last = out_batch
         if cutlass.const_expr(self.grouped):
             lo = cutlass.Int32(0)
             hi = num_groups - 1
@@ -424,17 +431,24 @@ class Nvfp4BlockScaledGemmKernel:
         if warp_idx == self.tma_warp:
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
                 rows_lo = cutlass.Int32(0)
                 rows_hi = m
+                kt_lo = cutlass.Int32(0)
+                kt_hi = k_tiles
                 if cutlass.const_expr(self.grouped):
                     rows_lo = mOffs[gi]
                     rows_hi = mOffs[gi + 1]
-                if rows_hi > rows_lo:
+                if cutlass.const_expr(self.k_grouped):
+                    kt_lo = mOffs[gi]
+                    kt_hi = mOffs[gi + 1]
+                if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     tAgA_t = tAgA[(None, m_tile, None, 0)]
-                    tBgB_t = tBgB[(None, n_tile, None, gi)]
+                    b_batch = gi if cutlass.const_expr(self.grouped) else 0
+                    tBgB_t = tBgB[(None, n_tile, None, b_batch)]
                     tAgSFA_t = tAgSFA[(None, m_tile, None, 0)]
-                    tBgSFB_t = tBgSFB[(None, n_tile, None, gi)]
-                    for kt in cutlass.range(k_tiles, unroll=1):
+                    tBgSFB_t = tBgSFB[(None, n_tile, None, b_batch)]
+                    for kt in cutlass.range(kt_lo, kt_hi, unroll=1):
                         ab_pipeline.producer_acquire(ab_state)
                         bar = ab_pipeline.producer_get_barrier(ab_state)
                         stage = ab_state.index
@@ -470,16 +484,22 @@ class Nvfp4BlockScaledGemmKernel:
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
                 rows_lo = cutlass.Int32(0)
                 rows_hi = m
+                kt_lo = cutlass.Int32(0)
+                kt_hi = k_tiles
                 if cutlass.const_expr(self.grouped):
                     rows_lo = mOffs[gi]
                     rows_hi = mOffs[gi + 1]
-                if rows_hi > rows_lo:
+                if cutlass.const_expr(self.k_grouped):
+                    kt_lo = mOffs[gi]
+                    kt_hi = mOffs[gi + 1]
+                if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     acc_pipeline.producer_acquire(acc_state)
                     tCtAcc = tCtAcc_all[(None, None, None, acc_state.index)]
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                    for kt in cutlass.range(k_tiles, unroll=1):
+                    for kt in cutlass.range(kt_lo, kt_hi, unroll=1):
                         ab_pipeline.consumer_wait(ab_state)
                         stage = ab_state.index
                         cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, stage)], tCtSFA_s2t)
@@ -517,8 +537,9 @@ class Nvfp4BlockScaledGemmKernel:
             # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
             tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
             tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-            gC = cute.local_tile(mC, tile_mn, (m_tile, n_tile))
-            cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (m_tile, n_tile))
+            mC_out = mC[(None, None, out_batch)]
+            gC = cute.local_tile(mC_out, tile_mn, (m_tile, n_tile))
+            cC = cute.local_tile(cute.make_identity_tensor(mC_out.shape), tile_mn, (m_tile, n_tile))
             # (T2R, T2R_M, T2R_N, EPI_M, EPI_N)
             tTR_gC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(gC)[((None, None), 0, 0)], epi_tile))
             tTR_cC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(cC)[((None, None), 0, 0)], epi_tile))
@@ -528,12 +549,18 @@ class Nvfp4BlockScaledGemmKernel:
 
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
+                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
                 rows_lo = cutlass.Int32(0)
                 rows_hi = m
+                kt_lo = cutlass.Int32(0)
+                kt_hi = k_tiles
                 if cutlass.const_expr(self.grouped):
                     rows_lo = mOffs[gi]
                     rows_hi = mOffs[gi + 1]
-                if rows_hi > rows_lo:
+                if cutlass.const_expr(self.k_grouped):
+                    kt_lo = mOffs[gi]
+                    kt_hi = mOffs[gi + 1]
+                if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     acc_pipeline.consumer_wait(acc_state)
                     for sub in cutlass.range(num_subtiles, unroll=1):
                         cute.copy(t2r, tTR_tAcc[(None, None, None, 0, sub, acc_state.index)], tTR_rAcc)
@@ -554,6 +581,16 @@ class Nvfp4BlockScaledGemmKernel:
                                 tTR_gC_sub[i] = value.to(self.c_dtype)
                     acc_pipeline.consumer_release(acc_state)
                     acc_state.advance()
+                if cutlass.const_expr(self.k_grouped):
+                    if kt_hi <= kt_lo:
+                        # An expert without tokens: its weight gradient is exactly zero.
+                        for sub in cutlass.range(num_subtiles, unroll=1):
+                            tTR_cC_sub = tTR_cC[(None, None, None, 0, sub)]
+                            tTR_gC_sub = tTR_gC[(None, None, None, 0, sub)]
+                            for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
+                                row, col = tTR_cC_sub[i]
+                                if (row < m) & (col < n):
+                                    tTR_gC_sub[i] = cutlass.Float32(0.0).to(self.c_dtype)
 
             tmem.relinquish_alloc_permit()
             self.epilogue_sync.arrive_and_wait()

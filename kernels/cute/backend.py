@@ -8,9 +8,11 @@ Protocol of :mod:`minite_megatron.nvfp4.backends`. What runs where:
 * ``quantize``: delegated to the Triton backend (bitwise equal to the contract) when it is
   importable and available on the device, else to the reference; the result carries
   swizzled scales, the layout the GEMMs read.
-* ``grouped_wgrad`` / ``grouped_wgrad_gemm``: delegated the same way (Triton, else the
-  reference). The wgrad GEMM groups along K (tokens, 16-aligned per expert), which the
-  row-grouped kernel here does not cover.
+* ``grouped_wgrad_gemm``: the K-grouped CuTe DSL kernel (:mod:`.grouped_wgrad_gemm`; experts
+  moved to 64-aligned token columns first when needed, which changes no value).
+* ``grouped_wgrad``: the two quantizations of the contract (:func:`nvfp4.quantize_wgrad_operand`
+  with the quantizer above, so stochastic rounding draws the contract's bits), then
+  ``grouped_wgrad_gemm``.
 
 ``available(device)`` is True only on a CUDA device of compute capability 10.0 or 10.3 with
 the CUTLASS DSL importable; ``why_not(device)`` says which of those is missing.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from minite_megatron.nvfp4 import NVFP4Tensor, ReferenceBackend
+from minite_megatron.nvfp4 import NVFP4Tensor, ReferenceBackend, padded_group_sizes, quantize_wgrad_operand
 
 from . import _host
 
@@ -63,14 +65,37 @@ class BlackwellBackend:
             raise TypeError("nvfp4.grouped_gemm takes two NVFP4Tensor operands (quantize them first)")
         return nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), group_sizes, bias, out_dtype)
 
-    def grouped_wgrad(self, grad_out, x, group_sizes, **kwargs):
-        return _fallback_backend(x.device).grouped_wgrad(grad_out, x, group_sizes, **kwargs)
+    def grouped_wgrad(
+        self,
+        grad_out,
+        x,
+        group_sizes,
+        *,
+        global_scale="tensor",
+        grad_rounding="nearest",
+        grad_seed=None,
+        rht_seed=None,
+        out_dtype=torch.float32,
+    ):
+        """``dW[g] = dY_g^T @ X_g`` (see :func:`nvfp4.grouped_wgrad_reference`) -> ``[G, N, K]``."""
+        if grad_out.shape[0] != x.shape[0] or sum(group_sizes) != x.shape[0]:
+            raise ValueError(
+                f"grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)} and group sizes "
+                f"summing to {sum(group_sizes)} disagree"
+            )
+        quantize = _fallback_backend(x.device).quantize
+        qa = quantize_wgrad_operand(
+            grad_out, group_sizes, global_scale=global_scale, rounding=grad_rounding, seed=grad_seed,
+            rht_seed=rht_seed, quantize=quantize,
+        )
+        qb = quantize_wgrad_operand(x, group_sizes, global_scale=global_scale, rht_seed=rht_seed, quantize=quantize)
+        return self.grouped_wgrad_gemm(qa, qb, padded_group_sizes(group_sizes), out_dtype)
 
     def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype=torch.float32, batch_invariant=False):
-        backend = _fallback_backend(a.device)
-        if hasattr(backend, "grouped_wgrad_gemm"):
-            return backend.grouped_wgrad_gemm(a, b, padded_group_sizes, out_dtype, batch_invariant)
-        return ReferenceBackend().grouped_wgrad_gemm(a, b, padded_group_sizes, out_dtype, batch_invariant)
+        """The GEMM half of the MoE wgrad on pre-quantized token-major operands -> ``[G, N, K]``."""
+        from .grouped_wgrad_gemm import nvfp4_grouped_wgrad_gemm
+
+        return nvfp4_grouped_wgrad_gemm(a, b, padded_group_sizes, out_dtype)
 
 
 BACKEND = BlackwellBackend()

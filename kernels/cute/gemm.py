@@ -14,7 +14,8 @@ Operands (``torch.library`` op ``minite_cute::nvfp4_gemm``, CUDA, sm_100a / sm_1
     b_codes   uint8 ``[N, K/2]``; b_scales likewise ``[N, K/16]`` swizzled.
     b_global  fp32 ``[N]`` (per row) or ``[1]`` (per tensor).
     bias      fp32/bf16 ``[N]`` or None; ``out_dtype`` bfloat16 (default), float16 or float32.
-Limits: K a positive multiple of 64 (the MMA K); any M >= 0 and N >= 0 (tails are masked).
+Limits: K a positive multiple of 64 (the MMA K); any M >= 0 and N >= 0 (tails are masked);
+M * N < 2^31.
 Raises TypeError (dtypes), ValueError (shapes, K, unswizzled scales) before touching the
 device, then BackendUnavailable (with the reason) where no Blackwell GPU or DSL is present.
 
@@ -38,6 +39,12 @@ def _check_out_dtype(out_dtype: torch.dtype) -> str:
     if out_dtype not in _OUT_DTYPE_NAMES:
         raise TypeError(f"blackwell NVFP4 GEMM: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     return _OUT_DTYPE_NAMES[out_dtype]
+
+
+def check_output_size(numel: int) -> None:
+    """The kernels index the output with 32-bit offsets: at most 2^31 - 1 elements."""
+    if numel >= 2**31:
+        raise ValueError(f"blackwell NVFP4 GEMM: the output has {numel} elements, more than 2^31 - 1; split the call")
 
 
 def _check_codes(codes: torch.Tensor, name: str, rank: int) -> None:
@@ -79,6 +86,7 @@ def validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_glo
     _check_global(b_global, "b_global", (n, 1) if n != 1 else (1,))
     _check_bias(bias, (n,))
     _check_out_dtype(out_dtype)
+    check_output_size(m * n)
     tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global] + ([bias] if bias is not None else [])
     devices = {t.device for t in tensors}
     if len(devices) != 1:

@@ -29,7 +29,7 @@ import torch
 from minite_megatron.nvfp4 import NVFP4Tensor
 
 from ._host import device_arch, tma_operand
-from .gemm import _OUT_DTYPE_NAMES, _check_bias, _check_codes, _check_global, _check_out_dtype
+from .gemm import _OUT_DTYPE_NAMES, _check_bias, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, grouped_weight_scales, operand_scales
 from .tiles import GemmConfig, check_k, choose_tile_n
 
@@ -77,6 +77,7 @@ def validate_grouped_operands(
         raise ValueError(f"grouped NVFP4 GEMM: offsets must be int32 [G + 1] = [{g + 1}], got {got}")
     _check_bias(bias, (g, n))
     _check_out_dtype(out_dtype)
+    check_output_size(m * n)
     tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets] + ([bias] if bias is not None else [])
     devices = {t.device for t in tensors}
     if len(devices) != 1:

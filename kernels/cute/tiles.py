@@ -2,11 +2,13 @@
 
 Pure Python (no CUTLASS, no torch): the host-side code and the CPU tests import it freely.
 
-One kernel serves the dense and the grouped (MoE) GEMM (:mod:`._blockscaled_gemm_impl`): a
-CTA computes one ``128 x tile_n`` output tile with 1-SM ``tcgen05.mma ... kind::mxf4nvf4
-.block_scale.block16`` instructions (M = 128, N = ``tile_n``, K = 64 per instruction, four
-instructions per 256-wide K tile). The choice of ``tile_n`` depends on N only, never on M:
-a row's result does not depend on how many rows share the call (strict mode).
+One kernel serves the dense, the row-grouped (MoE fprop/dgrad) and the K-grouped (MoE wgrad)
+GEMM (:mod:`._blockscaled_gemm_impl`): a CTA computes one ``128 x tile_n`` output tile with
+1-SM ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`` instructions (M = 128,
+N = ``tile_n``, K = 64 per instruction; four instructions per 256-wide K tile, or one per
+64-wide K tile in the K-grouped variant, whose experts start at any multiple of 64). The
+choice of ``tile_n`` depends on N only, never on M: a row's result does not depend on how
+many rows share the call (strict mode).
 """
 
 from __future__ import annotations
@@ -41,19 +43,31 @@ class GemmConfig:
         out_dtype: torch dtype name of the output (``"bfloat16"``, ``"float16"``, ``"float32"``).
         has_bias: the epilogue adds an fp32 bias after the scale.
         grouped: rows are split into groups by a device tensor of offsets and group g is
-            multiplied by ``b[g]`` (MoE); otherwise one group covering every row.
+            multiplied by ``b[g]`` (MoE fprop/dgrad); otherwise one group covering every row.
+        k_grouped: the reduction dimension is split into groups by a device tensor of offsets
+            (in units of 64) and group g writes ``out[g]`` (MoE wgrad: K = tokens).
     """
 
     tile_n: int = 128
     out_dtype: str = "bfloat16"
     has_bias: bool = False
     grouped: bool = False
+    k_grouped: bool = False
 
     def __post_init__(self):
         if self.tile_n not in TILE_N_CHOICES:
             raise ValueError(f"tile_n must be one of {TILE_N_CHOICES}, got {self.tile_n}")
         if self.out_dtype not in OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
+        if self.grouped and self.k_grouped:
+            raise ValueError("a GEMM is grouped along rows (grouped) or along K (k_grouped), not both")
+        if self.k_grouped and self.has_bias:
+            raise ValueError("the K-grouped (wgrad) GEMM has no bias")
+
+    @property
+    def tile_k(self) -> int:
+        """K per pipeline stage: 64 when experts split K (they start at multiples of 64)."""
+        return MMA_K if self.k_grouped else TILE_K
 
     @property
     def name(self) -> str:
@@ -62,6 +76,8 @@ class GemmConfig:
             parts.append("bias")
         if self.grouped:
             parts.append("grouped")
+        if self.k_grouped:
+            parts.append("kgrouped")
         return "_".join(parts)
 
 

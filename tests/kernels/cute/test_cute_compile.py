@@ -24,6 +24,7 @@ VARIANTS = [
     (GemmConfig(tile_n=256, out_dtype="float32"), "sm_100a"),
     (GemmConfig(tile_n=128, out_dtype="bfloat16", has_bias=True, grouped=True), "sm_100a"),
     (GemmConfig(tile_n=256, out_dtype="float16", grouped=True), "sm_103a"),
+    (GemmConfig(tile_n=128, out_dtype="float32", k_grouped=True), "sm_100a"),
 ]
 IDS = [f"{c.name}-{a}" for c, a in VARIANTS]
 CVT = {"bfloat16": "cvt.rn.bf16.f32", "float16": "cvt.rn.f16.f32", "float32": None}
@@ -52,13 +53,14 @@ def _definitions(ptx: str) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("config,arch", VARIANTS, ids=IDS)
 def test_block_scaled_fp4_mma_and_scale_path(kernel_artifacts, config, arch):
-    """The main loop uses the NVFP4 block-scaled MMA (four K=64 instructions per 256-wide k
-    tile), fed by TMA loads and by ``tcgen05.cp`` copies of the scales into tensor memory."""
+    """The main loop uses the NVFP4 block-scaled MMA (K=64 instructions: four per 256-wide k
+    tile, one per 64-wide k tile of the K-grouped variant), fed by TMA loads and by
+    ``tcgen05.cp`` copies of the scales into tensor memory."""
     ptx, _ = kernel_artifacts(config, arch)
     assert f".target {arch}" in ptx
     mmas = re.findall(r"tcgen05\.mma\.[\w:.]+", ptx)
     assert mmas and all(m.startswith(MMA) for m in mmas), sorted(set(mmas))
-    assert len(mmas) == 4
+    assert len(mmas) == config.tile_k // 64
     assert "tcgen05.cp.cta_group::1" in ptx
     assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 4  # A, B, SFA, SFB
     assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
@@ -112,7 +114,7 @@ def test_sass_keeps_the_epilogue_roundings_apart(kernel_artifacts, config, arch)
     _, sass = kernel_artifacts(config, arch)
     if sass is None:
         pytest.skip("no nvdisasm that decodes sm_100a on this machine")
-    assert len(re.findall(r"\bUTCOMMA\b", sass)) == 4
+    assert len(re.findall(r"\bUTCOMMA\b", sass)) == config.tile_k // 64
     assert re.search(r"\bUTCCP\b", sass)
     assert not re.search(r"\bFFMA\b", sass)
     assert len(re.findall(r"\bFMUL\b", sass)) == 64
@@ -128,3 +130,12 @@ def test_grouped_variant_reads_the_group_offsets(kernel_artifacts):
     count = lambda ptx: len(re.findall(r"ld\.global\.b32", ptx))  # noqa: E731
     assert count(dense) == 3 * 32
     assert count(grouped) > count(dense)
+
+
+def test_k_grouped_variant_writes_zeros_for_experts_without_tokens(kernel_artifacts):
+    """The wgrad kernel has a second store path (no accumulator read) that writes +0.0 for an
+    expert whose token range is empty, besides the 32 epilogue stores per subtile."""
+    ptx, _ = kernel_artifacts(VARIANTS[4][0], "sm_100a")
+    values = [v.strip() for v in re.findall(r"st\.global\.b32\s+\[[^\]]+\],\s*([^;]+);", ptx)]
+    assert len(values) == 64
+    assert values.count("0") == 32  # immediate zero bits: +0.0

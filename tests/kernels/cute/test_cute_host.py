@@ -295,11 +295,85 @@ def test_backend_quantize_is_the_contract_with_swizzled_scales(tile):
     assert_nvfp4_equal(q, nvfp4.quantize_reference(x, global_scale=gs, tile=tile), "blackwell.quantize")
 
 
-def test_backend_grouped_wgrad_delegates_to_the_contract():
+def test_backend_grouped_wgrad_validates_then_needs_blackwell():
     g = torch.Generator().manual_seed(3)
-    dy, x, sizes = torch.randn(40, 32, generator=g), torch.randn(40, 48, generator=g), [7, 0, 33]
-    got = BACKEND.grouped_wgrad(dy, x, sizes)
-    assert_bitwise_equal(got, nvfp4.grouped_wgrad_reference(dy, x, sizes), "grouped_wgrad")
+    dy, x = torch.randn(40, 32, generator=g), torch.randn(40, 64, generator=g)
+    with pytest.raises(ValueError, match="disagree"):
+        BACKEND.grouped_wgrad(dy, x, [7, 0, 30])
+    with pytest.raises(BackendUnavailable, match="CUDA device"):
+        BACKEND.grouped_wgrad(dy, x, [7, 0, 33])
+
+
+# ---- wgrad (K-grouped) host side ---------------------------------------------------------------
+def _wgrad_operands(sizes, n=24, k=40, seed=0, rounding="nearest"):
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(sum(sizes), n, generator=g)
+    x = torch.randn(sum(sizes), k, generator=g) * 4
+    qa = nvfp4.quantize_wgrad_operand(dy, sizes, rounding=rounding, seed=5 if rounding == "stochastic" else None)
+    qb = nvfp4.quantize_wgrad_operand(x, sizes, global_scale="row")
+    return qa, qb, nvfp4.padded_group_sizes(sizes)
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 33, 16, 100], [0, 0, 5], [64, 128], [17]])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_align_groups_keeps_the_contract_product_bitwise(sizes, rounding):
+    """Moving experts to 64-aligned token columns (what the wgrad kernel needs) adds only zero
+    blocks: the reference product of the aligned operands is bitwise the original one."""
+    from minite_kernels.cute.grouped_wgrad_gemm import _aligned_sizes, align_groups
+
+    qa, qb, padded = _wgrad_operands(sizes, rounding=rounding)
+    aligned = _aligned_sizes(padded)
+    a2, b2 = align_groups(qa, padded), align_groups(qb, padded)
+    assert a2.k == b2.k == sum(aligned) and all(s % 64 == 0 for s in aligned)
+    expected = nvfp4.grouped_wgrad_gemm_reference(qa, qb, padded)
+    assert_bitwise_equal(nvfp4.grouped_wgrad_gemm_reference(a2, b2, aligned), expected, "aligned wgrad")
+    # every expert's columns are moved verbatim, the gaps are zero codes and zero scales
+    src = dst = 0
+    for p, q in zip(padded, aligned):
+        assert_bitwise_equal(a2.image_fp32()[:, dst : dst + p], qa.image_fp32()[:, src : src + p], "moved")
+        assert not a2.codes[:, (dst + p) // 2 : (dst + q) // 2].any()
+        assert not a2.linear_scales()[:, (dst + p) // 16 : (dst + q) // 16].view(torch.uint8).any()
+        src, dst = src + p, dst + q
+
+
+def test_align_groups_is_a_no_op_when_aligned():
+    from minite_kernels.cute.grouped_wgrad_gemm import align_groups
+
+    qa, _, padded = _wgrad_operands([64, 0, 128])
+    assert align_groups(qa, padded) is qa
+
+
+def test_wgrad_gemm_validation():
+    from minite_kernels.cute.grouped_wgrad_gemm import nvfp4_grouped_wgrad_gemm, validate_wgrad_operands
+
+    qa, qb, padded = _wgrad_operands([1, 0, 33])
+    with pytest.raises(ValueError, match="sum to"):
+        nvfp4_grouped_wgrad_gemm(qa, qb, [16, 0, 32])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        nvfp4_grouped_wgrad_gemm(qa, qb, [8, 8, 48])
+    with pytest.raises(TypeError, match="NVFP4Tensor"):
+        nvfp4_grouped_wgrad_gemm(qa.codes, qb, padded)
+    with pytest.raises(BackendUnavailable, match="CUDA device"):
+        nvfp4_grouped_wgrad_gemm(qa, qb, padded)
+    raw = dict(
+        a_codes=torch.zeros(24, 64, dtype=torch.uint8),
+        a_scales=nvfp4.swizzle_scales(_random_scales(24, 8)),
+        a_global=torch.ones(24),
+        b_codes=torch.zeros(40, 64, dtype=torch.uint8),
+        b_scales=nvfp4.swizzle_scales(_random_scales(40, 8)),
+        b_global=torch.ones(1),
+        k_offsets=torch.tensor([0, 1, 1, 2], dtype=torch.int32),
+        out_dtype=torch.float32,
+    )
+    assert validate_wgrad_operands(**raw) == (24, 40, 128, 3)
+    with pytest.raises(ValueError, match="int32"):
+        validate_wgrad_operands(**dict(raw, k_offsets=torch.tensor([0, 2])))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        validate_wgrad_operands(
+            **dict(raw, a_codes=torch.zeros(24, 48, dtype=torch.uint8), b_codes=torch.zeros(40, 48, dtype=torch.uint8))
+        )
+    with pytest.raises(ValueError, match="2\\^31"):
+        validate_wgrad_operands(**dict(raw, k_offsets=torch.zeros(2**22 + 1, dtype=torch.int32)))
 
 
 # ---- the premise of the GPU bitwise tests ------------------------------------------------------
