@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bi_common import interpreting, tile_dot
+from .bi_common import finish, interpreting, kernel_out_dtype, tile_dot
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 32, 4, 3
 
@@ -66,9 +66,9 @@ def _bi_matmul_kernel(
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n, dtype=kernel_out_dtype(out_dtype), device=x.device)
     if m == 0 or n == 0:
-        return out
+        return finish(out, out_dtype)
     cast = interpreting() or x.dtype != w.dtype or x.dtype == torch.float32
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _bi_matmul_kernel[grid](
@@ -78,7 +78,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
         AS_SUM=interpreting(),
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    return out
+    return finish(out, out_dtype)
 
 
 @torch.library.custom_op("minite::bi_matmul", mutates_args=())

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .bi_common import finish, kernel_out_dtype
+
 MAX_BLOCK = 4096
 
 
@@ -49,14 +51,14 @@ def _bi_rmsnorm_kernel(
 @torch.library.custom_op("minite::bi_rmsnorm", mutates_args=())
 def _bi_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     m, h = x.shape
-    out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, h, dtype=kernel_out_dtype(x.dtype), device=x.device)
     if m and h:
         block = min(triton.next_power_of_2(h), MAX_BLOCK)
         _bi_rmsnorm_kernel[(m,)](
             x, weight, out, h, x.stride(0), x.stride(1), out.stride(0), eps,
             ZERO_CENTERED=zero_centered_gamma, BLOCK=block, num_warps=4,
         )
-    return out
+    return finish(out, x.dtype)
 
 
 @_bi_rmsnorm_op.register_fake
