@@ -81,7 +81,7 @@ def e2m1_encode_nearest(v: torch.Tensor) -> torch.Tensor:
     if v.dtype != torch.float32:
         raise TypeError(f"e2m1_encode_nearest expects float32, got {v.dtype}")
     # magnitude code = number of edges passed (bucketize: count of thresholds strictly below |v|)
-    mag = torch.bucketize(v.abs(), _table("edges", v.device), out_int32=True).to(torch.uint8)
+    mag = torch.bucketize(v.abs().contiguous(), _table("edges", v.device), out_int32=True).to(torch.uint8)
     return _with_sign(mag, v)
 
 

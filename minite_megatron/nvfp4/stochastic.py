@@ -57,7 +57,7 @@ def e2m1_encode_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         raise TypeError("e2m1_encode_stochastic expects float32 values and uniforms")
     a = v.abs()
     grid = e2m1_values(v.device)[:8]
-    lo_idx = torch.bucketize(a, grid[1:], right=True)  # number of grid points (above 0) <= |v|
+    lo_idx = torch.bucketize(a.contiguous(), grid[1:], right=True)  # number of grid points (above 0) <= |v|
     saturated = lo_idx >= 7
     lo_idx = lo_idx.clamp(max=6)
     lo = grid[lo_idx]
