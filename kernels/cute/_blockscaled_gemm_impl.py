@@ -1,9 +1,10 @@
 """The NVFP4 block-scaled GEMM kernel for Blackwell (sm_100a / sm_103a), in the CuTe DSL.
 
-Private and heavy: imported lazily by :mod:`.gemm` and :mod:`.grouped_gemm` (it imports
-CUTLASS). One kernel serves both ops; :class:`~.tiles.GemmConfig` picks the variant.
+Private and heavy: imported lazily by :mod:`.gemm`, :mod:`.grouped_gemm` and
+:mod:`.grouped_wgrad_gemm` (it imports CUTLASS). One kernel serves the three ops;
+:class:`~.tiles.GemmConfig` picks the variant.
 
-What one launch computes (``G`` groups; the dense GEMM is ``G == 1``)::
+What one launch computes (row groups ``G``; the dense GEMM is ``G == 1``)::
 
     for every group g and every row m with offs[g] <= m < offs[g + 1]:
         acc[m, n]  = sum_k e2m1(A[m, k]) * sfa[m, k // 16] * e2m1(B[g, n, k]) * sfb[g, n, k // 16]
@@ -21,11 +22,17 @@ Operands (all device pointers; shapes are runtime values):
          decreasing), read only when ``config.grouped``.
     out  ``[M, N]`` row-major in ``config.out_dtype``.
 
+K-grouped variant (``config.k_grouped``, MoE wgrad): A ``[M, K/2]``, B ``[N, K/2]``, and
+``offs`` splits K instead, in units of 64: CTA z = g reduces over k-tiles
+``[offs[g], offs[g+1])`` (64 wide) and writes ``out[g]`` of ``[G, M, N]``; sb is ``[N]``
+(per row or broadcast); a group without tokens stores exact zeros.
+
 Kernel design (one CTA per 128 x tile_n output tile, 6 warps, warp specialized):
-    warp 5     TMA producer: A, B, SFA, SFB k-tiles (256 wide) into a multi-stage smem ring.
+    warp 5     TMA producer: A, B, SFA, SFB k-tiles (256 wide; 64 when K-grouped) into a
+               multi-stage smem ring.
     warp 4     MMA issuer: copies the k-tile's scales smem -> tensor memory (``tcgen05.cp``),
-               then four ``tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16``
-               (K = 64 each) into an fp32 accumulator in tensor memory.
+               then ``tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16`` (K = 64
+               each, four per 256-wide k-tile) into an fp32 accumulator in tensor memory.
     warps 0-3  epilogue: ``tcgen05.ld`` (32 lanes x 32 bit: thread t owns row t of the tile),
                the contract's epilogue in fp32 with explicitly rounded ``mul.rn.f32`` /
                ``add.rn.f32`` (no FMA contraction may merge the scale and the bias), one
@@ -631,15 +638,14 @@ def _placeholder_args(config: GemmConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_gemm(config: GemmConfig, arch: str = "sm_100a", keep_ptx: bool = False):
+def compile_gemm(config: GemmConfig, arch: str = "sm_100a"):
     """Compile the kernel for ``config`` (cached per process). Works without a GPU.
 
-    ``arch`` is the ``--gpu-arch`` target (``sm_100a`` B200/GB200, ``sm_103a`` B300/GB300);
-    ``keep_ptx=True`` keeps the PTX on the result (``compiled.__ptx__``) for inspection.
+    ``arch`` is the ``--gpu-arch`` target: ``sm_100a`` (B200/GB200) or ``sm_103a`` (B300/GB300).
     """
-    options = f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else "")
-    kernel = Nvfp4BlockScaledGemmKernel(config)
-    return cute.compile(kernel, *_placeholder_args(config), options=options)
+    return cute.compile(
+        Nvfp4BlockScaledGemmKernel(config), *_placeholder_args(config), options=f"--gpu-arch {arch}"
+    )
 
 
 def launch(
