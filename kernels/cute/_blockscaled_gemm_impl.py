@@ -116,6 +116,56 @@ def add_rn_f32(a, b, *, loc=None, ip=None) -> cutlass.Float32:
     )
 
 
+@cute.jit
+def group_span(mOffs: cute.Tensor, num_groups: cutlass.Int32, m: cutlass.Int32, m0: cutlass.Int32):
+    """(first, last): the groups whose rows meet rows ``[m0, min(m0 + 128, m))``.
+
+    ``mOffs`` holds ``G + 1`` non-decreasing row offsets (``offs[0] == 0``). ``first`` is the
+    largest g with ``offs[g] <= m0`` (binary search: the group holding row m0, never empty);
+    ``last`` follows while the next group starts at or before the tile's last row (bounded
+    by G - 1). Groups in between may be empty: callers skip them. Device code; the CPU tests
+    run this same function on the host.
+    """
+    lo = cutlass.Int32(0)
+    hi = num_groups - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mOffs[mid] <= m0:
+            lo = mid
+        else:
+            hi = mid - 1
+    last = lo
+    tile_last_row = cutlass.min(m0 + TILE_M, m) - 1
+    while (last + 1 < num_groups) & (mOffs[last + 1] <= tile_last_row):
+        last = last + 1
+    return lo, last
+
+
+@cute.jit
+def pass_extent(
+    mOffs: cute.Tensor,
+    gi: cutlass.Int32,
+    m: cutlass.Int32,
+    k_tiles: cutlass.Int32,
+    grouped: cutlass.Constexpr,
+    k_grouped: cutlass.Constexpr,
+):
+    """(rows_lo, rows_hi, kt_lo, kt_hi): the rows a pass for group ``gi`` stores and the k-tiles
+    it reduces over (all rows / all k-tiles unless grouped that way). A pass runs only when
+    both ranges are non-empty. Device code; the CPU tests run it on the host."""
+    rows_lo = cutlass.Int32(0)
+    rows_hi = m
+    kt_lo = cutlass.Int32(0)
+    kt_hi = k_tiles
+    if cutlass.const_expr(grouped):
+        rows_lo = mOffs[gi]
+        rows_hi = mOffs[gi + 1]
+    if cutlass.const_expr(k_grouped):
+        kt_lo = mOffs[gi]
+        kt_hi = mOffs[gi + 1]
+    return rows_lo, rows_hi, kt_lo, kt_hi
+
+
 class Nvfp4BlockScaledGemmKernel:
     """NVFP4 x NVFP4 -> bf16/fp16/fp32 GEMM with the contract's epilogue (see module docstring).
 
@@ -411,44 +461,21 @@ class Nvfp4BlockScaledGemmKernel:
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-        # Groups whose rows meet this tile: g_first holds row m0 (binary search for the largest
-        # g with offs[g] <= m0), then the following ones up to the tile's last row (the scan
-        # stops at G - 1). Every role skips the empty groups inside the span alike.
+        # The groups this CTA runs a pass for (one when K is grouped; the groups meeting the
+        # tile's rows when rows are grouped). Every role skips the empty groups alike.
         g_first = cutlass.Int32(0)
         g_last = cutlass.Int32(0)
         if cutlass.const_expr(self.k_grouped):
             g_first = out_batch  # one group (one output matrix) per CTA z index
             g_last = out_batch
         if cutlass.const_expr(self.grouped):
-            lo = cutlass.Int32(0)
-            hi = num_groups - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if mOffs[mid] <= m0:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            g_first = lo
-            g_last = lo
-            tile_last_row = cutlass.min(m0 + TILE_M, m) - 1
-            while (g_last + 1 < num_groups) & (mOffs[g_last + 1] <= tile_last_row):
-                g_last = g_last + 1
+            g_first, g_last = group_span(mOffs, num_groups, m, m0)
 
         # ======================= TMA producer warp =======================
         if warp_idx == self.tma_warp:
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
-                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
-                rows_lo = cutlass.Int32(0)
-                rows_hi = m
-                kt_lo = cutlass.Int32(0)
-                kt_hi = k_tiles
-                if cutlass.const_expr(self.grouped):
-                    rows_lo = mOffs[gi]
-                    rows_hi = mOffs[gi + 1]
-                if cutlass.const_expr(self.k_grouped):
-                    kt_lo = mOffs[gi]
-                    kt_hi = mOffs[gi + 1]
+                rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, gi, m, k_tiles, self.grouped, self.k_grouped)
                 if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     tAgA_t = tAgA[(None, m_tile, None, 0)]
                     b_batch = gi if cutlass.const_expr(self.grouped) else 0
@@ -491,17 +518,7 @@ class Nvfp4BlockScaledGemmKernel:
             ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
-                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
-                rows_lo = cutlass.Int32(0)
-                rows_hi = m
-                kt_lo = cutlass.Int32(0)
-                kt_hi = k_tiles
-                if cutlass.const_expr(self.grouped):
-                    rows_lo = mOffs[gi]
-                    rows_hi = mOffs[gi + 1]
-                if cutlass.const_expr(self.k_grouped):
-                    kt_lo = mOffs[gi]
-                    kt_hi = mOffs[gi + 1]
+                rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, gi, m, k_tiles, self.grouped, self.k_grouped)
                 if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     acc_pipeline.producer_acquire(acc_state)
                     tCtAcc = tCtAcc_all[(None, None, None, acc_state.index)]
@@ -556,17 +573,7 @@ class Nvfp4BlockScaledGemmKernel:
 
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
-                # The pass's rows [rows_lo, rows_hi) and k-tiles [kt_lo, kt_hi).
-                rows_lo = cutlass.Int32(0)
-                rows_hi = m
-                kt_lo = cutlass.Int32(0)
-                kt_hi = k_tiles
-                if cutlass.const_expr(self.grouped):
-                    rows_lo = mOffs[gi]
-                    rows_hi = mOffs[gi + 1]
-                if cutlass.const_expr(self.k_grouped):
-                    kt_lo = mOffs[gi]
-                    kt_hi = mOffs[gi + 1]
+                rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, gi, m, k_tiles, self.grouped, self.k_grouped)
                 if (rows_hi > rows_lo) & (kt_hi > kt_lo):
                     acc_pipeline.consumer_wait(acc_state)
                     for sub in cutlass.range(num_subtiles, unroll=1):

@@ -243,6 +243,97 @@ def test_contract_swizzle_is_cutlass_block_scaled_layout():
     assert_bitwise_equal(got, ids, "scale at CUTLASS's offset")
 
 
+# ---- the kernel's group bookkeeping, run on the host ---------------------------------------------
+# Host-executed DSL functions calling the kernel's own device helpers (defined at module level:
+# the DSL re-reads their source and resolves annotations in this module's globals).
+if _host.dsl_import_error() is None:
+    import cutlass
+    import cutlass.cute as cute
+
+    from minite_kernels.cute._blockscaled_gemm_impl import group_span, pass_extent
+
+    @cute.jit
+    def _row_group_bookkeeping(
+        mOffs: cute.Tensor, spans: cute.Tensor, extents: cute.Tensor, groups: cutlass.Int32, m: cutlass.Int32, tiles: cutlass.Int32
+    ):
+        for t in cutlass.range(tiles):
+            first, last = group_span(mOffs, groups, m, t * 128)
+            spans[t, 0] = first
+            spans[t, 1] = last
+        for g in cutlass.range(groups):
+            rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, g, m, 7, True, False)
+            extents[g, 0] = rows_lo
+            extents[g, 1] = rows_hi
+            extents[g, 2] = kt_lo
+            extents[g, 3] = kt_hi
+
+    @cute.jit
+    def _k_group_extents(mOffs: cute.Tensor, extents: cute.Tensor, groups: cutlass.Int32, m: cutlass.Int32):
+        for g in cutlass.range(groups):
+            rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, g, m, 99, False, True)
+            extents[g, 0] = rows_lo
+            extents[g, 1] = rows_hi
+            extents[g, 2] = kt_lo
+            extents[g, 3] = kt_hi
+
+_BOOKKEEPING_CASES = [
+    [300],
+    [0, 1, 127, 0, 129, 5, 300, 0],
+    [1] * 40,
+    [0, 0, 64, 0],
+    [128, 128, 0, 1],
+    [3, 250, 0, 0, 0, 7, 128, 129],
+]
+
+
+@pytest.mark.parametrize("sizes", _BOOKKEEPING_CASES)
+def test_group_passes_store_every_row_exactly_once(sizes):
+    """The device functions the grouped kernel uses to pick its passes (``group_span``:
+    binary search + scan over the offsets; ``pass_extent``: the rows a pass stores), executed
+    on the host by the DSL: over all 128-row tiles, every row is stored by exactly one pass,
+    the pass of its own expert, and no tile runs a pass for an empty expert."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    offs = group_offsets(sizes, sum(sizes), torch.device("cpu"))
+    m, groups = sum(sizes), len(sizes)
+    tiles = -(-m // 128)
+    spans = torch.full((tiles, 2), -1, dtype=torch.int32)
+    extents = torch.full((groups, 4), -1, dtype=torch.int32)
+    _row_group_bookkeeping(from_dlpack(offs), from_dlpack(spans), from_dlpack(extents), groups, m, tiles)
+
+    assert extents[:, 0].tolist() == offs[:-1].tolist() and extents[:, 1].tolist() == offs[1:].tolist()
+    assert extents[:, 2].tolist() == [0] * groups and extents[:, 3].tolist() == [7] * groups
+    owner = torch.repeat_interleave(torch.arange(groups), torch.tensor(sizes))
+    stored = torch.zeros(m, dtype=torch.int64)
+    for t in range(tiles):
+        first, last = spans[t].tolist()
+        tile_rows = range(t * 128, min(t * 128 + 128, m))
+        assert 0 <= first <= last < groups
+        assert sizes[first] > 0 and offs[first] <= t * 128 < offs[first + 1]
+        for g in range(first, last + 1):
+            lo, hi = extents[g, 0].item(), extents[g, 1].item()
+            if hi <= lo:
+                continue  # the kernel skips empty experts
+            for r in tile_rows:
+                if lo <= r < hi:
+                    assert owner[r] == g
+                    stored[r] += 1
+    assert torch.equal(stored, torch.ones(m, dtype=torch.int64)), stored
+
+
+def test_k_grouped_pass_extent_reduces_over_the_experts_k_tiles():
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    offs = torch.tensor([0, 1, 1, 4, 20], dtype=torch.int32)  # in 64-wide k-tiles
+    extents = torch.full((4, 4), -1, dtype=torch.int32)
+    _k_group_extents(from_dlpack(offs), from_dlpack(extents), 4, 300)
+    assert extents.tolist() == [[0, 300, 0, 1], [0, 300, 1, 1], [0, 300, 1, 4], [0, 300, 4, 20]]
+
+
 # ---- backend ---------------------------------------------------------------------------------
 def test_backend_is_unavailable_on_cpu_with_reason():
     assert BACKEND.name == "blackwell"
