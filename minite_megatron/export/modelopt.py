@@ -1,0 +1,438 @@
+"""Export the learner's NVFP4 weights in the ModelOpt NVFP4 checkpoint layout (vLLM / SGLang).
+
+The learner's quantized bytes are written as they are, never re-quantized. Per quantized HF
+linear module ``M`` (``model.layers.{i}.self_attn.q_proj``, ``...mlp.experts.{e}.down_proj``):
+
+=====================  ==========================  ==============================================
+tensor                 dtype / shape               meaning
+=====================  ==========================  ==============================================
+``M.weight``           uint8 ``[N, K/2]``          E2M1 codes, two per byte, even element low nibble
+``M.weight_scale``     float8_e4m3fn ``[N, K/16]`` block decode scales, linear layout (a 16x16
+                                                   tile's scale repeated on its 16 rows)
+``M.weight_scale_2``   float32 ``[]``              the per-tensor *decode* global scale ``S_dec``
+``M.input_scale``      float32 ``[]``              only with calibrated activation amaxes: the
+                                                   activation decode scale ``S_dec(amax)``
+=====================  ==========================  ==============================================
+
+so that ``W[n, k] = e2m1(code) * fp32(weight_scale[n, k // 16]) * weight_scale_2`` (fp32, that
+order), bitwise the learner's ``NVFP4Tensor.dequantize()``. ModelOpt and vLLM define
+``weight_scale_2 = amax / (448 * 6)``; miniTE writes the ``S_dec`` its codes were made with,
+``fp32(1 / fp64(fp32(2688 / amax)))``, which can differ from ``fp32(amax / 2688)`` in the last bit:
+the stored value is the one that decodes the stored codes exactly.
+
+Fused Megatron linears are split by rows: ``linear_qkv`` (interleaved per query group) into
+``q_proj``/``k_proj``/``v_proj``, gated ``linear_fc1`` into ``gate_proj``/``up_proj``. Whole 16-row
+tiles move and the pieces keep the fused tensor's global scale, so the split is exact, and the
+pieces share one ``weight_scale_2`` (what vLLM and SGLang expect from fused layers).
+
+Files: ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; ``config.json``
+(Qwen3 / Qwen3-MoE names, ``quantization_config`` as ModelOpt writes it: ``quant_method``
+``modelopt``, ``quant_algo`` ``NVFP4``, ``group_size`` 16, ``ignore``); ``hf_quant_config.json``
+(``producer``, ``quantization: {quant_algo, kv_cache_quant_algo, group_size, exclude_modules}``);
+and miniTE's own section ``config.json["minite"]`` (recipe, scale semantics, activation scaling)
+plus ``minite_quant.json`` (per linear module: Megatron source and rows, ``weight_scale_2`` and its
+bits, ``input_scale`` and ``alpha`` when static; per other tensor: its Megatron source). Format details: ``docs/export.md``.
+
+Activation scaling: miniTE quantizes activations with a **per-token** global scale (recipe
+``activation_scale="row"``): there is no static ``input_scale`` that reproduces it. Without
+``activation_amax`` the export writes no ``input_scale`` and says so in ``config.json["minite"]``;
+stock vLLM/SGLang W4A4 kernels need one (a static per-tensor activation scale) and then compute a
+different model than the learner: serve with miniTE's per-token activation quantizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..nvfp4 import BLOCK, NVFP4Tensor, global_scales
+from .hf_config import build_hf_config, cfg_get, dims
+from .names import megatron_target, strip_wrappers
+from .rows import check_weight, fc1_row_ranges, qkv_row_ranges, split_groups, take_rows
+
+FORMAT_VERSION = 1
+QUANT_FILE = "minite_quant.json"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+PRODUCER = {"name": "minite-megatron", "version": __version__}
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_modelopt` wrote."""
+
+    path: Path
+    files: list[Path]
+    config: dict
+    quantized_modules: list[str]
+    exclude_modules: list[str]
+    modules: dict[str, dict] = field(default_factory=dict)
+
+
+def fp32_bits(x: torch.Tensor | float) -> str:
+    """The IEEE bits of an fp32 scalar as ``0x%08x`` (exact, for the JSON metadata)."""
+    t = torch.as_tensor(x, dtype=torch.float32).reshape(1)
+    return f"0x{int(t.view(torch.int32).item()) & 0xFFFFFFFF:08x}"
+
+
+def jsonable(obj: Any) -> Any:
+    """Recipe values -> JSON (dataclasses, enums, tuples, dtypes); anything else by ``repr``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return jsonable(obj.value)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    return repr(obj)
+
+
+def _recipe_dict(recipe: Any) -> tuple[str, dict]:
+    if dataclasses.is_dataclass(recipe) and not isinstance(recipe, type):
+        cls = type(recipe)
+        return f"{cls.__module__}.{cls.__qualname__}", jsonable(dataclasses.asdict(recipe))
+    if isinstance(recipe, Mapping):
+        return "dict", jsonable(recipe)
+    raise TypeError(f"export: recipe must be a dataclass instance or a dict, got {type(recipe).__name__}")
+
+
+def _hf_sort_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+class _Writer:
+    """Collects the tensors and per-module metadata of one export."""
+
+    def __init__(self, cfg: Any, activation_amax: Mapping[str, torch.Tensor] | None):
+        self.d = dims(cfg)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.modules: dict[str, dict] = {}
+        self.exclude: list[str] = []
+        self.sources: dict[str, str] = {}  # high-precision tensor (HF name) -> Megatron name
+        self.amax = {strip_wrappers(k): v for k, v in (activation_amax or {}).items()}
+        self.static_inputs = activation_amax is not None
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        if name in self.tensors:
+            raise ValueError(f"export: two Megatron tensors map to {name!r}")
+        self.tensors[name] = t.detach().contiguous().cpu()
+
+    def _expect_shape(self, what: str, shape: tuple, want: tuple) -> None:
+        if tuple(shape) != tuple(want):
+            raise ValueError(f"export: {what} has shape {tuple(shape)}, the config implies {tuple(want)}")
+
+    def linear(self, role: str, hf: str, value, source: str, expert: int | None, amax: torch.Tensor | None) -> None:
+        d = self.d
+        shape = tuple(value.shape)
+        if role == "qkv":
+            self._expect_shape(source, shape, ((d["heads"] + 2 * d["groups"]) * d["head_dim"], d["hidden"]))
+            r = qkv_row_ranges(d["heads"], d["groups"], d["head_dim"])
+            pieces = {f"{hf}.q_proj": r["q"], f"{hf}.k_proj": r["k"], f"{hf}.v_proj": r["v"]}
+        elif role == "fc1":
+            ffn = d["moe_ffn"] if expert is not None else d["ffn"]
+            self._expect_shape(source, shape, (2 * ffn, d["hidden"]))
+            r = fc1_row_ranges(ffn)
+            pieces = {f"{hf}.gate_proj": r["gate"], f"{hf}.up_proj": r["up"]}
+        else:
+            if hf.endswith("o_proj"):
+                self._expect_shape(source, shape, (d["hidden"], d["heads"] * d["head_dim"]))
+            elif hf.endswith("down_proj"):
+                self._expect_shape(source, shape, (d["hidden"], d["moe_ffn"] if expert is not None else d["ffn"]))
+            elif hf == "lm_head" and shape[1] != d["hidden"]:
+                raise ValueError(f"export: {source} has shape {shape}, expected [vocab, {d['hidden']}]")
+            pieces = {hf: [(0, shape[0])]}
+
+        quantized = isinstance(value, NVFP4Tensor)
+        if quantized:
+            value = check_weight(value, source)
+            bad_scales = torch.isnan(value.block_scales.to(torch.float32))
+            if not bool(torch.isfinite(value.global_decode).all()) or bool(bad_scales.any()):
+                raise ValueError(
+                    f"export: {source} holds non-finite scales (the learner's weight had NaN/inf); refusing to "
+                    "export a weight that decodes to NaN"
+                )
+            if self.static_inputs and amax is None:
+                raise ValueError(f"export: activation_amax has no entry for {source} (give all quantized linears or none)")
+        elif not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise TypeError(f"export: {source} must be an NVFP4Tensor or a floating-point tensor")
+        for module, ranges in pieces.items():
+            meta: dict[str, Any] = {"source": source, "rows": [list(r) for r in ranges]}
+            if expert is not None:
+                meta["expert"] = expert
+            if quantized:
+                q = value if ranges == [(0, shape[0])] else take_rows(value, ranges, f"{source} -> {module}")
+                s2 = q.global_decode.reshape(()).to(torch.float32)
+                self.put(f"{module}.weight", q.codes)
+                self.put(f"{module}.weight_scale", q.block_scales.reshape(q.shape[0], q.shape[1] // BLOCK))
+                self.put(f"{module}.weight_scale_2", s2)
+                meta.update(
+                    quantized=True,
+                    tile=list(q.tile),
+                    weight_scale_2=float(s2),
+                    weight_scale_2_bits=fp32_bits(s2),
+                )
+                if amax is not None:
+                    _, s_dec = global_scales(torch.as_tensor(amax, dtype=torch.float32).reshape(1))
+                    in_scale = s_dec.reshape(())
+                    if not torch.isfinite(in_scale):
+                        raise ValueError(f"export: activation amax of {source} is not finite: {float(amax)!r}")
+                    self.put(f"{module}.input_scale", in_scale)
+                    alpha = (in_scale * s2).to(torch.float32)
+                    meta.update(input_scale=float(in_scale), input_scale_bits=fp32_bits(in_scale),
+                                input_amax=float(amax), alpha=float(alpha), alpha_bits=fp32_bits(alpha))
+            else:
+                w = torch.cat([value[a:b] for a, b in ranges]) if len(ranges) > 1 or ranges[0] != (0, shape[0]) else value
+                self.put(f"{module}.weight", w)
+                meta.update(quantized=False, dtype=str(value.dtype).removeprefix("torch."))
+                self.exclude.append(module)
+            self.modules[module] = meta
+
+
+def export_modelopt(
+    out_dir: str | Path,
+    weights: Mapping[str, NVFP4Tensor | torch.Tensor],
+    config: Any,
+    recipe: Any,
+    *,
+    rope_theta: float,
+    max_position_embeddings: int,
+    vocab_size: int | None = None,
+    activation_amax: Mapping[str, torch.Tensor] | None = None,
+    activation_global_scale: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ExportResult:
+    """Write a ModelOpt NVFP4 checkpoint of the learner's weights into ``out_dir``.
+
+    Args:
+        weights: Megatron parameter name (unsharded, TP=EP=1 view) -> the learner's
+            :class:`NVFP4Tensor` (quantized linears: 16x16 tiles or 1x16 blocks, one global scale
+            per tensor; ``[E, N, K]`` ``"group"`` tensors for all experts at once) or a plain
+            tensor (embeddings, norms, router, LM head, and linears kept in BF16, which are written
+            unquantized and listed in the exclude list). Names: :mod:`.names`; ``*._extra_state``
+            entries of a Megatron state dict are skipped.
+        config: Megatron ``TransformerConfig`` (or object/dict with its field names).
+        recipe: the training recipe (any dataclass, or a dict), written to ``config.json``.
+        rope_theta, max_position_embeddings: GPT-level settings outside TransformerConfig.
+        vocab_size: default: rows of the embedding.
+        activation_amax: optional calibrated activation amax per quantized Megatron weight name
+            (``[E]`` for a group tensor): writes static ``input_scale`` = the contract's
+            ``S_dec(amax)`` for stock engines. All quantized linears or none.
+        activation_global_scale: ``"row"`` / ``"tensor"``; default: ``recipe.activation_scale``.
+        max_shard_bytes: safetensors shard size limit.
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        ValueError for a name with no Qwen3 place, a shape the config contradicts, a missing
+        tensor, an unsupported config, a tile-cutting split, or a quantized norm/router;
+        TypeError for a bad value or recipe.
+    """
+    out = Path(out_dir)
+    recipe_class, recipe_dict = _recipe_dict(recipe)
+    act_scale = activation_global_scale or recipe_dict.get("activation_scale")
+    if act_scale not in ("row", "tensor"):
+        raise ValueError(
+            "export: activation_global_scale must be 'row' or 'tensor' (pass it, or use a recipe with activation_scale)"
+        )
+    w = _Writer(config, activation_amax)
+    d = w.d
+    moe_layers: set[int] = set()
+    experts_seen: dict[int, dict[str, set[int]]] = {}
+    lm_head_present = False
+
+    for name, value in weights.items():
+        src = strip_wrappers(name)
+        if src.endswith("._extra_state"):
+            continue  # Megatron/TE module metadata (None for local modules), not a weight
+        t = megatron_target(name)
+        if t.role in ("tensor", "router"):
+            if isinstance(value, NVFP4Tensor):
+                raise ValueError(f"export: {src} is quantized, but {t.hf} is a high-precision tensor in the Qwen3 layout")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"export: {src} must be a tensor, got {type(value).__name__}")
+            w.put(t.hf, value)
+            w.sources[t.hf] = src
+            if t.role == "router":
+                moe_layers.add(t.layer)
+                w.exclude.append(t.hf.removesuffix(".weight"))
+            continue
+        if t.layer is not None and t.layer >= d["layers"]:
+            raise ValueError(f"export: {src} is layer {t.layer}, the config has {d['layers']} layers")
+        amax = w.amax.get(src)
+        lm_head_present |= t.hf == "lm_head"
+        if t.expert is None:
+            w.linear(t.role, t.hf, value, src, None, amax)
+            continue
+        if t.expert == -1:
+            parts = split_groups(value, src) if isinstance(value, NVFP4Tensor) else list(value.unbind(0))
+            if amax is not None and torch.as_tensor(amax).numel() != len(parts):
+                raise ValueError(f"export: activation_amax[{src}] needs {len(parts)} values (one per expert)")
+            for e, p in enumerate(parts):
+                a = None if amax is None else torch.as_tensor(amax).reshape(-1)[e]
+                w.linear(t.role, t.hf.format(expert=e), p, src, e, a)
+                experts_seen.setdefault(t.layer, {}).setdefault(t.role, set()).add(e)
+        else:
+            w.linear(t.role, t.hf, value, src, t.expert, amax)
+            experts_seen.setdefault(t.layer, {}).setdefault(t.role, set()).add(t.expert)
+
+    # ---- completeness: never export a model with a hole in it ------------------------------
+    missing = []
+    if "model.embed_tokens.weight" not in w.tensors:
+        missing.append("embedding.word_embeddings.weight")
+    if "model.norm.weight" not in w.tensors:
+        missing.append("decoder.final_layernorm.weight")
+    qk_norm = bool(cfg_get(config, "qk_layernorm", False))
+    for i in range(d["layers"]):
+        need = [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+        need += [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"]
+        if qk_norm:
+            need += [f"model.layers.{i}.self_attn.{p}_norm.weight" for p in "qk"]
+        if i in moe_layers:
+            seen = experts_seen.get(i, {})
+            for role in ("fc1", "linear"):
+                lacking = sorted(set(range(d["experts"])) - seen.get(role, set()))
+                if lacking:
+                    missing.append(f"layer {i} experts {lacking[:8]} {'fc1' if role == 'fc1' else 'fc2'}")
+        else:
+            if i in experts_seen:
+                missing.append(f"decoder.layers.{i}.mlp.router.weight (layer {i} has experts)")
+            need += [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        missing += [n for n in need if n not in w.tensors]
+    if not qk_norm and any(".q_norm." in n for n in w.tensors):
+        raise ValueError("export: q/k layernorm weights given but the config has qk_layernorm=False")
+    if missing:
+        raise ValueError(f"export: the weights are incomplete; missing {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+
+    # vLLM matches a fused MoE by its "experts" prefix: a layer's experts are all quantized or none.
+    for i in sorted(moe_layers):
+        flags = {w.modules[m]["quantized"] for m in w.modules if m.startswith(f"model.layers.{i}.mlp.experts.")}
+        if len(flags) > 1:
+            raise ValueError(f"export: layer {i} mixes quantized and high-precision experts (engines cannot load that)")
+        if flags == {False}:
+            w.exclude.append(f"model.layers.{i}.mlp.experts")
+
+    emb = w.tensors["model.embed_tokens.weight"]
+    vocab = int(vocab_size) if vocab_size is not None else int(emb.shape[0])
+    if emb.shape != (vocab, d["hidden"]):
+        raise ValueError(f"export: embedding has shape {tuple(emb.shape)}, expected [{vocab}, {d['hidden']}]")
+    if lm_head_present and w.tensors["lm_head.weight"].shape[0] != vocab:
+        raise ValueError(f"export: lm_head has {w.tensors['lm_head.weight'].shape[0]} rows, vocab is {vocab}")
+
+    hf = build_hf_config(
+        config,
+        vocab_size=vocab,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=not lm_head_present,
+        moe_layers=sorted(moe_layers),
+        torch_dtype=emb.dtype,
+    )
+    exclude = sorted(set(w.exclude), key=_hf_sort_key)
+    quantized = sorted((m for m, v in w.modules.items() if v["quantized"]), key=_hf_sort_key)
+    if not quantized:
+        raise ValueError("export: no quantized linear in the weights (nothing NVFP4 to export)")
+    hf["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": BLOCK,
+        "config_groups": {
+            "group_0": {
+                "input_activations": {"dynamic": not w.static_inputs, "num_bits": 4, "type": "float", "group_size": BLOCK},
+                "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK},
+            }
+        },
+        "ignore": exclude,
+        "producer": dict(PRODUCER),
+        "quant_library": "modelopt",
+    }
+    tiles = sorted({tuple(w.modules[m]["tile"]) for m in quantized})
+    hf["minite"] = {
+        "format_version": FORMAT_VERSION,
+        "producer": dict(PRODUCER),
+        "recipe_class": recipe_class,
+        "recipe": recipe_dict,
+        "weights": {
+            "tiles": [list(t) for t in tiles],
+            "global_scale": "one per tensor (per expert for experts); fused q/k/v and gate/up share theirs",
+            "codes": "uint8 [N, K/2], two E2M1 codes per byte, even element in the low nibble",
+            "weight_scale": "float8_e4m3fn [N, K/16], linear layout, a 16x16 tile's scale repeated on its rows",
+            "weight_scale_2": "S_dec = fp32(1 / fp64(fp32(2688 / amax))) as the learner quantized (decode scale)",
+            "dequantize": "fp32(e2m1(code) * fp32(weight_scale)) * weight_scale_2, bitwise the learner's weight",
+        },
+        "activations": {
+            "global_scale": "per_token" if act_scale == "row" else "per_tensor",
+            "block": [1, BLOCK],
+            "input_scale": "static, S_dec(calibrated amax)" if w.static_inputs else "absent (dynamic per-token scales)",
+            "alpha": "alpha[m] = fp32(S_dec_act[m] * weight_scale_2): per token at run time"
+            if act_scale == "row"
+            else "alpha = fp32(S_dec_act * weight_scale_2)",
+        },
+        "quant_file": QUANT_FILE,
+        "num_quantized_modules": len(quantized),
+        "num_excluded_modules": len(exclude),
+    }
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = _write_shards(out, w.tensors, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    (out / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": dict(PRODUCER),
+                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": BLOCK, "exclude_modules": exclude},
+            },
+            indent=2,
+        )
+    )
+    modules = {m: w.modules[m] for m in sorted(w.modules, key=_hf_sort_key)}
+    tensor_sources = {n: w.sources[n] for n in sorted(w.sources, key=_hf_sort_key)}
+    (out / QUANT_FILE).write_text(
+        json.dumps({"format_version": FORMAT_VERSION, "modules": modules, "tensors": tensor_sources}, indent=1)
+    )
+    files += [out / "config.json", out / "hf_quant_config.json", out / QUANT_FILE]
+    return ExportResult(out, files, hf, quantized, exclude, modules)
+
+
+def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[Path]:
+    from safetensors.torch import save_file
+
+    if max_shard_bytes <= 0:
+        raise ValueError("max_shard_bytes must be positive")
+    names = sorted(tensors, key=_hf_sort_key)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = tensors[n].numel() * tensors[n].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    total = len(shards)
+    weight_map, files = {}, []
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{total:05d}.safetensors"
+        save_file({n: tensors[n] for n in shard}, str(out / fname), metadata={"format": "pt"})
+        files.append(out / fname)
+        weight_map.update({n: fname for n in shard})
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=1))
+    return files + [out / INDEX_FILE]
+
+
+__all__ = ["ExportResult", "export_modelopt", "fp32_bits", "jsonable"]
