@@ -26,7 +26,7 @@ from .tree import tree_sum
 
 
 def _world(group) -> int:
-    if group is None or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group=group)
 
@@ -42,9 +42,10 @@ class _InvariantAllReduce(torch.autograd.Function):
         if world == 1:
             return x
         x = x.contiguous()
-        gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(gathered, x, group=group)
-        return _tree_over_ranks(gathered, x.dtype)
+        flat = x.reshape(-1)
+        gathered = torch.empty(world * flat.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        return _tree_over_ranks(gathered.view(world, *x.shape), x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -77,8 +78,9 @@ class _InvariantReduceScatter(torch.autograd.Function):
 
 
 def invariant_all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum of ``x`` over the ranks of ``group`` in a fixed order (rank 0, 1, ... as a pairwise
-    tree, fp32). Returns ``x`` itself for one rank or no initialized process group."""
+    """Sum of ``x`` over the ranks of ``group`` (None: the default group) in a fixed order (rank
+    0, 1, ... as a pairwise tree, fp32). Returns ``x`` itself for one rank or no initialized
+    process group."""
     return _InvariantAllReduce.apply(x, group)
 
 

@@ -29,6 +29,9 @@ def init_single_process() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
 
 
 def tiny_config(strict: bool, dtype=torch.float32, **overrides):

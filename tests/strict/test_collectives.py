@@ -1,0 +1,83 @@
+"""Fixed-order TP reductions on two gloo processes: every rank gets the same bits, a token's
+result depends only on its own partials, and the strict row-parallel linear at TP=2 equals TP=1
+bitwise in fp32 (its per-rank partials are aligned halves of the K tree)."""
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multiproc
+
+
+def _worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    from minite_megatron import cpu_compat
+
+    cpu_compat.activate()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from minite_megatron.strict.collectives import invariant_all_reduce, invariant_reduce_scatter
+    from minite_megatron.strict.tree import tree_sum
+
+    results = {}
+    parts = [torch.randn(8, 5, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(world)]
+    x = parts[rank].clone().requires_grad_()
+    y = invariant_all_reduce(x)
+    results["all_reduce"] = y.detach()
+    results["all_reduce_ref"] = tree_sum(torch.stack(parts), dim=0)
+    results["all_reduce_rows"] = invariant_all_reduce(parts[rank][2:5])
+    y.sum().backward()
+    results["all_reduce_grad"] = x.grad
+    xs = parts[rank].clone().requires_grad_()
+    z = invariant_reduce_scatter(xs)
+    results["reduce_scatter"] = z.detach()
+    results["reduce_scatter_ref"] = tree_sum(torch.stack([p.view(world, 4, 5)[rank] for p in parts]), dim=0)
+    (z * (rank + 1)).sum().backward()
+    results["reduce_scatter_grad"] = xs.grad
+
+    # the strict row-parallel linear at TP=2 (fp32): equal to the unsplit strict linear
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from minite_megatron.strict.matmul import linear
+    from minite_megatron.strict.parallel_linear import StrictRowParallelLinear
+
+    parallel_state.initialize_model_parallel(world, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, tensor_model_parallel_size=world,
+                            use_cpu_initialization=True, params_dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    w_full = torch.randn(32, 64, generator=g)
+    inp = torch.randn(6, 2, 64, generator=g)
+    row = StrictRowParallelLinear(64, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                                  input_is_parallel=True, skip_bias_add=True)
+    shard = 64 // world
+    with torch.no_grad():
+        row.weight.copy_(w_full[:, rank * shard : (rank + 1) * shard])
+        out, _ = row(inp[..., rank * shard : (rank + 1) * shard])
+    results["row_tp"] = out
+    results["row_full"] = linear(inp, w_full)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fixed_order_reductions_on_two_ranks():
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.start_processes(_worker, args=(world, init_file, tmp), nprocs=world, start_method="spawn")
+        res = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    from minite_megatron.testing import assert_bitwise_equal
+
+    for r in range(world):
+        assert_bitwise_equal(res[r]["all_reduce"], res[0]["all_reduce_ref"], f"all-reduce rank {r}")
+        assert_bitwise_equal(res[r]["all_reduce_rows"], res[0]["all_reduce_ref"][2:5], f"rows rank {r}")
+        assert_bitwise_equal(res[r]["all_reduce_grad"], torch.ones(8, 5))
+        assert_bitwise_equal(res[r]["reduce_scatter"], res[r]["reduce_scatter_ref"], f"reduce-scatter rank {r}")
+        grad = res[r]["reduce_scatter_grad"]  # all-gather of the per-rank output grads (1, then 2)
+        assert_bitwise_equal(grad, torch.cat([torch.full((4, 5), 1.0), torch.full((4, 5), 2.0)]))
+        assert_bitwise_equal(res[r]["row_tp"], res[r]["row_full"], f"row-parallel TP=2 vs TP=1, rank {r}")
