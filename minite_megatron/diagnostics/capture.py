@@ -169,7 +169,8 @@ class Tracer:
         self._wants: dict[str, bool] = {}
         self._handles: list = []
         self._routing: dict[str, torch.Tensor] = {}  # "<...>.mlp" -> bool routing map [T, E]
-        self._expert_offsets: dict[str, int] = {}
+        self._routed_ctx: list[tuple[torch.Tensor, torch.Tensor]] = []  # (token, expert) rows of running experts
+        self._named: list[torch.nn.Module] = []
 
     # ---- activation ------------------------------------------------------------------------
     def __enter__(self) -> "Tracer":
@@ -264,6 +265,14 @@ class Tracer:
                 raise ValueError(f"capture {name!r}: {keys.numel()} keys for a tensor of shape {tuple(tensor.shape)}")
             self._store(name, "token", keys, tensor)
             return
+        if self._routed_ctx and tensor.dim() >= 1 and tensor.shape[0] == self._routed_ctx[-1][0].numel():
+            # called from inside an expert module (see attach): rows are (token, expert) pairs
+            tok, exp = self._routed_ctx[-1]
+            self.record_routed(name, tensor, tok, exp)
+            return
+        self._record_token(name, tensor)
+
+    def _record_token(self, name: str, tensor: torch.Tensor) -> None:
         gk = self._need_grid(name)
         g = self._grid_shape
         n = gk.numel()
@@ -315,8 +324,12 @@ class Tracer:
         ``inputs=True``, ``{name}.input``. A Megatron router records ``{name}.probs`` and
         ``{name}.routing_map``; modules under ``*.mlp.experts`` record routed rows keyed by
         (token, expert), using the routing map of their layer's router (which is always hooked,
-        matched or not). Hooks stay until :meth:`detach` or the end of the ``with`` block.
-        Returns the number of modules hooked.
+        matched or not). While an expert module runs, :func:`capture` calls from inside it (e.g.
+        a grouped NVFP4 linear's quantizer codes) whose first dimension is the module's routed
+        row count are keyed the same way. A matched module with a ``trace_name`` attribute that is
+        None (miniTE's NVFP4 linears) gets its name, so its own capture points
+        (``{name}.input_codes``, ...) are named like the hooks. Hooks and names stay until
+        :meth:`detach` or the end of the ``with`` block. Returns the number of modules matched.
 
         Raises ValueError if no module matches, or for expert parallelism (experts not all local).
         """
@@ -326,23 +339,45 @@ class Tracer:
         count = 0
         for name, mod in named:
             matched = any(fnmatch.fnmatchcase(name, p) for p in patterns)
-            is_router = _ROUTER_RE.match(name) is not None
-            if not matched and not is_router:
-                continue
-            if is_router:
+            if _ROUTER_RE.match(name) is not None:
                 self._handles.append(mod.register_forward_hook(self._router_hook(name, record=matched)))
-            else:
-                self._handles.append(mod.register_forward_hook(self._module_hook(name, by_name, inputs)))
-            count += matched
+                count += matched
+                continue
+            routed = _LOCAL_EXPERT_RE.match(name) is not None or _GROUPED_EXPERTS_RE.match(name) is not None
+            if routed:  # routed-row context for captures made inside the module
+                self._handles.append(mod.register_forward_pre_hook(self._routed_enter(name, by_name)))
+            if matched:
+                self._handles.append(mod.register_forward_hook(self._module_hook(name, inputs)))
+                if getattr(mod, "trace_name", "missing") is None:
+                    mod.trace_name = name
+                    self._named.append(mod)
+                count += 1
+            if routed:  # after the recording hook (hooks run in registration order)
+                self._handles.append(mod.register_forward_hook(self._routed_exit, always_call=True))
         if count == 0:
             raise ValueError(f"Tracer.attach: no submodule matches {patterns}")
         return count
 
     def detach(self) -> None:
-        """Remove every hook registered by :meth:`attach`."""
+        """Remove every hook registered by :meth:`attach` and reset the ``trace_name`` it set."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for mod in self._named:
+            mod.trace_name = None
+        self._named.clear()
+        self._routed_ctx.clear()
+
+    def _routed_enter(self, name: str, by_name: dict):
+        def pre_hook(module, args):
+            if self.active:
+                self._routed_ctx.append(self._expert_rows(name, by_name))
+
+        return pre_hook
+
+    def _routed_exit(self, module, args, output) -> None:
+        if self.active and self._routed_ctx:
+            self._routed_ctx.pop()
 
     def _router_hook(self, name: str, record: bool):
         mlp = _ROUTER_RE.match(name)["mlp"]
@@ -383,11 +418,12 @@ class Tracer:
             pairs = pairs[pairs[:, 0] == e]
         return pairs[:, 1], pairs[:, 0]
 
-    def _module_hook(self, name: str, by_name: dict, inputs: bool):
+    def _module_hook(self, name: str, inputs: bool):
         def hook(module, args, output):
             if not self.active:
                 return
-            rows = self._expert_rows(name, by_name)
+            # a routed module's context is still pushed here (its exit hook is registered after this one)
+            rows = self._routed_ctx[-1] if (_LOCAL_EXPERT_RE.match(name) or _GROUPED_EXPERTS_RE.match(name)) else None
             todo = [(f"{name}.output", _first_tensor(output))]
             if inputs:
                 todo.insert(0, (f"{name}.input", _first_tensor(args)))
@@ -395,7 +431,7 @@ class Tracer:
                 if t is None or not self.wants(point):
                     continue
                 if rows is None:
-                    self.record(point, t)
+                    self._record_token(point, t)
                 else:
                     tok, exp = rows
                     if t.shape[0] != tok.numel():

@@ -63,23 +63,31 @@ def _config(**kw):
     return TransformerConfig(**base)
 
 
-def _gpt(config, core_attention=None, seed=123):
+def _gpt(config, core_attention=None, seed=123, recipe=None):
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True)
+    if recipe is not None:  # miniTE's NVFP4 modules (the minite specs)
+        from minite_megatron.model import finalize_gpt_model
+        from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+        spec = get_gpt_decoder_block_minite_spec(config, recipe)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True)
     if core_attention is not None:
         spec.submodules.self_attention.submodules.core_attention = core_attention
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
                      position_embedding_type="rope")
+    if recipe is not None:
+        finalize_gpt_model(model, recipe)
     return model.eval()
 
 
-def _twin(ref, config, core_attention=None):
-    model = _gpt(config, core_attention)
+def _twin(ref, config, core_attention=None, recipe=None):
+    model = _gpt(config, core_attention, recipe=recipe)
     model.load_state_dict(ref.state_dict())
     return model
 
@@ -185,3 +193,28 @@ def test_planted_bf16_router(megatron):
     assert fd.name == "decoder.layers.0.mlp.router.probs"
     assert fd.max_abs > 0 and "dtype differs" in fd.note
     assert all(r.status == "equal" for r in cmp.results[: fd.index])
+
+
+def test_minite_nvfp4_modules_quantizer_points(megatron):
+    """On miniTE's own NVFP4 modules (minite specs, grouped experts): attach names the linears so
+    their quantizer codes are captured, grouped-expert codes are keyed by (token, expert) through
+    the routed context, a permuted batch is bitwise equal everywhere, and a per-tensor instead of
+    per-token activation scale (the batch-dependent choice the recipe avoids) is named first at
+    the first NVFP4 quantizer, layer 0's qkv input codes."""
+    from minite_megatron.diagnostics import compare_traces
+    from minite_megatron.recipe import Recipe
+
+    cfg = _config(moe_grouped_gemm=True)
+    model = _gpt(cfg, recipe=Recipe())
+    ref = _run(model, (0, 1, 2), "learner")
+    assert model.decoder.layers[0].self_attention.linear_qkv.trace_name is None  # reset on exit
+    codes = "decoder.layers.1.mlp.experts.linear_fc2.input_codes"
+    assert ref[codes].kind == "routed" and ref[codes].rows == B * S * 2
+    assert ref["decoder.layers.0.self_attention.linear_qkv.input_codes"].kind == "token"
+    same = compare_traces(ref, _run(model, (2, 0, 1), "rollout"))
+    assert same.first_divergence is None and {r.status for r in same.results} == {"equal"}
+
+    other = _twin(model, _config(moe_grouped_gemm=True), recipe=Recipe(activation_scale="tensor"))
+    cmp = compare_traces(ref, _run(other, (2, 0, 1), "rollout"))
+    assert cmp.first_divergence.name == "decoder.layers.0.self_attention.linear_qkv.input_codes"
+    assert all(r.status == "equal" for r in cmp.results[: cmp.first_divergence.index])
