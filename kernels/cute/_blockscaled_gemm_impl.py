@@ -36,7 +36,8 @@ Kernel design (one CTA per 128 x tile_n output tile, 6 warps, warp specialized):
     warps 0-3  epilogue: ``tcgen05.ld`` (32 lanes x 32 bit: thread t owns row t of the tile),
                the contract's epilogue in fp32 with explicitly rounded ``mul.rn.f32`` /
                ``add.rn.f32`` (no FMA contraction may merge the scale and the bias), one
-               rounding to the output dtype, predicated stores.
+               rounding to the output dtype; each warp transposes its 32 x 32 subtile through
+               shared memory and stores whole row segments (coalesced, predicated).
 Grouped (MoE) rows: M tiles are aligned to the whole row range, so a tile may straddle
 experts. The CTA finds the experts whose rows meet its tile (binary search in ``offs``) and
 runs one *pass* (full K loop with ``B[g]``) per non-empty expert; each pass stores only its
@@ -233,7 +234,13 @@ class Nvfp4BlockScaledGemmKernel:
             + cute.size_in_bytes(self.sf_dtype, sfa1)
             + cute.size_in_bytes(self.sf_dtype, sfb1)
         )
-        reserved = 1024  # mbarriers, tensor-memory pointer, alignment slack
+        # Epilogue staging: per epilogue warp, a 32 x 32 tile of outputs (rows padded so the
+        # row-wise writes and the column-wise reads are both free of bank conflicts).
+        elem_bytes = self.c_dtype.width // 8
+        self.stage_pitch = _EPI_N + 4 // elem_bytes
+        self.staging_elems = len(self.epilogue_warps) * 32 * self.stage_pitch
+        staging_bytes = -(-self.staging_elems * elem_bytes // 1024) * 1024
+        reserved = 1024 + staging_bytes  # mbarriers, tensor-memory pointer, alignment, staging
         self.num_ab_stage = min((self.smem_capacity - reserved) // stage_bytes, 16)
         (
             self.a_smem_layout,
@@ -331,6 +338,7 @@ class Nvfp4BlockScaledGemmKernel:
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout.outer)], align]
             sSFA: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfa_smem_layout)], align]
             sSFB: cute.struct.Align[cute.struct.MemRange[self.sf_dtype, cute.cosize(self.sfb_smem_layout)], align]
+            sStage: cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.staging_elems], 128]
 
         self.shared_storage = SharedStorage
 
@@ -562,14 +570,21 @@ class Nvfp4BlockScaledGemmKernel:
             tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
             tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
             mC_out = mC[(None, None, out_batch)]
-            gC = cute.local_tile(mC_out, tile_mn, (m_tile, n_tile))
             cC = cute.local_tile(cute.make_identity_tensor(mC_out.shape), tile_mn, (m_tile, n_tile))
-            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N)
-            tTR_gC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(gC)[((None, None), 0, 0)], epi_tile))
+            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N): the (row, col) of every accumulator register
             tTR_cC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(cC)[((None, None), 0, 0)], epi_tile))
-            frag_shape = tTR_gC[(None, None, None, 0, 0)].shape
-            tTR_rAcc = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
             num_subtiles = cute.size(tTR_tAcc, mode=[4])
+
+            # A 32 x 32 bit TMEM load gives thread t of warp w row 32 w + t of the tile, 32
+            # consecutive columns: rows are transposed through shared memory so that a warp
+            # stores 32 consecutive columns of one row per instruction (coalesced).
+            sStage = storage.sStage.get_tensor(
+                cute.make_layout((32, _EPI_N, len(self.epilogue_warps)), stride=(self.stage_pitch, 1, 32 * self.stage_pitch))
+            )
+            warp_stage = sStage[(None, None, warp_idx)]
+            lane = cute.arch.lane_idx()
+            row_base = m0 + 32 * warp_idx
 
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             for gi in cutlass.range(g_first, g_last + 1, unroll=1):
@@ -581,7 +596,7 @@ class Nvfp4BlockScaledGemmKernel:
                         # tcgen05.ld is asynchronous: wait before the registers are read.
                         cute.arch.fence_view_async_tmem_load()
                         tTR_cC_sub = tTR_cC[(None, None, None, 0, sub)]
-                        tTR_gC_sub = tTR_gC[(None, None, None, 0, sub)]
+                        col_base = n_tile * self.tile_n + sub * _EPI_N
                         for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
                             row, col = tTR_cC_sub[i]
                             # Clamped indices keep the vector loads in bounds; tails are not stored.
@@ -591,20 +606,25 @@ class Nvfp4BlockScaledGemmKernel:
                             value = mul_rn_f32(tTR_rAcc[i], alpha)
                             if cutlass.const_expr(self.has_bias):
                                 value = add_rn_f32(value, mBias[(col_c, gi)])
+                            warp_stage[(row - row_base, col - col_base)] = value.to(self.c_dtype)
+                        cute.arch.sync_warp()
+                        for r in cutlass.range_constexpr(32):
+                            row = row_base + r
+                            col = col_base + lane
                             if (row >= rows_lo) & (row < rows_hi) & (col < n):
-                                tTR_gC_sub[i] = value.to(self.c_dtype)
+                                mC_out[(row, col)] = warp_stage[(r, lane)]
+                        cute.arch.sync_warp()  # the next subtile reuses the staging tile
                     acc_pipeline.consumer_release(acc_state)
                     acc_state.advance()
                 if cutlass.const_expr(self.k_grouped):
                     if kt_hi <= kt_lo:
                         # An expert without tokens: its weight gradient is exactly zero.
                         for sub in cutlass.range(num_subtiles, unroll=1):
-                            tTR_cC_sub = tTR_cC[(None, None, None, 0, sub)]
-                            tTR_gC_sub = tTR_gC[(None, None, None, 0, sub)]
-                            for i in cutlass.range_constexpr(cute.size(tTR_rAcc)):
-                                row, col = tTR_cC_sub[i]
+                            col = n_tile * self.tile_n + sub * _EPI_N + lane
+                            for r in cutlass.range_constexpr(32):
+                                row = row_base + r
                                 if (row < m) & (col < n):
-                                    tTR_gC_sub[i] = cutlass.Float32(0.0).to(self.c_dtype)
+                                    mC_out[(row, col)] = cutlass.Float32(0.0).to(self.c_dtype)
 
             tmem.relinquish_alloc_permit()
             self.epilogue_sync.arrive_and_wait()

@@ -99,9 +99,15 @@ def test_epilogue_dataflow_matches_the_contract(kernel_artifacts, config, arch):
     if cvt is not None:
         converted = [args for op, args in ins if op == cvt]
         assert len(converted) == 32 and all(src in final for _, src in converted)
-    else:  # fp32 output: the stored registers are the epilogue's results themselves
-        stored = {args[1] for op, args in ins if op.startswith("st.global") and op.endswith("32")}
-        assert final <= stored
+        final = {dst for dst, _ in converted}
+    # each result goes through the warp's shared-memory staging tile (the transpose that makes
+    # the global stores coalesced), and every global store writes a value read back from it
+    staged = [args[1] for op, args in ins if op.startswith("st.shared")]
+    assert len(staged) == 32 and set(staged) <= final
+    stored = [args[1] for op, args in ins if op.startswith("st.global")]
+    from_staging = [v for v in stored if written_by(v, "ld.shared")]
+    assert len(from_staging) == 32
+    assert len(re.findall(r"bar\.warp\.sync", ptx)) >= 2  # staging written, then read, per warp
     # tcgen05.ld is asynchronous: a wait::ld must separate it from the first use.
     ld = ptx.index("tcgen05.ld.sync.aligned.32x32b")
     assert "tcgen05.wait::ld" in ptx[ld : ptx.index("mul.rn.f32", ld)]
@@ -126,10 +132,11 @@ def test_grouped_variant_reads_the_group_offsets(kernel_artifacts):
     one reads none: one launch serves all experts without a host loop."""
     grouped, _ = kernel_artifacts(VARIANTS[2][0], "sm_100a")
     dense, _ = kernel_artifacts(VARIANTS[0][0], "sm_100a")
-    # the dense kernel loads exactly sa, sb and bias per element; the grouped one adds offsets
+    # the dense kernel loads sb and bias per element and sa per row (32 + 32 + at least one);
+    # the grouped one also reads the offsets (binary search, scan, pass extents)
     count = lambda ptx: len(re.findall(r"ld\.global\.b32", ptx))  # noqa: E731
-    assert count(dense) == 3 * 32
-    assert count(grouped) > count(dense)
+    assert 2 * 32 + 1 <= count(dense) <= 3 * 32
+    assert count(grouped) >= count(dense) + 4
 
 
 def test_k_grouped_variant_writes_zeros_for_experts_without_tokens(kernel_artifacts):
@@ -139,3 +146,5 @@ def test_k_grouped_variant_writes_zeros_for_experts_without_tokens(kernel_artifa
     values = [v.strip() for v in re.findall(r"st\.global\.b32\s+\[[^\]]+\],\s*([^;]+);", ptx)]
     assert len(values) == 64
     assert values.count("0") == 32  # immediate zero bits: +0.0
+    defs = _definitions(ptx)
+    assert all(any(op.startswith("ld.shared") for op in defs[v]) for v in values if v != "0")
