@@ -170,9 +170,11 @@ def pass_extent(
 class Nvfp4BlockScaledGemmKernel:
     """NVFP4 x NVFP4 -> bf16/fp16/fp32 GEMM with the contract's epilogue (see module docstring).
 
-    Heuristics fixed at construction (never depending on M): CTA tile ``128 x tile_n x 256``,
-    1-SM MMA, no cluster, as many smem stages as fit, two accumulator stages when the tensor
-    memory holds them (``tile_n == 128``) so a grouped tile's next pass overlaps the epilogue.
+    Heuristics fixed at construction (never depending on M): CTA tile ``128 x tile_n x tile_k``
+    (``tile_k`` 256, or 64 when K is grouped), 1-SM MMA, no cluster, as many smem stages as
+    fit beside the epilogue's staging tiles (at most 16), two accumulator stages when the
+    tensor memory holds them (``tile_n == 128``) so a grouped tile's next pass overlaps the
+    epilogue. Tensor memory: accumulators, then one k-tile of SFA and of SFB columns.
     """
 
     arch = "sm_100"
