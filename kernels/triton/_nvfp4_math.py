@@ -170,10 +170,11 @@ def e4m3_value(code):
 
 @triton.jit
 def e2m1_value(code):
-    """int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0)."""
+    """int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0), built on the bits:
+    magnitude m >= 2 is ``(1 + (m & 1) / 2) * 2^((m >> 1) - 1)``, m = 1 is 0.5, m = 0 is 0."""
     mag = code & 7
-    val = tl.where(mag <= 4, mag.to(tl.float32) * 0.5, tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0)))
-    return _negate_if(val, (code & 8) != 0)
+    bits = tl.where(mag < 2, mag * 0x3F000000, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

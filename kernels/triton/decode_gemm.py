@@ -33,12 +33,12 @@ from .gemm import OUT_DTYPES
 MAX_M = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
 def _decode_gemm_kernel(
     a_ptr, codes_ptr, scales_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sb_ptr, bias_ptr,
-    M, N, K, K_PER_SPLIT, s_am, s_om,
+    M, N, K, K_PER_SPLIT, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -67,7 +67,7 @@ def _decode_gemm_kernel(
         else:
             acc = tl.dot(w.to(tl.bfloat16), x, acc)
 
-    is_last = True
+    is_last = SPLIT == 1
     if SPLIT > 1:
         part = part_ptr + pid_s * N * M_PAD + rn[:, None] * M_PAD + rm[None, :]
         tl.store(part, acc, mask=(rn < N)[:, None])
@@ -101,7 +101,7 @@ def select_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int,
     m_pad = max(16, triton.next_power_of_2(m))
     if interpreting():
         return 16, 32, m_pad, max(1, min(2, k // 32)), 4
-    block_n, block_k = 64, 256 if k % 256 == 0 else 128
+    block_n, block_k = 64, 128 if m_pad <= 16 else 64
     k_blocks = triton.cdiv(k, block_k)
     split = max(1, min(k_blocks, (2 * sm_count) // max(triton.cdiv(n, block_n), 1)))
     return block_n, block_k, m_pad, split, 4
@@ -133,9 +133,9 @@ def decode_gemm_op(
     a = a_img if a_img.stride(1) == 1 else a_img.contiguous()
     _decode_gemm_kernel[(num_n, split)](
         a, b_codes, b_scales, out, part, cnt, a_scale, b_scale, bias if bias is not None else b_scale,
-        m, n, k, k_per_split, a.stride(0), out.stride(0),
+        m, n, k, k_per_split, a.stride(0), out.stride(0), split,
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad, SPLIT=split,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad,
         DOT_FP32=interpreting(), num_warps=warps, **exact_launch(),
     )
     return out

@@ -139,9 +139,9 @@ CANONICAL_CONFIG = (128, 128, 16, 8, 8, 8)
 """Canonical (contract-order) accumulation: 16-wide K steps, deep pipeline."""
 
 
-def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool) -> tuple:
+def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool, gpu: bool | None = None) -> tuple:
     """Tile config: fixed in strict mode; otherwise a small heuristic on the problem shape."""
-    if interpreting():
+    if not (gpu if gpu is not None else not interpreting()):
         # BLOCK_K = 16: the interpreter's tl.dot(a, b, acc) then adds exact block partials in
         # K order, i.e. the contract's own accumulation.
         return (16, 16, 16, 4, 4, 1) if batch_invariant else (32, 32, 16, 4, 4, 1)

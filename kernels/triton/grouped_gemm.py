@@ -93,8 +93,10 @@ STRICT_CONFIG = (128, 128, 64, 8, 3)
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of strict mode, for every routing."""
 
 
-def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, canonical: bool) -> tuple:
-    if interpreting():
+def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, canonical: bool,
+                  gpu: bool | None = None) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); fixed in strict mode."""
+    if not (gpu if gpu is not None else not interpreting()):
         return (16, 16, 16, 4, 1)
     if canonical:
         return (128, 128, 16, 8, 8)

@@ -87,10 +87,12 @@ def _grouped_wgrad_kernel(
     tl.store(ptrs, round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=(rm < N)[:, None] & (rn < KX)[None, :])
 
 
-def select_config(canonical: bool) -> tuple:
+def select_config(canonical: bool, gpu: bool | None = None) -> tuple:
     """(BLOCK_M, BLOCK_N, BLOCK_T, num_warps, num_stages)."""
-    if interpreting() or canonical:
-        return (16, 16, 16, 4, 1) if interpreting() else (128, 128, 16, 8, 8)
+    if not (gpu if gpu is not None else not interpreting()):
+        return (16, 16, 16, 4, 1)
+    if canonical:
+        return (128, 128, 16, 8, 8)
     return (128, 128, 64, 8, 4)
 
 

@@ -82,7 +82,7 @@ def _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_IND
     return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["key"])
 def _quantize_kernel(
     x_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
@@ -153,13 +153,21 @@ def _quantize_kernel(
             tl.store(image_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], bf16_image_bits(img), mask=mask)
 
 
+GPU_QUANTIZE_TILE = (32, 128)
+"""(BLOCK_R, BLOCK_K) of a quantize program on the GPU (K steps of BLOCK_K)."""
+GPU_QUANTIZE_WARPS = 8
+
+
 def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_K, num_warps): ~4K elements per program and K step."""
-    block_k = min(triton.next_power_of_2(k), 128)
-    block_r = max(16 if tile16 else 1, min(64, 4096 // block_k))
+    """(BLOCK_R, BLOCK_K, num_warps)."""
+    tile_r, tile_k = GPU_QUANTIZE_TILE
+    if stochastic:  # the hash RNG needs registers: half the tile keeps the kernel spill-free
+        tile_r = max(1, tile_r // 2)
+    block_k = min(triton.next_power_of_2(k), tile_k)
+    block_r = max(16 if tile16 else 1, min(64, tile_r * tile_k // block_k))
     if r < block_r and not tile16:
         block_r = max(1, triton.next_power_of_2(r))
-    return block_r, block_k, 4
+    return block_r, block_k, GPU_QUANTIZE_WARPS
 
 
 def sr_key(seed: int) -> int:

@@ -1,0 +1,1 @@
+"""GPU benchmark scripts (``python -m benchmarks.<name>``); results in ``benchmarks/results/``."""

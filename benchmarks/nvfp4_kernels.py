@@ -1,0 +1,408 @@
+"""NVFP4 Triton kernels against BF16 (cuBLAS / torch) on one GPU, side by side in one run.
+
+    python -m benchmarks.nvfp4_kernels                      # every section
+    python -m benchmarks.nvfp4_kernels --sections quantize,gemm --out $OUT
+
+Sections (each prints a table; all results are appended as one JSON line to
+``benchmarks/results/nvfp4_kernels.jsonl`` and to ``--out``):
+
+* ``ceilings``: device copy bandwidth (bytes read + written) and a BF16 8192^3 GEMM.
+* ``quantize``: GB/s of the quantize kernels (minimum bytes: input once, outputs once).
+* ``bitwise``: how often the tensor-core GEMM equals the contract's canonical accumulation.
+* ``gemm``: fprop image GEMM (default, strict, canonical) vs ``torch.mm`` in BF16.
+* ``linear``: Linear fwd+bwd (weight + 4 activation quantizations, 3 GEMMs) vs BF16 and vs
+  plain-torch emulation (quantize_reference -> dequantize -> matmul).
+* ``grouped``: MoE grouped fwd+bwd at Qwen3-30B-A3B shapes vs ``torch._grouped_mm`` (BF16)
+  and vs a per-expert loop.
+* ``decode``: M = 1..64 GEMM on packed weights vs BF16 ``torch.mm`` (weights rotated
+  through more than the L2, timed as CUDA-graph replays).
+* ``memory``: bytes a Linear saves for backward, NVFP4 vs BF16.
+
+``--smoke`` runs every section at tiny shapes on the CPU under TRITON_INTERPRET=1 (a check
+that the script itself works; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from ._timing import Rotating, bench, ensure_minite_kernels, environment, print_table, save
+
+ensure_minite_kernels()
+
+from minite_megatron import nvfp4  # noqa: E402
+from minite_kernels.triton import quantize as tq  # noqa: E402
+from minite_kernels.triton.decode_gemm import decode_gemm_op  # noqa: E402
+from minite_kernels.triton.gemm import gemm_op  # noqa: E402
+from minite_kernels.triton.grouped_gemm import group_offsets, grouped_gemm_op  # noqa: E402
+from minite_kernels.triton.grouped_wgrad import grouped_wgrad_forward  # noqa: E402
+from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+
+#: Qwen3-30B-A3B linears as (K, N): attention qkv / o, and the dense-MLP shapes of its config
+#: (intermediate 6144; gate+up fused).
+DENSE = {"qkv": (2048, 5120), "o": (4096, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
+EXPERTS, HIDDEN, EXPERT_FFN, TOPK = 128, 2048, 768, 8
+
+BF16 = torch.bfloat16
+SMOKE = False
+DEV = torch.device("cuda")
+
+
+def timed(fn, graph=False, rep_ms=100):
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return bench(fn, graph=graph, rep_ms=rep_ms)
+
+
+def rnd(*shape, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+# ---- ceilings -------------------------------------------------------------------------------
+def sec_ceilings(res):
+    n = (1 << 16) if SMOKE else (1 << 29)  # 2 GiB fp32
+    src = torch.randn(n, device=DEV)
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src))
+    copy_gbs = 2 * src.numel() * 4 / t / 1e6
+    s = 64 if SMOKE else 8192
+    a, b = rnd(s, s), rnd(s, s)
+    t2 = timed(lambda: torch.mm(a, b))
+    tflops = 2 * s**3 / t2 / 1e9
+    res["ceilings"] = {"copy_GBps": copy_gbs, "bf16_gemm_TFLOPs": tflops, "gemm_size": s}
+    print_table("ceilings", [res["ceilings"]], ["copy_GBps", "bf16_gemm_TFLOPs", "gemm_size"])
+    del src, dst, a, b
+
+
+# ---- quantize -------------------------------------------------------------------------------
+def _qbytes(r, k, image, read_bytes=2):
+    return r * k * read_bytes + r * k // 2 + r * k // 16 + (2 * r * k if image else 0) + 4 * r
+
+
+def sec_quantize(res, sweep):
+    copy = res.get("ceilings", {}).get("copy_GBps")
+    rows = []
+    t_tok = 256 if SMOKE else 16384
+    cases = [
+        ("act row+image", (t_tok, 2048), dict(with_image=True), False),
+        ("act row+image", (t_tok, 5120), dict(with_image=True), False),
+        ("act row, codes only", (t_tok, 2048), dict(), False),
+        ("act tensor+image (amax pass)", (t_tok, 2048), dict(global_scale="tensor", with_image=True), False),
+        ("x.t() tensor+image (wgrad)", (t_tok, 2048), dict(global_scale="tensor", with_image=True), True),
+        ("dy.t() tensor+image+SR", (t_tok, 5120), dict(global_scale="tensor", with_image=True,
+                                                        rounding="stochastic", seed=7), True),
+        ("weight 16x16 tensor+image", (12288 if not SMOKE else 64, 2048 if not SMOKE else 64),
+         dict(global_scale="tensor", tile=(16, 16), with_image=True), False),
+        ("act row+image RHT", (t_tok, 2048), dict(with_image=True, rht_seed=1), False),
+    ]
+    for name, (r, k), kw, transposed in cases:
+        x = rnd(r, k, scale=3.0)
+        xin = x.t() if transposed else x
+        rr, kk = (k, r) if transposed else (r, k)
+        t = timed(lambda: quantize_forward(xin, **kw))
+        nbytes = _qbytes(rr, kk, kw.get("with_image", False))
+        gbs = nbytes / t / 1e6
+        rows.append({"case": name, "rows": rr, "K": kk, "ms": t, "GBps": gbs,
+                     "pct_copy": 100 * gbs / copy if copy else None})
+    if sweep and not SMOKE:
+        base = (tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS)
+        x = rnd(t_tok, 2048, scale=3.0)
+        for tile, warps in [((32, 128), 8), ((16, 128), 4), ((64, 64), 8), ((16, 256), 8), ((8, 256), 4),
+                            ((32, 64), 4), ((64, 128), 8)]:
+            tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS = tile, warps
+            try:
+                t = timed(lambda: quantize_forward(x, with_image=True))
+                gbs = _qbytes(t_tok, 2048, True) / t / 1e6
+                rows.append({"case": f"sweep tile={tile} warps={warps}", "rows": t_tok, "K": 2048, "ms": t,
+                             "GBps": gbs, "pct_copy": 100 * gbs / copy if copy else None})
+            except Exception as e:  # a config that does not compile: report, keep going
+                rows.append({"case": f"sweep tile={tile} warps={warps} FAILED {type(e).__name__}"})
+        tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS = base
+    res["quantize"] = rows
+    print_table("quantize (minimum bytes / time)", rows, ["case", "rows", "K", "ms", "GBps", "pct_copy"])
+
+
+# ---- GEMM bitwise statistics ----------------------------------------------------------------
+def _ordered(bits: torch.Tensor, width: int) -> torch.Tensor:
+    b = bits.to(torch.int64)
+    sign = 1 << (width - 1)
+    b = torch.where(b < 0, b + (1 << width), b)
+    return torch.where(b >= sign, sign - b, b)  # monotone integer line over the floats
+
+
+def ulp_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    width = out.element_size() * 8
+    it = {16: torch.int16, 32: torch.int32}[width]
+    d = (_ordered(out.view(it), width) - _ordered(ref.view(it), width)).abs()
+    return {"bitwise_frac": float((d == 0).float().mean()), "max_ulp": int(d.max()), "mean_ulp": float(d.float().mean())}
+
+
+def sec_bitwise(res):
+    rows = []
+    m = 64 if SMOKE else 4096
+    for name, (k, n) in list(DENSE.items())[:2]:
+        if SMOKE:
+            k, n = 64, 32
+        qa = quantize_forward(rnd(m, k, scale=2.0), with_image=True)
+        qb = quantize_forward(rnd(n, k), global_scale="tensor", tile=(16, 16), with_image=True)
+        for out_dtype in (torch.float32, BF16):
+            ref = nvfp4.gemm_reference(qa, qb, None, out_dtype)
+            for mode, bi, can in (("default", False, False), ("strict", True, False), ("canonical", True, True)):
+                out = gemm_op(qa.image, qb.image, qa.global_decode, qb.global_decode, None, out_dtype, bi, can)
+                rows.append({"shape": f"{name} M={m}", "out": str(out_dtype).split(".")[-1], "mode": mode,
+                             **ulp_stats(out, ref)})
+    res["bitwise"] = rows
+    print_table("tensor-core GEMM vs the contract's canonical accumulation", rows,
+                ["shape", "out", "mode", "bitwise_frac", "max_ulp", "mean_ulp"])
+
+
+# ---- dense GEMM ------------------------------------------------------------------------------
+def sec_gemm(res, tokens):
+    rows = []
+    for t_tok in tokens:
+        for name, (k, n) in DENSE.items():
+            if SMOKE:
+                k, n, t_tok = 64, 32, 64
+            x, w = rnd(t_tok, k), rnd(n, k)
+            qa = quantize_forward(x, with_image=True)
+            qb = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
+            t_bf16 = timed(lambda: torch.mm(x, w.t()))
+            row = {"shape": name, "T": t_tok, "bf16_ms": t_bf16,
+                   "bf16_TFLOPs": 2 * t_tok * n * k / t_bf16 / 1e9}
+            for mode, bi, can in (("default", False, False), ("strict", True, False), ("canonical", True, True)):
+                if can and t_tok != tokens[0]:
+                    continue
+                t = timed(lambda: gemm_op(qa.image, qb.image, qa.global_decode, qb.global_decode, None, BF16, bi, can))
+                row[f"{mode}_x"] = t / t_bf16
+            rows.append(row)
+    res["gemm"] = rows
+    print_table("fprop image GEMM, time / BF16 torch.mm time", rows,
+                ["shape", "T", "bf16_ms", "bf16_TFLOPs", "default_x", "strict_x", "canonical_x"])
+
+
+# ---- Linear fwd+bwd ---------------------------------------------------------------------------
+def nvfp4_linear_fwd_bwd(x, w, dy, strict=False):
+    """The NVFP4 full-update Linear on the Triton ops (what ops.linear does, without autograd)."""
+    qw = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
+    qx = quantize_forward(x, with_image=True)
+    y = gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, strict, False)
+    qx_t = quantize_forward(x.t(), global_scale="tensor", with_image=True)
+    qdy = quantize_forward(dy, with_image=True)
+    dx = gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, strict, False)
+    qdy_t = quantize_forward(dy.t(), global_scale="tensor", with_image=True, rounding="stochastic", seed=1)
+    dw = gemm_op(qdy_t.image, qx_t.image, qdy_t.global_decode, qx_t.global_decode, None, torch.float32, strict, False)
+    return y, dx, dw
+
+
+def naive_linear_fwd_bwd(x, w, dy):
+    """Plain-torch emulation: quantize_reference -> dequantize -> bf16 matmul, per GEMM."""
+    deq = lambda t, **kw: nvfp4.quantize_reference(t, **kw).dequantize(BF16)  # noqa: E731
+    wq = deq(w, global_scale="tensor", tile=(16, 16))
+    y = deq(x) @ wq.t()
+    dx = deq(dy) @ wq
+    dw = deq(dy.t(), global_scale="tensor", rounding="stochastic", seed=1) @ deq(x.t(), global_scale="tensor").t()
+    return y, dx, dw
+
+
+def sec_linear(res, tokens):
+    rows = []
+    for t_tok in tokens:
+        for name, (k, n) in DENSE.items():
+            if SMOKE:
+                k, n, t_tok = 64, 32, 64
+            x, w, dy = rnd(t_tok, k), rnd(n, k, scale=0.02), rnd(t_tok, n)
+            t_bf16 = timed(lambda: (torch.mm(x, w.t()), torch.mm(dy, w), torch.mm(dy.t(), x)))
+            t_fp4 = timed(lambda: nvfp4_linear_fwd_bwd(x, w, dy))
+            row = {"shape": name, "T": t_tok, "bf16_ms": t_bf16, "nvfp4_ms": t_fp4, "nvfp4_over_bf16": t_fp4 / t_bf16}
+            if t_tok == tokens[0]:
+                t_naive = timed(lambda: naive_linear_fwd_bwd(x, w, dy), rep_ms=200)
+                row["naive_ms"] = t_naive
+                row["speedup_vs_naive"] = t_naive / t_fp4
+                # where the time goes: the quantize passes vs the three GEMMs
+                qx = quantize_forward(x, with_image=True)
+                qw = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
+                qdy = quantize_forward(dy, with_image=True)
+                qdy_t = quantize_forward(dy.t(), global_scale="tensor", with_image=True)
+                qx_t = quantize_forward(x.t(), global_scale="tensor", with_image=True)
+                row["gemms_only_ms"] = timed(lambda: (
+                    gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, False, False),
+                    gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, False, False),
+                    gemm_op(qdy_t.image, qx_t.image, qdy_t.global_decode, qx_t.global_decode, None,
+                            torch.float32, False, False)))
+            rows.append(row)
+    res["linear"] = rows
+    print_table("Linear fwd+bwd (NVFP4 = 5 quantize passes + weight + 3 GEMMs)", rows,
+                ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16", "gemms_only_ms", "naive_ms", "speedup_vs_naive"])
+
+
+# ---- grouped (MoE) ---------------------------------------------------------------------------
+def routing(tokens, experts, topk, skew, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(experts, generator=g) * skew
+    probs = torch.softmax(logits, 0)
+    choice = torch.multinomial(probs.expand(tokens, experts), topk, replacement=False, generator=g)
+    return torch.bincount(choice.reshape(-1), minlength=experts).tolist()
+
+
+def sec_grouped(res, tokens_list):
+    rows = []
+    for tokens in tokens_list:
+        for name, (k, n) in {"fc1": (HIDDEN, 2 * EXPERT_FFN), "fc2": (EXPERT_FFN, HIDDEN)}.items():
+            e = 8 if SMOKE else EXPERTS
+            if SMOKE:
+                k, n, tokens = 64, 32, 16
+            sizes = routing(tokens, e, min(TOPK, e), skew=1.0)
+            m = sum(sizes)
+            offs = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
+            x, dy = rnd(m, k), rnd(m, n)
+            w = rnd(e, n, k, scale=0.02)
+            w_kn = w.transpose(1, 2)
+
+            def bf16_grouped():
+                y = torch._grouped_mm(x, w_kn, offs=offs)
+                dx = torch._grouped_mm(dy, w, offs=offs)
+                dw = torch._grouped_mm(dy.t(), x, offs=offs)
+                return y, dx, dw
+
+            def bf16_loop():
+                outs = []
+                for xs, dys, wg in zip(torch.split(x, sizes), torch.split(dy, sizes), w):
+                    outs += [xs @ wg.t(), dys @ wg, dys.t() @ xs]
+                return outs
+
+            offsets = group_offsets(sizes, DEV)
+
+            def fp4_grouped():
+                qw = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
+                qx = quantize_forward(x, with_image=True)
+                y = grouped_gemm_op(qx.image, qw.image, offsets, qx.global_decode, qw.global_decode, None, BF16, False, False)
+                qdy = quantize_forward(dy, with_image=True)
+                dx = grouped_gemm_op(qdy.image, qw.image.transpose(1, 2), offsets, qdy.global_decode, qw.global_decode,
+                                     None, BF16, False, False)
+                dw = grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic", grad_seed=3)
+                return y, dx, dw
+
+            row = {"shape": name, "routed": m, "max_group": max(sizes), "empty": sizes.count(0)}
+            flops = 3 * 2 * m * n * k
+            try:
+                t_g = timed(bf16_grouped)
+                row["bf16_grouped_ms"] = t_g
+                row["bf16_grouped_TFLOPs"] = flops / t_g / 1e9
+            except Exception as ex:  # torch._grouped_mm not available for this layout: say so
+                row["bf16_grouped_ms"] = f"n/a ({type(ex).__name__})"
+                t_g = None
+            t_l = timed(bf16_loop)
+            t_f = timed(fp4_grouped)
+            row.update({"bf16_loop_ms": t_l, "nvfp4_ms": t_f, "nvfp4_TFLOPs": flops / t_f / 1e9,
+                        "throughput_vs_grouped_mm": (t_g / t_f) if t_g else None, "speedup_vs_loop": t_l / t_f})
+            rows.append(row)
+    res["grouped"] = rows
+    print_table("MoE grouped fwd+bwd (NVFP4 includes every quantization)", rows,
+                ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms",
+                 "throughput_vs_grouped_mm", "speedup_vs_loop", "nvfp4_TFLOPs"])
+
+
+# ---- decode -------------------------------------------------------------------------------------
+def sec_decode(res, ms):
+    rows = []
+    l2_bytes = 0 if SMOKE else 60 * 2**20
+    for name, (k, n) in DENSE.items():
+        if SMOKE:
+            k, n = 64, 32
+        copies = max(2, -(-4 * l2_bytes // (n * k * 2)))  # BF16 weights: 4x the L2
+        ws = [rnd(n, k, scale=0.02) for _ in range(copies)]
+        qws = [quantize_forward(w, global_scale="tensor", tile=(16, 16)) for w in ws]
+        for m in ms:
+            x = rnd(m, k)
+            qx = quantize_forward(x, with_image=True)
+            t_b = timed(lambda: [torch.mm(x, w.t()) for w in ws], graph=True) / copies
+            t_f = timed(lambda: [decode_gemm_op(qx.image, q.codes, q.block_scales.view(torch.uint8), qx.global_decode,
+                                               q.global_decode, None, BF16) for q in qws], graph=True) / copies
+            t_fq = timed(lambda: [decode_gemm_op(quantize_forward(x, with_image=True).image, q.codes,
+                                                q.block_scales.view(torch.uint8), qx.global_decode, q.global_decode,
+                                                None, BF16) for q in qws], graph=True) / copies
+            wbytes = n * k // 2 + n * k // 16
+            rows.append({"shape": name, "M": m, "bf16_us": 1e3 * t_b, "nvfp4_us": 1e3 * t_f,
+                         "speedup": t_b / t_f, "with_act_quant_speedup": t_b / t_fq,
+                         "nvfp4_weight_GBps": wbytes / t_f / 1e6, "bf16_weight_GBps": n * k * 2 / t_b / 1e6})
+        del ws, qws
+    res["decode"] = rows
+    print_table("decode GEMM (per GEMM; weights rotated through 4x L2; CUDA-graph replay)", rows,
+                ["shape", "M", "bf16_us", "nvfp4_us", "speedup", "with_act_quant_speedup", "nvfp4_weight_GBps",
+                 "bf16_weight_GBps"])
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+def sec_memory(res):
+    rows = []
+    for t_tok in (8192, 32768) if not SMOKE else (64,):
+        for name, (k, n) in DENSE.items():
+            if SMOKE:
+                k, n = 64, 32
+            x = rnd(t_tok, k)
+            qx_t = quantize_forward(x.t(), global_scale="tensor")  # what the NVFP4 Linear saves
+            saved = qx_t.codes.nbytes + qx_t.block_scales.nbytes + qx_t.global_decode.nbytes
+            rows.append({"shape": name, "T": t_tok, "bf16_MB": x.nbytes / 2**20, "nvfp4_MB": saved / 2**20,
+                         "saved_MB": (x.nbytes - saved) / 2**20, "ratio": x.nbytes / saved})
+    res["memory"] = rows
+    print_table("activation bytes saved for backward per Linear (x: BF16 copy vs NVFP4 column-wise codes+scales)",
+                rows, ["shape", "T", "bf16_MB", "nvfp4_MB", "saved_MB", "ratio"])
+
+
+SECTIONS = ("ceilings", "quantize", "bitwise", "gemm", "linear", "grouped", "decode", "memory")
+
+
+def main(argv=None):
+    global SMOKE, DEV
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
+    p.add_argument("--grouped-tokens", default="8192", help="tokens before top-8 routing")
+    p.add_argument("--decode-m", default="1,4,16,64")
+    p.add_argument("--sweep", action="store_true", help="also sweep quantize tile configs")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    args = p.parse_args(argv)
+    SMOKE = args.smoke
+    if SMOKE:
+        DEV = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        sys.exit("benchmarks.nvfp4_kernels needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    torch.manual_seed(0)
+    res = {"env": environment(), "argv": sys.argv[1:], "smoke": SMOKE}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for sec in args.sections.split(","):
+        t0 = time.time()
+        if sec == "ceilings":
+            sec_ceilings(res)
+        elif sec == "quantize":
+            sec_quantize(res, args.sweep)
+        elif sec == "bitwise":
+            sec_bitwise(res)
+        elif sec == "gemm":
+            sec_gemm(res, tokens)
+        elif sec == "linear":
+            sec_linear(res, tokens)
+        elif sec == "grouped":
+            sec_grouped(res, [int(t) for t in args.grouped_tokens.split(",")])
+        elif sec == "decode":
+            sec_decode(res, [int(m) for m in args.decode_m.split(",")])
+        elif sec == "memory":
+            sec_memory(res)
+        else:
+            raise SystemExit(f"unknown section {sec!r}; known: {', '.join(SECTIONS)}")
+        print(f"[{sec}: {time.time() - t0:.1f} s]", flush=True)
+    if not SMOKE:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        print("saved:", save(res, "nvfp4_kernels", [here, args.out]))
+
+
+if __name__ == "__main__":
+    main()

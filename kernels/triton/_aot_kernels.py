@@ -1,0 +1,97 @@
+"""The kernels of this package as they are compiled for the H200, for ahead-of-time checks.
+
+Each entry compiles one kernel at the config the ops launch on sm_90a (see the ops'
+``select_config``), so tests and ``python -m minite_kernels.triton._aot`` inspect the code
+that runs. Requires a process without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+from ._aot import compile_for
+from ._nvfp4_math import EXACT_LAUNCH
+
+
+def _gemm(config, canonical=False, b_kmajor=False):
+    from .gemm import _gemm_tma_kernel
+
+    bm, bn, bk, gm, warps, stages = config
+    sig = {
+        "a_desc": f"tensordesc<bf16[{bm},{bk}]>",
+        "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kmajor else f"tensordesc<bf16[{bn},{bk}]>",
+        "c_desc": f"tensordesc<bf16[{bm},{bn}]>",
+        "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+    }
+    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=True, B_KMAJOR=b_kmajor, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+              GROUP_M=gm, DOT_FP32=False, CANONICAL=canonical)
+    return compile_for(_gemm_tma_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
+
+
+def _grouped(config):
+    from .grouped_gemm import _grouped_gemm_kernel
+
+    bm, bn, bk, warps, stages = config
+    sig = {
+        "a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16[1,{bn},{bk}]>", "c_ptr": "*bf16",
+        "offs_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "G": "i32", "s_cm": "i32",
+    }
+    ce = dict(SA_ROWS=True, HAS_BIAS=False, B_KMAJOR=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, G_POW2=128,
+              DOT_FP32=False, CANONICAL=False)
+    return compile_for(_grouped_gemm_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
+
+
+def _wgrad(config):
+    from .grouped_wgrad import _grouped_wgrad_kernel
+
+    bm, bn, bt, warps, stages = config
+    sig = {
+        "a_desc": f"tensordesc<bf16[{bm},{bt}]>", "b_desc": f"tensordesc<bf16[{bn},{bt}]>",
+        "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "poffs_ptr": "*i32", "sa_ptr": "*fp32",
+        "sb_ptr": "*fp32", "N": "i32", "KX": "i32", "T_PAD": "i32",
+    }
+    ce = dict(SA_ROWS=False, SB_ROWS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_T=bt, DOT_FP32=False, CANONICAL=False)
+    return compile_for(_grouped_wgrad_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
+
+
+def _decode(m_pad=16):
+    from .decode_gemm import _decode_gemm_kernel
+
+    sig = {
+        "a_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
+        "cnt_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+        "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "s_am": "i32", "s_om": "i32", "SPLIT": "i32",
+    }
+    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128 if m_pad <= 16 else 64,
+              M_PAD=m_pad, DOT_FP32=False)
+    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=4, **EXACT_LAUNCH)
+
+
+def _quantize(block_r=32, block_k=128, warps=4, stochastic=False, row_amax=True, stride_k_one=True):
+    from .quantize import _quantize_kernel
+
+    sig = {
+        "x_ptr": "*bf16", "col_ptr": "*i32", "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
+        "sdec_ptr": "*fp32", "image_ptr": "*i16", "R": "i32", "K": "i32", "stride_r": "i32", "stride_k": "i32",
+        "rows_per_group": "i32", "key": "i32", "scale_cols_padded": "i32",
+    }
+    ce = dict(HAS_COL_INDEX=False, ROW_AMAX=row_amax, TILE16=False, STOCHASTIC=stochastic, WITH_IMAGE=True,
+              SWIZZLED=False, BLOCK_R=block_r, BLOCK_K=block_k)
+    if stride_k_one:
+        ce["stride_k"] = 1
+        del sig["stride_k"]
+    return compile_for(_quantize_kernel, sig, ce, num_warps=warps, **EXACT_LAUNCH)
+
+
+def all_kernels():
+    """(name, compiled kernel) of every kernel at its H200 launch config."""
+    from . import gemm, grouped_gemm, grouped_wgrad, quantize
+
+    yield "gemm default", _gemm(gemm.select_config(4096, 4096, 4096, False, False, gpu=True))
+    yield "gemm strict", _gemm(gemm.STRICT_CONFIG)
+    yield "gemm canonical", _gemm(gemm.CANONICAL_CONFIG, canonical=True)
+    yield "gemm dgrad (B k-major)", _gemm(gemm.select_config(4096, 4096, 4096, False, False, gpu=True), b_kmajor=True)
+    yield "grouped gemm", _grouped(grouped_gemm.select_config(65536, 1536, 2048, 128, False, False, gpu=True))
+    yield "grouped wgrad", _wgrad(grouped_wgrad.select_config(False, gpu=True))
+    yield "decode gemm", _decode()
+    yield "quantize", _quantize(*quantize._config(1 << 20, 4096, False, False))
+    yield "quantize SR", _quantize(*quantize._config(1 << 20, 4096, False, True), stochastic=True)

@@ -1,0 +1,65 @@
+"""The Triton kernels compiled for the H200 (sm_90a) on this CPU machine, ahead of time.
+
+Pins what a CPU-only CI can prove about the GPU code (no GPU needed: Triton ships ptxas and
+cuobjdump): the image GEMM and the decode GEMM run on wgmma (SASS ``HGMMA``, not ``HMMA`` /
+``FFMA``) without register spills; the quantize kernel divides with IEEE ``div.rn.f32`` (never
+the approximate ``div.full`` / ``rcp.approx`` that flips codes) and contains no FMA that could
+merge two roundings; nothing is flushed to zero (``.ftz``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, re
+from minite_kernels.triton._aot import report, sass
+from minite_kernels.triton import _aot_kernels as K, gemm, quantize
+out = {}
+g = K._gemm(gemm.select_config(4096, 4096, 4096, False, False, gpu=True))
+out["gemm"] = report(g)
+d = K._decode(16)
+out["decode"] = report(d)
+br, bk, warps = quantize._config(1 << 20, 4096, False, True)
+q = K._quantize(br, bk, warps, stochastic=True)
+ptx = q.asm["ptx"]
+out["quantize"] = report(q)
+out["quantize_ptx"] = sorted(set(re.findall(r"\b((?:div|rcp|fma|cvt|add|mul|max|min)\.[a-z0-9.]+)", ptx)))
+print("JSON" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1]
+    return json.loads(line[4:])
+
+
+def test_image_gemm_uses_wgmma_without_spills(compiled):
+    g = compiled["gemm"]
+    assert g["HGMMA"] > 0 and g["HMMA"] == 0 and g["FFMA"] == 0, g
+    assert g["spill_bytes"] == 0, g
+
+
+def test_decode_gemm_uses_wgmma_without_spills(compiled):
+    d = compiled["decode"]
+    assert d["HGMMA"] > 0 and d["HMMA"] == 0, d
+    assert d["spill_bytes"] == 0, d
+
+
+def test_quantize_divides_exactly_and_never_fuses_or_flushes(compiled):
+    ops = compiled["quantize_ptx"]
+    assert "div.rn.f32" in ops and "div.rn.f64" in ops, ops
+    assert not [o for o in ops if o.startswith(("div.full", "div.approx", "rcp.approx"))], ops
+    assert not [o for o in ops if o.startswith("fma.")], ops
+    assert not [o for o in ops if ".ftz" in o], ops
+    assert compiled["quantize"]["spill_bytes"] == 0, compiled["quantize"]

@@ -1,0 +1,55 @@
+"""The ``triton`` backend object: where it runs, why not elsewhere, and the dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.nvfp4 import BackendUnavailable
+from minite_megatron.testing import assert_nvfp4_equal
+
+from minite_kernels.triton._testing import DEVICE, HAS_CUDA, INTERPRETING, kernels_runnable, randn
+
+
+def test_backend_protocol_and_registry_entry():
+    backend = nvfp4.backends._load("triton")
+    assert backend.name == "triton"
+    for op in ("available", "why_not", "quantize", "gemm", "grouped_gemm", "grouped_wgrad", "grouped_wgrad_gemm"):
+        assert callable(getattr(backend, op)), op
+
+
+def test_cpu_availability_follows_the_interpreter(monkeypatch):
+    from minite_kernels.triton.backend import BACKEND
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not BACKEND.available("cpu")
+    assert "TRITON_INTERPRET=1" in BACKEND.why_not("cpu")
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET"):
+        BACKEND.quantize(randn(4, 16))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert BACKEND.available("cpu") and BACKEND.why_not("cpu") is None
+    assert "unsupported device type" in BACKEND.why_not("meta")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_cuda_unavailable_says_why():
+    from minite_kernels.triton.backend import BACKEND
+
+    assert "no CUDA device" in BACKEND.why_not("cuda")
+
+
+@pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
+def test_dispatcher_by_name_runs_the_kernels():
+    x = randn(16, 64, seed=1, dtype=torch.bfloat16).to(DEVICE)
+    got = nvfp4.quantize(x, backend="triton", rounding="stochastic", seed=3, with_image=True)
+    ref = nvfp4.quantize_reference(x.cpu(), rounding="stochastic", seed=3, with_image=True)
+    from dataclasses import replace
+
+    assert_nvfp4_equal(replace(got, codes=got.codes.cpu(), block_scales=got.block_scales.cpu(),
+                               global_decode=got.global_decode.cpu(), image=got.image.cpu()), ref)
+
+
+@pytest.mark.skipif(not (INTERPRETING and not HAS_CUDA), reason="CPU dispatcher default")
+def test_cpu_default_stays_the_reference():
+    assert nvfp4.get_backend(None, "cpu").name == "reference"
