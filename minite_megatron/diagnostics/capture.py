@@ -122,7 +122,7 @@ def _first_tensor(obj) -> torch.Tensor | None:
     return None
 
 
-def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def index_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values[index]`` for any dtype (float8 and other 1-byte floats go through their bits)."""
     if values.dtype.is_floating_point and values.element_size() == 1:
         return values.view(torch.uint8)[index].view(values.dtype)
@@ -449,13 +449,16 @@ class Tracer:
         points = {}
         for name in self._order:
             chunks = self._chunks[name]
-            keys = torch.cat([c[0] for c in chunks])
-            values = _cat([c[1] for c in chunks])
+            keys = torch.cat([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
+            values = _cat([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]
+            if keys.numel() < 2 or bool((keys[1:] > keys[:-1]).all()):  # already sorted and unique
+                points[name] = TracePoint(name, self._kinds[name], keys, values, 0)
+                continue
             sk, perm = torch.sort(keys, stable=True)
             first = torch.ones_like(sk, dtype=torch.bool)
             first[1:] = sk[1:] != sk[:-1]
             points[name] = TracePoint(
-                name, self._kinds[name], sk[first], take_rows(values, perm[first]), int((~first).sum())
+                name, self._kinds[name], sk[first], index_rows(values, perm[first]), int((~first).sum())
             )
         return Trace(points, list(self._order), self.engine, dict(self.meta))
 
@@ -467,5 +470,5 @@ __all__ = [
     "capture",
     "capture_routed",
     "capture_static",
-    "take_rows",
+    "index_rows",
 ]

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..testing import raw_bits
-from .capture import take_rows
+from .capture import index_rows
 from .trace import Trace, TracePoint, describe_key, token_part
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -151,13 +151,18 @@ def compare_point(
         res.note = f"row shape differs: {tuple(ref.values.shape[1:])} vs {tuple(other.values.shape[1:])}"
         return res
 
-    in_other = torch.isin(other.keys, ref.keys)
-    ib = in_other.nonzero().reshape(-1)
-    ia = torch.searchsorted(ref.keys, other.keys[ib])
-    res.rows_common = int(ib.numel())
+    same_keys = torch.equal(ref.keys, other.keys)  # the common case: no alignment work
+    if same_keys:
+        ia = ib = None
+        res.rows_common = ref.rows
+    else:
+        in_other = torch.isin(other.keys, ref.keys)
+        ib = in_other.nonzero().reshape(-1)
+        ia = torch.searchsorted(ref.keys, other.keys[ib])
+        res.rows_common = int(ib.numel())
 
     routing_bad = 0
-    if ref.kind == "routed":
+    if ref.kind == "routed" and not same_keys:
         tok_a, tok_b = token_part(ref.keys), token_part(other.keys)
         common_tok = tok_a[torch.isin(tok_a, tok_b)].unique()
         ka = ref.keys[torch.isin(tok_a, common_tok)]
@@ -171,10 +176,14 @@ def compare_point(
         res.status = "diverged" if routing_bad else "no_common_rows"
         return res
 
-    a = take_rows(ref.values, ia)
-    b = take_rows(other.values, ib)
+    a = ref.values if ia is None else index_rows(ref.values, ia)
+    b = other.values if ib is None else index_rows(other.values, ib)
     res.elements = int(a.numel())
     same_dtype = a.dtype == b.dtype
+    res.numeric = a.dtype.is_floating_point and b.dtype.is_floating_point
+    if same_dtype and not routing_bad and torch.equal(raw_bits(a), raw_bits(b)):
+        res.status = "equal"  # fast path: nothing to measure
+        return res
     if same_dtype:
         neq = raw_bits(a) != raw_bits(b)
     else:
@@ -199,7 +208,7 @@ def compare_point(
         flat = pick.reshape(err.shape[0], -1)
         worst = int(flat.reshape(-1).argmax())
         row, col = divmod(worst, max(flat.shape[1], 1))
-        res.worst_key = describe_key(int(ref.keys[ia[row]]), ref.kind)
+        res.worst_key = describe_key(int(ref.keys[row if ia is None else ia[row]]), ref.kind)
         elem = list(torch.unravel_index(torch.tensor(col), a.shape[1:])) if a.dim() > 1 else []
         res.worst_element = [int(e) for e in elem]
         res.worst_ref = float(a64.reshape(a64.shape[0], -1)[row, col]) if a64.dim() > 1 else float(a64[row])

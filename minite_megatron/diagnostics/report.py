@@ -186,7 +186,7 @@ def plot_report(cmp: Comparison, path: str | Path, title: str | None = None) -> 
     compared = [r for r in cmp.results if r.compared]
     n_rows = max(len(labels), 1)
     fig_h = 2.6 + 0.32 * n_rows + 2.6
-    fig_w = max(8.0, 2.8 + 0.45 * max(len(layers), 1))
+    fig_w = min(24.0, max(8.0, 2.8 + 0.3 * max(len(layers), 1)))  # 94 layers stay readable
     fig, (ax1, ax2) = plt.subplots(
         2, 1, figsize=(fig_w, fig_h), gridspec_kw={"height_ratios": [max(0.32 * n_rows, 1.2), 2.2]}
     )

@@ -141,7 +141,7 @@ class Trace:
             tensors: dict[str, torch.Tensor] = {}
             for n in self.order:
                 p = self.points[n]
-                tensors[f"{n}::keys"] = p.keys.contiguous().cpu()
+                tensors[f"{n}::keys"] = p.keys.cpu().clone()  # points of one grid share a keys tensor
                 tensors[f"{n}::values"] = p.values.contiguous().cpu()
             header = {
                 "format": FORMAT,
