@@ -167,6 +167,28 @@ def pass_extent(
     return rows_lo, rows_hi, kt_lo, kt_hi
 
 
+def epilogue_partition(tiled_mma, tCtAcc, c_shape, tile_mn, m_tile, n_tile, tidx):
+    """The epilogue's view of one output tile, split into 128 x 32 subtiles.
+
+    Returns ``(t2r, tTR_tAcc, tTR_cC)``: the 32 x 32-bit (x32) TMEM-load copy, thread
+    ``tidx``'s accumulator fragments ``(T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)`` and the
+    global ``(row, col)`` of each of its registers ``(T2R, T2R_M, T2R_N, EPI_M, EPI_N)``.
+    Thread t gets row ``128 * m_tile + t`` and, in subtile s, register i holds column
+    ``tile_n * n_tile + 32 * s + i`` (the staging transpose relies on it; a CPU test checks
+    it by running this function on the host).
+    """
+    epi_tile = (TILE_M, _EPI_N)
+    tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0, None)], epi_tile)
+    t2r = tcgen05.make_tmem_copy(
+        cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), cutlass.Float32),
+        tAcc_epi[(None, None, 0, 0, 0)],
+    )
+    thr_t2r = t2r.get_slice(tidx)
+    cC = cute.local_tile(cute.make_identity_tensor(c_shape), tile_mn, (m_tile, n_tile))
+    cC_epi = cute.flat_divide(tiled_mma.get_slice(0).partition_C(cC)[((None, None), 0, 0)], epi_tile)
+    return t2r, thr_t2r.partition_S(tAcc_epi), thr_t2r.partition_D(cC_epi)
+
+
 class Nvfp4BlockScaledGemmKernel:
     """NVFP4 x NVFP4 -> bf16/fp16/fp32 GEMM with the contract's epilogue (see module docstring).
 
@@ -560,21 +582,9 @@ class Nvfp4BlockScaledGemmKernel:
             acc_base = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc_all = cute.make_tensor(acc_base, tCtAcc_layout)
 
-            # Accumulator, output and coordinate tiles, split into 128 x 32 subtiles.
-            epi_tile = (TILE_M, _EPI_N)
-            tAcc_epi = cute.flat_divide(tCtAcc_all[((None, None), 0, 0, None)], epi_tile)
-            t2r = tcgen05.make_tmem_copy(
-                cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
-                tAcc_epi[(None, None, 0, 0, 0)],
-            )
-            thr_t2r = t2r.get_slice(tidx)
-            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
-            tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
-            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
             mC_out = mC[(None, None, out_batch)]
-            cC = cute.local_tile(cute.make_identity_tensor(mC_out.shape), tile_mn, (m_tile, n_tile))
-            # (T2R, T2R_M, T2R_N, EPI_M, EPI_N): the (row, col) of every accumulator register
-            tTR_cC = thr_t2r.partition_D(cute.flat_divide(thr_mma.partition_C(cC)[((None, None), 0, 0)], epi_tile))
+            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+            t2r, tTR_tAcc, tTR_cC = epilogue_partition(tiled_mma, tCtAcc_all, mC_out.shape, tile_mn, m_tile, n_tile, tidx)
             tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
             num_subtiles = cute.size(tTR_tAcc, mode=[4])
 

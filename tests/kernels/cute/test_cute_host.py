@@ -276,6 +276,27 @@ if _host.dsl_import_error() is None:
             extents[g, 2] = kt_lo
             extents[g, 3] = kt_hi
 
+
+    @cute.jit
+    def _epilogue_coordinates(out: cute.Tensor, tile_n: cutlass.Constexpr, threads: cutlass.Constexpr):
+        from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+        import cutlass.utils.blackwell_helpers as sm100_utils
+
+        from minite_kernels.cute._blockscaled_gemm_impl import epilogue_partition
+
+        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            cutlass.Float4E2M1FN, cutlass.Float4E2M1FN, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float8E4M3FN, 16, tcgen05.CtaGroup.ONE, (128, tile_n),
+        )
+        acc_layout = tiled_mma.make_fragment_C(cute.append(tiled_mma.partition_shape_C((128, tile_n)), 1)).layout
+        acc = cute.make_tensor(cute.make_ptr(cutlass.Float32, 0, cute.AddressSpace.tmem, assumed_align=16), acc_layout)
+        for j in cutlass.range_constexpr(len(threads)):
+            _, _, tTR_cC = epilogue_partition(tiled_mma, acc, (300, 700), (128, tile_n), 1, 2, threads[j])
+            for sub in cutlass.range_constexpr(tile_n // 32):
+                for i in cutlass.range_constexpr(32):
+                    row, col = tTR_cC[(None, None, None, 0, sub)][i]
+                    out[j, sub, i, 0] = row
+                    out[j, sub, i, 1] = col
 _BOOKKEEPING_CASES = [
     [300],
     [0, 1, 127, 0, 129, 5, 300, 0],
@@ -332,6 +353,26 @@ def test_k_grouped_pass_extent_reduces_over_the_experts_k_tiles():
     extents = torch.full((4, 4), -1, dtype=torch.int32)
     _k_group_extents(from_dlpack(offs), from_dlpack(extents), 4, 300)
     assert extents.tolist() == [[0, 300, 0, 1], [0, 300, 1, 1], [0, 300, 1, 4], [0, 300, 4, 20]]
+
+
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_epilogue_thread_owns_one_row_and_consecutive_columns(tile_n):
+    """The kernel's epilogue partition (``epilogue_partition``, run on the host by the DSL):
+    thread t of the tile holds row 128 * m_tile + t, and register i of subtile s holds column
+    tile_n * n_tile + 32 * s + i. The shared-memory transpose of the epilogue indexes its
+    per-warp 32 x 32 staging tile with exactly these offsets; any other mapping would write
+    outside it."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    threads = (0, 1, 31, 32, 77, 127)
+    out = torch.full((len(threads), tile_n // 32, 32, 2), -1, dtype=torch.int32)
+    _epilogue_coordinates(from_dlpack(out), tile_n, threads)
+    rows = 128 + torch.tensor(threads).view(-1, 1, 1).expand(-1, tile_n // 32, 32)
+    cols = 2 * tile_n + torch.arange(tile_n).view(1, tile_n // 32, 32).expand(len(threads), -1, -1)
+    assert torch.equal(out[..., 0], rows.to(torch.int32))
+    assert torch.equal(out[..., 1], cols.to(torch.int32))
 
 
 # ---- backend ---------------------------------------------------------------------------------
