@@ -16,7 +16,8 @@ Device placement
     * A ``TorchFunctionMode`` (:class:`CudaToCpuMode`) maps CUDA device arguments of any torch
       call (``device="cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an ordinal) to the CPU,
       makes ``Tensor.cuda()`` / ``Tensor.pin_memory()`` return the tensor itself and drops
-      ``pin_memory=True``. ``megatron.training`` alone writes ``device='cuda'`` in ~40 places
+      ``pin_memory=True``; ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names (Megatron's
+      optimizer and gradient clipping assert them). ``megatron.training`` alone writes ``device='cuda'`` in ~40 places
       (loss buffers, all-reduced flags, timers) and scripts call ``batch.cuda()``; a mode is torch's
       public hook for exactly this. Cost: ~1-3 us per torch call (measured on this machine).
       The mode is pushed on the activating thread's torch-function stack (torch keeps that stack
@@ -46,6 +47,11 @@ megatron.training
       initialization and the RNG-tracker seeding when ``torch.cuda.device_count() == 0``: they run
       with one pseudo device visible (``device_count() == 1``, ``set_device`` a no-op) for the
       duration of the call only. ``torch.cuda.is_available()`` is unaffected.
+    * ``training.build_train_valid_test_data_iterators``: creating a ``DataLoader`` iterator draws
+      its base seed from the CPU default generator. On a GPU that generator is not the one dropout
+      uses; here it is, and ``pretrain`` builds the iterators *after* loading a checkpoint, so a
+      resumed run would see its dropout stream shifted by that draw. The replacement restores the
+      CPU generator's state after building the iterators (the loaders still get their seeds).
 Fusions
     * ``megatron.core.jit.jit_fuser`` is ``torch.compile``: on a 2-core CPU each fused function
       costs ~20 s to compile (measured) and needs a C++ tool-chain. ``activate`` calls Megatron's
@@ -110,6 +116,11 @@ REDIRECTS: tuple[Redirect, ...] = (
         "megatron.training.initialize", "_initialize_distributed", "mpu init gated on torch.cuda.device_count() > 0"
     ),
     Redirect("megatron.training.initialize", "_set_random_seed", "RNG tracker seeding gated on device_count() > 0"),
+    Redirect(
+        "megatron.training.training",
+        "build_train_valid_test_data_iterators",
+        "data loaders draw their seed from the CPU generator, which stands in for the device one",
+    ),
 )
 """Every attribute the layer replaces while active (also: the device mode, and jit fusions)."""
 
@@ -141,6 +152,21 @@ def _is_cuda_device(device: Any) -> bool:
 _CPU = torch.device("cpu")
 
 
+def _tensor_type(func, args, kwargs):
+    """``Tensor.type()`` names CPU tensors as CUDA ones (Megatron's optimizer and grad clipping
+    assert ``param.grad.type() == 'torch.cuda.FloatTensor'``); ``Tensor.type('torch.cuda.X')``
+    converts to ``torch.X``."""
+    if len(args) == 1 and not kwargs:
+        name = func(*args)
+        if name.startswith("torch.") and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch.") :]
+        return name
+    dtype = kwargs.pop("dtype", args[1] if len(args) > 1 else None)
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = "torch." + dtype[len("torch.cuda.") :]
+    return func(args[0], dtype, **kwargs)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA device arguments of every torch call to the CPU (see the module docstring)."""
 
@@ -148,6 +174,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs) if kwargs else {}
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.type:
+            return _tensor_type(func, args, kwargs)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = _CPU
         if kwargs.get("pin_memory"):
@@ -295,6 +323,18 @@ def _with_pseudo_device(original: Callable) -> Callable:
     return wrapper
 
 
+def _keep_device_rng(original: Callable) -> Callable:
+    def build_train_valid_test_data_iterators(*args, **kwargs):
+        state = torch.get_rng_state()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    build_train_valid_test_data_iterators.__wrapped__ = original
+    return build_train_valid_test_data_iterators
+
+
 def _allow_no_cuda(original: Callable) -> Callable:
     def initialize_megatron(*args, **kwargs):
         kwargs["allow_no_cuda"] = True
@@ -322,6 +362,7 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
         ("megatron.training.training", "initialize_megatron"): _allow_no_cuda,
         ("megatron.training.initialize", "_initialize_distributed"): _with_pseudo_device,
         ("megatron.training.initialize", "_set_random_seed"): _with_pseudo_device,
+        ("megatron.training.training", "build_train_valid_test_data_iterators"): _keep_device_rng,
     }
 
 

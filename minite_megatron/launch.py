@@ -1,0 +1,66 @@
+"""``python -m minite_megatron.launch SCRIPT [ARGS...]``: run any Megatron training script with
+``--transformer-impl minite``, without editing it.
+
+Before running ``SCRIPT`` as ``__main__`` (``runpy``, ``sys.argv = [SCRIPT, *ARGS]``) it
+
+1. activates :mod:`minite_megatron.cpu_compat` when the machine has no GPU (logged; GPU runs are
+   untouched);
+2. applies :mod:`minite_megatron.training.megatron_wheel` (run-time fixes for megatron.training
+   from the megatron-core wheel);
+3. installs :func:`minite_megatron.megatron_args.install`: ``--transformer-impl minite`` and the
+   ``--minite-*`` flags parse, bad configurations fail fast naming the flag, and the model config
+   built by ``gpt_config_from_args`` uses the minite specs.
+
+A bad configuration exits with status 2 and one ``error:`` line (like argparse). Works with
+``torchrun``: ``torchrun --nproc-per-node N -m minite_megatron.launch SCRIPT ARGS``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+USAGE = "usage: python -m minite_megatron.launch SCRIPT [ARGS...]  (e.g. examples/pretrain_gpt.py --transformer-impl minite ...)"
+
+
+def prepare() -> bool:
+    """Steps 1-3 above, without running a script (training scripts may call it themselves).
+
+    Idempotent. Returns whether the CPU compatibility layer is active.
+    """
+    from . import cpu_compat, megatron_args
+    from .training import megatron_wheel
+
+    active = cpu_compat.activate()
+    megatron_wheel.apply()
+    megatron_args.install()
+    return active
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        raise SystemExit(0 if argv else 2)
+    script, script_args = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        print(f"error: no such training script: {script}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+    from .megatron_args import MiniteArgumentError
+    from .recipe import RecipeError
+
+    prepare()
+    sys.argv = [script, *script_args]
+    script_dir = os.path.dirname(os.path.abspath(script))
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)  # as `python SCRIPT` would (root scripts import siblings)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (MiniteArgumentError, RecipeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
