@@ -151,3 +151,44 @@ def test_nvfp4_model_in_strict_mode_has_zero_gap(tiny_gpt):
     with torch.no_grad():
         learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
     _assert_gap_zero(rollouts, learner)
+
+
+def test_strict_gap_zero_with_the_triton_kernels(tiny_gpt):
+    """The strict modules on the ``bi_*`` Triton kernels (under the interpreter on CPU: a 1-layer
+    model and a few tokens; on a GPU this is the real kernel path)."""
+    from minite_megatron.strict.backend import use_backend
+
+    model = tiny_gpt.build_gpt(True, num_layers=1, num_moe_experts=4, seed=9)
+    with use_backend("triton"):
+        rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate([[5, 6, 7], [9]], max_new_tokens=3, seed=1)
+        with torch.no_grad():
+            learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
+    _assert_gap_zero(rollouts, learner)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_strict_gap_is_exactly_zero_with_triton_kernels(tiny_gpt, dtype):
+    """On the GPU the strict ops dispatch to the batch-invariant Triton kernels by default."""
+    from minite_megatron.strict.backend import resolve
+
+    assert resolve("cuda") == "triton"
+    model = tiny_gpt.build_gpt(True, dtype, seed=5, device="cuda")
+    prompts = tiny_gpt.PROMPTS
+    rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate(prompts, max_new_tokens=NEW, temperature=1.0, seed=3)
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
+    _assert_gap_zero(rollouts, learner)
+
+
+@pytest.mark.gpu
+def test_gpu_default_mode_gap_is_measured(tiny_gpt):
+    """Megatron's local modules on the GPU (cuBLAS, torch attention over the KV cache): the gap
+    is reported, and expected to be positive in bf16."""
+    model = tiny_gpt.build_gpt(False, torch.bfloat16, seed=5, device="cuda")
+    rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate(tiny_gpt.PROMPTS, max_new_tokens=NEW, seed=3)
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
+    gaps = _gaps(rollouts, learner)
+    print(f"GPU default-mode gap (bf16): max {max(gaps):.3e}")
+    assert max(gaps) > 0.0

@@ -26,7 +26,7 @@ def init_single_process() -> None:
             port = s.getsockname()[1]
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
         from megatron.core import tensor_parallel
@@ -56,8 +56,9 @@ def tiny_config(strict: bool, dtype=torch.float32, **overrides):
     return TransformerConfig(**kw)
 
 
-def build_gpt(strict: bool, dtype=torch.float32, seed: int = 7, max_seq: int = 64, **overrides):
-    """The tiny GPT: Megatron's local spec (default) or the strict spec + FP32 strict LM head."""
+def build_gpt(strict: bool, dtype=torch.float32, seed: int = 7, max_seq: int = 64, device=None, **overrides):
+    """The tiny GPT: Megatron's local spec (default) or the strict spec + FP32 strict LM head,
+    built on the CPU and moved to ``device`` (default: stays on the CPU)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -80,7 +81,8 @@ def build_gpt(strict: bool, dtype=torch.float32, seed: int = 7, max_seq: int = 6
         from minite_megatron.recipe import Recipe
 
         finalize_gpt_model(model, Recipe(strict=True))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    return model.to(device) if device is not None else model
 
 
 def copy_weights(dst, src) -> None:
