@@ -24,5 +24,5 @@ find_python() {
 PY=$(find_python) || { echo "setup.sh: Python >= 3.12 not found (megatron-core 0.19 needs it); set PYTHON=/path/to/python3.12" >&2; exit 1; }
 echo "setup.sh: using $PY ($("$PY" --version))"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test]'
+.venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test,cutlass]'
 .venv/bin/python -c 'import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'

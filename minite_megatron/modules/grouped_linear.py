@@ -113,7 +113,7 @@ class NVFP4GroupedLinear(MegatronModule):
                     set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
                 setattr(b, "allreduce", not use_expert_pgs)
                 self.register_parameter(f"bias{i}", b)
-        self.minite_ctx = LinearContext(self.recipe, None)
+        self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
         self._weights_cache = _ExpertWeightsCache()
 
     # ---- forward ------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class NVFP4GroupedLinear(MegatronModule):
 
         if self.precision != "nvfp4":
             return None
-        return self._weights_cache.get(self.weights, self.recipe, backend_for(self.recipe, self.weight0.device))
+        return self._weights_cache.get(self.weights, self.recipe, backend_for(self.recipe, self.weight0.device), self.minite_ctx)
 
     def backward_dw(self) -> None:
         """Delayed wgrad is not used: weight gradients are computed in backward."""

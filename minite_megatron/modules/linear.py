@@ -41,6 +41,10 @@ def check_multiple_of_16(value: int, what: str, flag: str) -> None:
 class _NVFP4LinearMixin:
     """Shared state and the replaced GEMM of the two tensor-parallel linears."""
 
+    def _bind_tp(self, parallel_mode: str) -> None:
+        self.minite_ctx.tp_group = self.tp_group
+        self.minite_ctx.parallel_mode = parallel_mode
+
     def _init_minite(self, recipe: Recipe | None, precision: str) -> None:
         if precision not in ("nvfp4", "bf16"):
             raise ValueError(f"precision must be 'nvfp4' or 'bf16', got {precision!r}")
@@ -63,7 +67,9 @@ class _NVFP4LinearMixin:
         from ..ops.linear import backend_for, quantize_weight
 
         backend = backend_for(self.recipe, self.weight.device)
-        return self.minite_ctx.cache.get(self.weight, lambda w: quantize_weight(w, self.recipe, backend), extra=backend.name)
+        return self.minite_ctx.cache.get(
+            self.weight, lambda w: quantize_weight(w, self.recipe, backend, self.minite_ctx), extra=backend.name
+        )
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.precision == "nvfp4":
@@ -79,6 +85,7 @@ class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
     def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", **kwargs):
         self._init_minite(recipe, precision)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self._bind_tp("column")
         if precision == "nvfp4":
             check_multiple_of_16(input_size, "the input size of a column-parallel linear", "--hidden-size / --ffn-hidden-size")
             if self.recipe.weight_tile == "2d":
@@ -109,6 +116,7 @@ class NVFP4RowParallelLinear(_NVFP4LinearMixin, RowParallelLinear):
     def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", **kwargs):
         self._init_minite(recipe, precision)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self._bind_tp("row")
         if precision == "nvfp4":
             check_multiple_of_16(
                 self.input_size_per_partition,

@@ -29,8 +29,11 @@ def padded_group_sizes(group_sizes: Sequence[int], multiple: int = BLOCK) -> lis
 
 
 def pad_groups(x: torch.Tensor, group_sizes: Sequence[int], multiple: int = BLOCK) -> torch.Tensor:
-    """``[T, H]`` rows sorted by group -> ``[T_pad, H]``: each group zero-padded to ``multiple``."""
+    """``[T, H]`` rows sorted by group -> ``[T_pad, H]``: each group zero-padded to ``multiple``
+    (``x`` itself when every group already is a multiple)."""
     padded = padded_group_sizes(group_sizes, multiple)
+    if list(padded) == [int(s) for s in group_sizes]:
+        return x  # nothing to pad
     out = x.new_zeros(sum(padded), x.shape[1])
     src = dst = 0
     for size, psize in zip(group_sizes, padded):
@@ -110,14 +113,19 @@ def quantize_wgrad_operand(
     rht_seed: int | None = None,
     nonfinite: str = "propagate",
     quantize=quantize_reference,
+    amax_fn=None,
 ) -> NVFP4Tensor:
-    """``[T, H]`` token-major rows sorted by expert -> NVFP4 ``[H, T_pad]`` along tokens."""
+    """``[T, H]`` token-major rows sorted by expert -> NVFP4 ``[H, T_pad]`` along tokens.
+
+    ``amax_fn(padded_t)`` may supply the global amax (e.g. max-reduced across ranks)."""
+    padded_t = pad_groups(t, group_sizes).t()
     return quantize(
-        pad_groups(t, group_sizes).t(),
+        padded_t,
         global_scale=global_scale,
         rounding=rounding,
         seed=seed,
         rht_seed=rht_seed,
+        amax=None if amax_fn is None else amax_fn(padded_t),
         nonfinite=nonfinite,
     )
 

@@ -33,6 +33,7 @@ the amax and every step above then see the transformed values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Literal
 
@@ -148,16 +149,18 @@ def quantize_reference(
 
     shape = x.shape
     k = shape[-1]
-    if rht_seed is not None:
+    rows = math.prod(shape[:-1])
+    if rht_seed is not None and x.numel():
         signs = rht_signs(None if rht_seed < 0 else rht_seed, device=x.device)
-        xf = rht16(x, signs).reshape(-1, k)
+        xf = rht16(x, signs).reshape(rows, k)
     else:
-        xf = x.reshape(-1, k).to(torch.float32)
-    rows = xf.shape[0]
+        xf = x.reshape(rows, k).to(torch.float32)
 
     # Steps 1-2: global scales, one per scale domain, expanded to one per row.
     absx = xf.abs()
-    if amax is None:
+    if amax is None and k == 0:  # nothing to scale: every domain is empty (amax 0)
+        amax = absx.new_zeros(rows if global_scale == "row" else (shape[0] if global_scale == "group" else 1))
+    elif amax is None:
         if global_scale == "row":
             amax = absx.amax(dim=1) if rows else absx.new_zeros(0)
         elif global_scale == "tensor":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -53,7 +54,7 @@ class NVFP4Tensor:
 
     @property
     def rows(self) -> int:
-        return self.codes.numel() * 2 // self.k if self.k else 0
+        return math.prod(self.shape[:-1])
 
     @property
     def device(self) -> torch.device:

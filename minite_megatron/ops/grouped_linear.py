@@ -27,11 +27,15 @@ from ..nvfp4.tensor import NVFP4Tensor
 from .linear import LinearContext, _trace, add_wgrad, backend_for
 
 
-def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend) -> NVFP4Tensor:
-    """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert."""
+def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lctx=None) -> NVFP4Tensor:
+    """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert (the
+    amax of each whole expert weight under expert tensor parallelism)."""
     w = torch.stack([t.detach() for t in weights])
     if recipe.weight_tile == "2d":
-        return backend.quantize(w, global_scale="group", tile=(16, 16), with_image=True, nonfinite=recipe.nonfinite)
+        amax = None if lctx is None else lctx.amax(w, "group", rows_sharded=lctx.column, k_sharded=lctx.row)
+        return backend.quantize(
+            w, global_scale="group", tile=(16, 16), amax=amax, with_image=True, nonfinite=recipe.nonfinite
+        )
     raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
 
 
@@ -52,11 +56,11 @@ class _ExpertWeightsCache:
         self._key = None
         self._q = self._qt = None
 
-    def get(self, weights, recipe, backend) -> NVFP4Tensor:
+    def get(self, weights, recipe, backend, lctx=None) -> NVFP4Tensor:
         key = (self._gen[0], backend.name) + tuple((w._version, w.data_ptr()) for w in weights)
         if key != self._key:
             with torch.no_grad():
-                self._q = quantize_expert_weights(weights, recipe, backend)
+                self._q = quantize_expert_weights(weights, recipe, backend, lctx)
             self._qt = None
             self._key = key
         return self._q
@@ -74,9 +78,16 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         backend = backend_for(recipe, x.device)
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        qw = cache.get(weights, recipe, backend)
-        qx = backend.quantize(x, global_scale=recipe.activation_scale, with_image=True, nonfinite=recipe.nonfinite)
+        qw = cache.get(weights, recipe, backend, lctx)
+        qx = backend.quantize(
+            x,
+            global_scale=recipe.activation_scale,
+            amax=lctx.amax(x, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
+            with_image=True,
+            nonfinite=recipe.nonfinite,
+        )
         _trace(lctx, "input_codes", qx.codes)
+        _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
@@ -92,6 +103,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                 rht_seed=recipe.wgrad_rht_seed,
                 nonfinite=recipe.nonfinite,
                 quantize=backend.quantize,
+                amax_fn=lambda t: lctx.amax(t, recipe.grad_scale, rows_sharded=lctx.row, k_sharded=False, rht_seed=recipe.wgrad_rht_seed),
             )
             ctx.qx_t_meta = replace(qx_t, image=None)
             saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
@@ -110,7 +122,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dy = grad_out
         dx = None
         dws: list[torch.Tensor | None] = [None] * ctx.groups
-        qw = ctx.cache.get(weights, recipe, backend)
+        qw = ctx.cache.get(weights, recipe, backend, lctx)
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
                 qdy = backend.quantize(
@@ -118,6 +130,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
                     seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
                     with_image=True,
                     nonfinite=recipe.nonfinite,
                 )
@@ -134,6 +147,9 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                     rht_seed=recipe.wgrad_rht_seed,
                     nonfinite=recipe.nonfinite,
                     quantize=backend.quantize,
+                    amax_fn=lambda t: lctx.amax(
+                        t, recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=recipe.wgrad_rht_seed
+                    ),
                 )
                 dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), torch.float32, recipe.strict)
                 dws = [add_wgrad(w, dw[g], grad_out) for g, w in enumerate(weights)]

@@ -6,7 +6,8 @@
     dgrad   dx = gemm(Q_row(dy, SR),      Q_2d(W)^T)           W^T: exact relayout of Q_2d(W)
     wgrad   dW = gemm(Q_col(dy, SR, RHT), Q_col(x, RHT))       both along tokens, fp32 output
 
-``Q_col(t)`` quantizes ``t^T`` (blocks of 16 tokens). The forward saves ``Q_col(x)`` (packed
+``Q_col(t)`` quantizes ``t^T`` (blocks of 16 tokens; the token count is zero-padded to a multiple
+of 16, which leaves dW unchanged). The forward saves ``Q_col(x)`` (packed
 codes and scales: 4.5 bits per element) for wgrad, never a BF16 copy of x. The quantized weight
 comes from a :class:`~.weight_cache.QuantizedWeightCache` (once per optimizer step).
 Stochastic-rounding seeds are drawn from torch's default CPU generator, so a run resumed from a
@@ -24,18 +25,38 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import nvfp4
+from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
+from .amax_sync import synced_amax
 from .weight_cache import QuantizedWeightCache
 
 
 @dataclass
 class LinearContext:
-    """Per-module state the autograd function needs (not tensors)."""
+    """Per-module state the autograd function needs (not tensors).
+
+    ``tp_group`` / ``parallel_mode`` ("column": weight rows and output features sharded; "row":
+    weight columns and input features sharded) let amaxes of split scale domains be
+    max-reduced across ranks (:mod:`.amax_sync`), so the quantized bytes do not depend on TP.
+    """
 
     recipe: Recipe
     cache: QuantizedWeightCache
     trace_name: str | None = None
+    tp_group: object = None
+    parallel_mode: str | None = None
+
+    def amax(self, t, global_scale, *, rows_sharded, k_sharded, rht_seed=None):
+        return synced_amax(t, global_scale, self.tp_group, rows_sharded=rows_sharded, k_sharded=k_sharded, rht_seed=rht_seed)
+
+    @property
+    def column(self) -> bool:
+        return self.parallel_mode == "column"
+
+    @property
+    def row(self) -> bool:
+        return self.parallel_mode == "row"
 
     @property
     def backend(self):
@@ -46,18 +67,22 @@ def backend_for(recipe: Recipe, device: torch.device):
     return nvfp4.get_backend(recipe.backend, device)
 
 
-def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend) -> NVFP4Tensor:
-    """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale."""
+def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
+    """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale
+    (the amax of the whole, unsharded weight under tensor parallelism)."""
+    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
     return backend.quantize(
-        weight, global_scale="tensor", tile=recipe.weight_tile_shape, with_image=True, nonfinite=recipe.nonfinite
+        weight, global_scale="tensor", tile=recipe.weight_tile_shape, amax=amax, with_image=True,
+        nonfinite=recipe.nonfinite,
     )
 
 
-def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend) -> NVFP4Tensor:
+def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
     """The dgrad operand ``W^T`` ``[K, N]``: an exact relayout for 16x16 tiles, else re-quantized."""
     if q.tile == (16, 16):
         return q.transpose()
-    return backend.quantize(weight.t(), global_scale="tensor", with_image=True, nonfinite=recipe.nonfinite)
+    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
+    return backend.quantize(weight.t(), global_scale="tensor", amax=amax, with_image=True, nonfinite=recipe.nonfinite)
 
 
 def _strip_image(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -89,9 +114,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
         backend = backend_for(recipe, x.device)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend), extra=backend.name)
+        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx), extra=backend.name)
         qx = backend.quantize(
-            x2, global_scale=recipe.activation_scale, with_image=True, nonfinite=recipe.nonfinite
+            x2,
+            global_scale=recipe.activation_scale,
+            amax=lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
+            with_image=True,
+            nonfinite=recipe.nonfinite,
         )
         _trace(lctx, "input_codes", qx.codes)
         _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
@@ -103,8 +132,16 @@ class NVFP4LinearFunction(torch.autograd.Function):
         saved = [weight]
         ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
-            qx_t = backend.quantize(
-                x2.t(), global_scale=recipe.grad_scale, rht_seed=recipe.wgrad_rht_seed, nonfinite=recipe.nonfinite
+            rht = recipe.wgrad_rht_seed
+            # along tokens: zero rows pad the token count to a multiple of 16 (dW unchanged)
+            qx_t = quantize_wgrad_operand(
+                x2,
+                [x2.shape[0]],
+                global_scale=recipe.grad_scale,
+                rht_seed=rht,
+                nonfinite=recipe.nonfinite,
+                quantize=backend.quantize,
+                amax_fn=lambda t: lctx.amax(t, recipe.grad_scale, rows_sharded=lctx.row, k_sharded=False, rht_seed=rht),
             )
             ctx.qx_t_meta = _strip_image(qx_t)
             saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
@@ -123,7 +160,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, n)
         if dy.dtype != weight.dtype and dy.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise TypeError(f"NVFP4 linear backward got a {dy.dtype} gradient")
-        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend), extra=backend.name)
+        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx), extra=backend.name)
         dx = dw_out = None
 
         if recipe.full_update:
@@ -133,21 +170,27 @@ class NVFP4LinearFunction(torch.autograd.Function):
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
                     seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
                     with_image=True,
                     nonfinite=recipe.nonfinite,
                 )
-                qwt = lctx.cache.transposed(lambda q: weight_transposed(q, weight, recipe, backend))
+                qwt = lctx.cache.transposed(lambda q: weight_transposed(q, weight, recipe, backend, lctx))
                 dx = backend.gemm(qdy, qwt, None, out_dtype=grad_out.dtype, batch_invariant=recipe.strict)
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
-                qdy_t = backend.quantize(
-                    dy.t(),
+                qdy_t = quantize_wgrad_operand(
+                    dy,
+                    [dy.shape[0]],
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
                     seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
                     rht_seed=recipe.wgrad_rht_seed,
                     nonfinite=recipe.nonfinite,
+                    quantize=backend.quantize,
+                    amax_fn=lambda t: lctx.amax(
+                        t, recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=recipe.wgrad_rht_seed
+                    ),
                 )
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=torch.float32, batch_invariant=recipe.strict)
                 dw_out = add_wgrad(weight, dw, grad_out)

@@ -274,3 +274,12 @@ def test_property_nearest_even(rows, blocks, scale, seed, gs):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 16 * blocks, generator=g) * scale).to(F32)
     check_codes_are_nearest_even(x, nvfp4.quantize(x, global_scale=gs))
+
+
+def test_empty_k_and_expert_without_tokens():
+    """Pins: with expert parallelism a rank may receive no tokens: quantizing [H, 0] (K == 0)
+    used to raise 'cannot reshape tensor of 0 elements'; the wgrad of such experts is zero."""
+    q = nvfp4.quantize(torch.zeros(8, 0), global_scale="tensor")
+    assert q.codes.shape == (8, 0) and q.block_scales.shape == (8, 0) and q.global_decode.tolist() == [1.0]
+    dw = nvfp4.grouped_wgrad_reference(torch.zeros(0, 32), torch.zeros(0, 64), [0, 0, 0])
+    assert dw.shape == (3, 32, 64) and (dw == 0).all()

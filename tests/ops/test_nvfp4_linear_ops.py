@@ -159,3 +159,15 @@ def test_grouped_linear_checks_sizes():
         nvfp4_grouped_linear(x, [3, 3], ws, None, LinearContext(Recipe(), None), _ExpertWeightsCache())
     with pytest.raises(ValueError, match="token counts"):
         nvfp4_grouped_linear(x, [10], ws, None, LinearContext(Recipe(), None), _ExpertWeightsCache())
+
+
+def test_token_count_not_a_multiple_of_16():
+    """Pins: wgrad quantizes along tokens, so 24 tokens used to raise 'K=24 must be a multiple
+    of 16'; the token axis is zero-padded (dW unchanged) instead."""
+    recipe = Recipe(grad_stochastic_rounding=False, wgrad_rht=False)
+    x, w, _ = make(m=24)
+    dy = torch.randn(24, 32)
+    nvfp4_linear(x, w, None, LinearContext(recipe, QuantizedWeightCache())).backward(dy)
+    pad = lambda t: torch.cat([t, t.new_zeros(8, t.shape[1])])  # noqa: E731
+    want = nvfp4.gemm(nvfp4.quantize(pad(dy).t(), "tensor"), nvfp4.quantize(pad(x.detach()).t(), "tensor"), out_dtype=torch.float32)
+    assert_bitwise_equal(w.grad, want, "wgrad")
