@@ -110,6 +110,14 @@ class MiniteSpecProvider(BackendSpecProvider):
             return StrictTopKRouter
         return TopKRouter
 
+    def moe_layer(self):
+        """The MoE layer class: Megatron's, or in strict mode one with a deterministic combine."""
+        if self.recipe.strict:
+            from .strict.megatron import StrictMoELayer
+
+            return StrictMoELayer
+        return MoELayer
+
     def activation_func(self):
         return None
 
@@ -117,7 +125,7 @@ class MiniteSpecProvider(BackendSpecProvider):
 def get_moe_module_spec_minite(backend: MiniteSpecProvider, shared_backend: MiniteSpecProvider):
     """MoE layer: router (FP32; batch invariant in strict mode), grouped experts, shared experts."""
     return partial(
-        MoELayer,
+        backend.moe_layer(),
         submodules=MoESubmodules(
             experts=backend.grouped_mlp_modules(True),
             shared_experts=partial(
