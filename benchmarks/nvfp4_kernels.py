@@ -89,7 +89,7 @@ def _qbytes(r, k, image, read_bytes=2):
 def sec_quantize(res, sweep):
     copy = res.get("ceilings", {}).get("copy_GBps")
     rows = []
-    t_tok = 256 if SMOKE else 16384
+    t_tok = 32 if SMOKE else 16384
     cases = [
         ("act row+image", (t_tok, 2048), dict(with_image=True), False),
         ("act row+image", (t_tok, 5120), dict(with_image=True), False),
@@ -103,6 +103,8 @@ def sec_quantize(res, sweep):
         ("act row+image RHT", (t_tok, 2048), dict(with_image=True, rht_seed=1), False),
     ]
     for name, (r, k), kw, transposed in cases:
+        if SMOKE:
+            r, k = 32, 64
         x = rnd(r, k, scale=3.0)
         xin = x.t() if transposed else x
         rr, kk = (k, r) if transposed else (r, k)
@@ -111,20 +113,28 @@ def sec_quantize(res, sweep):
         gbs = nbytes / t / 1e6
         rows.append({"case": name, "rows": rr, "K": kk, "ms": t, "GBps": gbs,
                      "pct_copy": 100 * gbs / copy if copy else None})
+    x1 = rnd(1, 64 if SMOKE else 2048)
+    t = timed(lambda: quantize_forward(x1, with_image=True), graph=True)
+    rows.append({"case": "act row+image, one token (decode)", "rows": 1, "K": 2048, "ms": t})
     if sweep and not SMOKE:
-        base = (tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS)
         x = rnd(t_tok, 2048, scale=3.0)
-        for tile, warps in [((32, 128), 8), ((16, 128), 4), ((64, 64), 8), ((16, 256), 8), ((8, 256), 4),
-                            ((32, 64), 4), ((64, 128), 8)]:
-            tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS = tile, warps
+        base = dict(single=tq.GPU_SINGLE_PASS_ELEMS, tile=tq.GPU_QUANTIZE_TILE, warps=tq.GPU_QUANTIZE_WARPS,
+                    ttile=tq.GPU_TRANSPOSED_TILE, spk=tq.GPU_SINGLE_PASS_K)
+        trials = [("single-pass elems", "GPU_SINGLE_PASS_ELEMS", v, x, {}) for v in (2048, 4096, 16384)]
+        trials += [("loop tile (K=2048)", "GPU_SINGLE_PASS_K", 1024, x, {})]
+        trials += [("t-kernel tile", "GPU_TRANSPOSED_TILE", v, x.t(), dict(global_scale="tensor"))
+                   for v in ((32, 64, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8), (128, 64, 8), (16, 128, 4))]
+        for label, attr, value, xin, kw in trials:
+            setattr(tq, attr, value)
             try:
-                t = timed(lambda: quantize_forward(x, with_image=True))
+                t = timed(lambda: quantize_forward(xin, with_image=True, **kw))
                 gbs = _qbytes(t_tok, 2048, True) / t / 1e6
-                rows.append({"case": f"sweep tile={tile} warps={warps}", "rows": t_tok, "K": 2048, "ms": t,
+                rows.append({"case": f"sweep {label} = {value}", "rows": xin.shape[0], "K": xin.shape[1], "ms": t,
                              "GBps": gbs, "pct_copy": 100 * gbs / copy if copy else None})
             except Exception as e:  # a config that does not compile: report, keep going
-                rows.append({"case": f"sweep tile={tile} warps={warps} FAILED {type(e).__name__}"})
-        tq.GPU_QUANTIZE_TILE, tq.GPU_QUANTIZE_WARPS = base
+                rows.append({"case": f"sweep {label} = {value} FAILED {type(e).__name__}: {str(e)[:60]}"})
+            tq.GPU_SINGLE_PASS_ELEMS, tq.GPU_QUANTIZE_TILE = base["single"], base["tile"]
+            tq.GPU_QUANTIZE_WARPS, tq.GPU_TRANSPOSED_TILE, tq.GPU_SINGLE_PASS_K = base["warps"], base["ttile"], base["spk"]
     res["quantize"] = rows
     print_table("quantize (minimum bytes / time)", rows, ["case", "rows", "K", "ms", "GBps", "pct_copy"])
 
@@ -147,11 +157,23 @@ def ulp_stats(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def sec_bitwise(res):
     rows = []
     m = 64 if SMOKE else 4096
-    for name, (k, n) in list(DENSE.items())[:2]:
+    cases = [(name, k, n, "normal") for name, (k, n) in list(DENSE.items())[:2]] + [("qkv", 2048, 5120, "adversarial")]
+    for name, k, n, data in cases:
         if SMOKE:
             k, n = 64, 32
-        qa = quantize_forward(rnd(m, k, scale=2.0), with_image=True)
-        qb = quantize_forward(rnd(n, k), global_scale="tensor", tile=(16, 16), with_image=True)
+        if data == "normal":
+            a, b = rnd(m, k, scale=2.0), rnd(n, k)
+        else:
+            # heavy tails, rows scaled over 2^-20..2^20, and a cancelling +big/-big pair per row
+            a = (torch.randn(m, k, device=DEV) / torch.randn(m, k, device=DEV).abs().clamp_min(1e-2))
+            a = a * torch.exp2(torch.randint(-20, 21, (m, 1), device=DEV).float())
+            a[:, 0] = 1e4 * a[:, 0].sign()
+            a[:, 16] = -a[:, 0]
+            b = torch.randn(n, k, device=DEV) / torch.randn(n, k, device=DEV).abs().clamp_min(1e-2)
+            a, b = a.to(BF16), b.to(BF16)
+            name = name + " adversarial"
+        qa = quantize_forward(a, with_image=True)
+        qb = quantize_forward(b, global_scale="tensor", tile=(16, 16), with_image=True)
         for out_dtype in (torch.float32, BF16):
             ref = nvfp4.gemm_reference(qa, qb, None, out_dtype)
             for mode, bi, can in (("default", False, False), ("strict", True, False), ("canonical", True, True)):
@@ -164,6 +186,36 @@ def sec_bitwise(res):
 
 
 # ---- dense GEMM ------------------------------------------------------------------------------
+GEMM_SWEEP = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
+              (128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3), (128, 128, 64, 16, 8, 4)]
+
+
+def sec_gemm_sweep(res, t_tok):
+    from minite_kernels.triton import gemm as tg
+
+    rows, base = [], tg.DEFAULT_CONFIG
+    for name, (k, n) in DENSE.items():
+        if SMOKE:
+            k, n, t_tok = 64, 32, 64
+        x, w = rnd(t_tok, k), rnd(n, k)
+        qa = quantize_forward(x, with_image=True)
+        qb = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
+        t_bf16 = timed(lambda: torch.mm(x, w.t()))
+        row = {"shape": name, "T": t_tok}
+        for cfg in GEMM_SWEEP[: 1 if SMOKE else None]:
+            tg.DEFAULT_CONFIG = cfg
+            try:
+                row[str(cfg)] = timed(lambda: gemm_op(qa.image, qb.image, qa.global_decode, qb.global_decode, None,
+                                                      BF16, False, False)) / t_bf16
+            except Exception as e:
+                row[str(cfg)] = f"FAILED {type(e).__name__}"
+        tg.DEFAULT_CONFIG = base
+        rows.append(row)
+    res["gemm_sweep"] = rows
+    print_table("fprop GEMM config sweep, time / BF16 (BM, BN, BK, GROUP_M, warps, stages)", rows,
+                ["shape", "T"] + [str(c) for c in GEMM_SWEEP])
+
+
 def sec_gemm(res, tokens):
     rows = []
     for t_tok in tokens:
@@ -231,6 +283,12 @@ def sec_linear(res, tokens):
                 qdy = quantize_forward(dy, with_image=True)
                 qdy_t = quantize_forward(dy.t(), global_scale="tensor", with_image=True)
                 qx_t = quantize_forward(x.t(), global_scale="tensor", with_image=True)
+                row["q_x"] = timed(lambda: quantize_forward(x, with_image=True))
+                row["q_xt"] = timed(lambda: quantize_forward(x.t(), global_scale="tensor", with_image=True))
+                row["q_dy"] = timed(lambda: quantize_forward(dy, with_image=True))
+                row["q_dyt_sr"] = timed(lambda: quantize_forward(dy.t(), global_scale="tensor", with_image=True,
+                                                                 rounding="stochastic", seed=1))
+                row["q_w"] = timed(lambda: quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True))
                 row["gemms_only_ms"] = timed(lambda: (
                     gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, False, False),
                     gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, False, False),
@@ -238,8 +296,10 @@ def sec_linear(res, tokens):
                             torch.float32, False, False)))
             rows.append(row)
     res["linear"] = rows
-    print_table("Linear fwd+bwd (NVFP4 = 5 quantize passes + weight + 3 GEMMs)", rows,
+    print_table("Linear fwd+bwd (NVFP4 = 4 activation quantize passes + weight + 3 GEMMs)", rows,
                 ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16", "gemms_only_ms", "naive_ms", "speedup_vs_naive"])
+    print_table("Linear: the quantize passes (ms)", [r for r in rows if "q_x" in r],
+                ["shape", "T", "q_x", "q_xt", "q_dy", "q_dyt_sr", "q_w", "gemms_only_ms"])
 
 
 # ---- grouped (MoE) ---------------------------------------------------------------------------
@@ -263,6 +323,7 @@ def sec_grouped(res, tokens_list):
             offs = torch.tensor(sizes, device=DEV).cumsum(0).to(torch.int32)
             x, dy = rnd(m, k), rnd(m, n)
             w = rnd(e, n, k, scale=0.02)
+            offsets = group_offsets(sizes, DEV)
             w_kn = w.transpose(1, 2)
 
             def bf16_grouped():
@@ -277,8 +338,6 @@ def sec_grouped(res, tokens_list):
                     outs += [xs @ wg.t(), dys @ wg, dys.t() @ xs]
                 return outs
 
-            offsets = group_offsets(sizes, DEV)
-
             def fp4_grouped():
                 qw = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
                 qx = quantize_forward(x, with_image=True)
@@ -291,6 +350,16 @@ def sec_grouped(res, tokens_list):
 
             row = {"shape": name, "routed": m, "max_group": max(sizes), "empty": sizes.count(0)}
             flops = 3 * 2 * m * n * k
+            qw0 = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
+            qx0 = quantize_forward(x, with_image=True)
+            qdy0 = quantize_forward(dy, with_image=True)
+            row["t_wquant"] = timed(lambda: quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True))
+            row["t_xquant"] = timed(lambda: quantize_forward(x, with_image=True))
+            row["t_fprop"] = timed(lambda: grouped_gemm_op(qx0.image, qw0.image, offsets, qx0.global_decode,
+                                                           qw0.global_decode, None, BF16, False, False))
+            row["t_dgrad"] = timed(lambda: grouped_gemm_op(qdy0.image, qw0.image.transpose(1, 2), offsets,
+                                                           qdy0.global_decode, qw0.global_decode, None, BF16, False, False))
+            row["t_wgrad_all"] = timed(lambda: grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic", grad_seed=3))
             try:
                 t_g = timed(bf16_grouped)
                 row["bf16_grouped_ms"] = t_g
@@ -307,9 +376,43 @@ def sec_grouped(res, tokens_list):
     print_table("MoE grouped fwd+bwd (NVFP4 includes every quantization)", rows,
                 ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms",
                  "throughput_vs_grouped_mm", "speedup_vs_loop", "nvfp4_TFLOPs"])
+    print_table("MoE grouped: where the NVFP4 time goes (ms)", rows,
+                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all"])
 
 
 # ---- decode -------------------------------------------------------------------------------------
+DECODE_SWEEP = [dict(block_n=64, warps=4, programs_per_sm=4), dict(block_n=128, warps=8, programs_per_sm=2),
+                dict(block_n=128, warps=4, programs_per_sm=2), dict(block_n=64, warps=4, programs_per_sm=8)]
+
+
+def sec_decode_sweep(res):
+    from minite_kernels.triton import decode_gemm as td
+
+    rows, base = [], dict(td.GPU_DECODE)
+    k, n = DENSE["qkv"]
+    if SMOKE:
+        k, n = 64, 32
+    copies = 1 if SMOKE else 16
+    qws = [quantize_forward(rnd(n, k, scale=0.02), global_scale="tensor", tile=(16, 16)) for _ in range(copies)]
+    for m in (1, 16, 64):
+        qx = quantize_forward(rnd(m, k), with_image=True)
+        row = {"M": m}
+        for i, cfg in enumerate([{}] + DECODE_SWEEP[: 1 if SMOKE else None]):
+            td.GPU_DECODE.update(cfg)
+            try:
+                row[f"cfg{i}_us"] = 1e3 * timed(lambda: [decode_gemm_op(qx.image, q.codes, q.block_scales.view(torch.uint8),
+                                                                        qx.global_decode, q.global_decode, None, BF16)
+                                                         for q in qws], graph=True) / copies
+            except Exception as e:
+                row[f"cfg{i}_us"] = f"FAILED {type(e).__name__}"
+            td.GPU_DECODE.clear()
+            td.GPU_DECODE.update(base)
+        rows.append(row)
+    res["decode_sweep"] = {"configs": [base] + DECODE_SWEEP, "rows": rows}
+    print("decode configs:", [base] + DECODE_SWEEP)
+    print_table("decode config sweep, qkv 5120x2048 (us per GEMM)", rows, ["M"] + [f"cfg{i}_us" for i in range(5)])
+
+
 def sec_decode(res, ms):
     rows = []
     l2_bytes = 0 if SMOKE else 60 * 2**20
@@ -356,7 +459,8 @@ def sec_memory(res):
                 rows, ["shape", "T", "bf16_MB", "nvfp4_MB", "saved_MB", "ratio"])
 
 
-SECTIONS = ("ceilings", "quantize", "bitwise", "gemm", "linear", "grouped", "decode", "memory")
+SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "grouped", "decode_sweep", "decode",
+            "memory")
 
 
 def main(argv=None):
@@ -388,6 +492,10 @@ def main(argv=None):
             sec_bitwise(res)
         elif sec == "gemm":
             sec_gemm(res, tokens)
+        elif sec == "gemm_sweep":
+            sec_gemm_sweep(res, tokens[0])
+        elif sec == "decode_sweep":
+            sec_decode_sweep(res)
         elif sec == "linear":
             sec_linear(res, tokens)
         elif sec == "grouped":

@@ -20,13 +20,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_for(fn, signature: dict, constexprs: dict, arch: int = 90, **options):
+def compile_for(fn, signature: dict, constexprs: dict, arch: int = 90, divisible=None, **options):
     """``triton.compile`` of JIT function ``fn`` for ``sm_<arch>``; ``signature`` maps every
-    non-constexpr argument to a Triton type string (``"*bf16"``, ``"i32"``, ``"fp32"``)."""
+    non-constexpr argument to a Triton type string (``"*bf16"``, ``"i32"``, ``"fp32"``).
+
+    Like a launch, pointers are marked 16-byte aligned; ``divisible`` names the int arguments a
+    launch would see as multiples of 16 (Triton specializes on that), default: every int whose
+    name is not in ``("M", "N", "R")``-like row counts is left unmarked unless listed.
+    """
     sig = dict(signature)
     for name in constexprs:
         sig[name] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs))
+    names = fn.arg_names
+    attrs = {}
+    for name, ty in signature.items():
+        if ty.startswith("*") or (divisible and name in divisible):
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 

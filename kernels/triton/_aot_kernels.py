@@ -63,10 +63,11 @@ def _decode(m_pad=16):
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128 if m_pad <= 16 else 64,
               M_PAD=m_pad, DOT_FP32=False)
-    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=4, **EXACT_LAUNCH)
+    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=4, divisible=("K", "K_PER_SPLIT", "s_am", "N"),
+                       **EXACT_LAUNCH)
 
 
-def _quantize(block_r=32, block_k=128, warps=4, stochastic=False, row_amax=True, stride_k_one=True):
+def _quantize(block_r=32, block_k=128, warps=4, single=False, stochastic=False, row_amax=True, stride_k_one=True):
     from .quantize import _quantize_kernel
 
     sig = {
@@ -75,11 +76,26 @@ def _quantize(block_r=32, block_k=128, warps=4, stochastic=False, row_amax=True,
         "rows_per_group": "i32", "key": "i32", "scale_cols_padded": "i32",
     }
     ce = dict(HAS_COL_INDEX=False, ROW_AMAX=row_amax, TILE16=False, STOCHASTIC=stochastic, WITH_IMAGE=True,
-              SWIZZLED=False, BLOCK_R=block_r, BLOCK_K=block_k)
+              SWIZZLED=False, BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single)
     if stride_k_one:
         ce["stride_k"] = 1
         del sig["stride_k"]
-    return compile_for(_quantize_kernel, sig, ce, num_warps=warps, **EXACT_LAUNCH)
+    return compile_for(_quantize_kernel, sig, ce, num_warps=warps, divisible=("K", "stride_r", "scale_cols_padded"),
+                       **EXACT_LAUNCH)
+
+
+def _quantize_t(block_t=64, block_h=64, warps=4, stochastic=False, col_index=False):
+    from .quantize import _quantize_t_kernel
+
+    sig = {
+        "s_ptr": "*bf16", "col_ptr": "*i32", "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
+        "sdec_ptr": "*fp32", "image_ptr": "*i16", "R": "i32", "K": "i32", "stride_s": "i32", "T_SRC": "i32",
+        "rows_per_group": "i32", "key": "i32", "scale_cols_padded": "i32",
+    }
+    ce = dict(HAS_COL_INDEX=col_index, STOCHASTIC=stochastic, WITH_IMAGE=True, SWIZZLED=False,
+              BLOCK_T=block_t, BLOCK_H=block_h)
+    return compile_for(_quantize_t_kernel, sig, ce, num_warps=warps,
+                       divisible=("R", "K", "stride_s", "T_SRC", "scale_cols_padded"), **EXACT_LAUNCH)
 
 
 def all_kernels():
@@ -93,5 +109,9 @@ def all_kernels():
     yield "grouped gemm", _grouped(grouped_gemm.select_config(65536, 1536, 2048, 128, False, False, gpu=True))
     yield "grouped wgrad", _wgrad(grouped_wgrad.select_config(False, gpu=True))
     yield "decode gemm", _decode()
-    yield "quantize", _quantize(*quantize._config(1 << 20, 4096, False, False))
-    yield "quantize SR", _quantize(*quantize._config(1 << 20, 4096, False, True), stochastic=True)
+    yield "quantize K=2048 (one pass)", _quantize(*quantize._config(1 << 20, 2048, False, False))
+    yield "quantize K=16384 (loop)", _quantize(*quantize._config(1 << 20, 16384, False, False))
+    yield "quantize SR K=2048", _quantize(*quantize._config(1 << 20, 2048, False, True), stochastic=True)
+    bt, bh, warps = quantize.GPU_TRANSPOSED_TILE
+    yield "quantize x.t()", _quantize_t(bt, bh, warps)
+    yield "quantize x.t() SR gather", _quantize_t(bt, bh, warps, stochastic=True, col_index=True)

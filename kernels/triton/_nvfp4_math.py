@@ -170,11 +170,15 @@ def e4m3_value(code):
 
 @triton.jit
 def e2m1_value(code):
-    """int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0), built on the bits:
-    magnitude m >= 2 is ``(1 + (m & 1) / 2) * 2^((m >> 1) - 1)``, m = 1 is 0.5, m = 0 is 0."""
-    mag = code & 7
-    bits = tl.where(mag < 2, mag * 0x3F000000, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    """int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0), built on the bits.
+
+    The code's magnitude bits ``e1 e0 m`` are placed at fp32 bits 24..22 (exponent field e,
+    top mantissa bit m) and the sign at bit 31; that float is ``2^(e-127) (1 + m/2)`` (or the
+    subnormal ``2^-126 m/2`` for e = 0), so one exact multiply by 2^126 gives the E2M1 value
+    (0, 0.5, 1, 1.5, 2, 3, 4, 6). Needs subnormals kept (no FTZ: ``EXACT_LAUNCH``).
+    """
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
 
 
 @triton.jit

@@ -96,15 +96,21 @@ def _decode_gemm_kernel(
                  mask=(rm < M)[None, :] & (rn < N)[:, None])
 
 
+GPU_DECODE = {"block_n": 64, "warps": 4, "block_k": {16: 128, 32: 64, 64: 64}, "programs_per_sm": 2}
+"""Decode launch parameters on the GPU (BLOCK_K by padded M; K is split until the grid has
+``programs_per_sm`` programs per SM)."""
+
+
 def select_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, M_PAD, SPLIT, num_warps): ~2 programs per SM."""
+    """(BLOCK_N, BLOCK_K, M_PAD, SPLIT, num_warps)."""
     m_pad = max(16, triton.next_power_of_2(m))
     if interpreting():
         return 16, 32, m_pad, max(1, min(2, k // 32)), 4
-    block_n, block_k = 64, 128 if m_pad <= 16 else 64
+    block_n, block_k = GPU_DECODE["block_n"], GPU_DECODE["block_k"][m_pad]
     k_blocks = triton.cdiv(k, block_k)
-    split = max(1, min(k_blocks, (2 * sm_count) // max(triton.cdiv(n, block_n), 1)))
-    return block_n, block_k, m_pad, split, 4
+    target = GPU_DECODE["programs_per_sm"] * sm_count
+    split = max(1, min(k_blocks, target // max(triton.cdiv(n, block_n), 1)))
+    return block_n, block_k, m_pad, split, GPU_DECODE["warps"]
 
 
 @torch.library.custom_op("minite::decode_gemm", mutates_args=())

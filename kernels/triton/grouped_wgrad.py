@@ -93,7 +93,10 @@ def select_config(canonical: bool, gpu: bool | None = None) -> tuple:
         return (16, 16, 16, 4, 1)
     if canonical:
         return (128, 128, 16, 8, 8)
-    return (128, 128, 64, 8, 4)
+    return DEFAULT_CONFIG
+
+
+DEFAULT_CONFIG = (128, 128, 64, 8, 4)
 
 
 def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

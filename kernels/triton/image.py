@@ -17,7 +17,7 @@ import triton.language as tl
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
-from ._nvfp4_math import bf16_image_bits, e2m1_value, e4m3_value
+from ._nvfp4_math import bf16_image_bits, e2m1_value, e4m3_value, exact_launch
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def image_op(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         block_r = max(1, min(64, 8192 // block_k))
         grid = (triton.cdiv(r, block_r), triton.cdiv(k, block_k))
         _image_kernel[grid](codes.contiguous(), scales.contiguous(), image.view(torch.int16), r, k,
-                            BLOCK_R=block_r, BLOCK_K=block_k)
+                            BLOCK_R=block_r, BLOCK_K=block_k, **exact_launch())
     return image
 
 

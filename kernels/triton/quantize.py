@@ -39,6 +39,7 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import (
     FLT_MAX,
+    interpreting,
     bf16_image_bits,
     canonical_nan_f32,
     e2m1_nearest,
@@ -82,92 +83,209 @@ def _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_IND
     return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _quantize_tile(
+    x, rows, cols, k0, rmask, R, K, scale_mul, s_dec, key_u, codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+    TILE16: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Steps 3-6 on one fp32 tile ``x`` [BR, BK] (rows x K columns k0..k0+BK) and its stores."""
+    nb: tl.constexpr = BLOCK_K // 16
+    cmask = cols < K
+    # Step 3: block scales.
+    bmax = _block_max(tl.abs(x), x != x, BLOCK_R, BLOCK_K, TILE16)
+    sf_code, sf = e4m3_rne_satfinite(bmax * scale_mul)
+    # Step 4: encode scale, IEEE division, clamped to FLT_MAX (NaN stays NaN).
+    enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec[:, None])
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    # Step 5: E2M1 rounding.
+    v = tl.reshape(tl.reshape(x, (BLOCK_R, nb, 16)) * enc[:, :, None], (BLOCK_R, BLOCK_K))
+    if STOCHASTIC:
+        codes = e2m1_stochastic(v, sr_uniform(key_u, rows[:, None], cols[None, :]))
+    else:
+        codes = e2m1_nearest(v)
+    # Outputs: packed codes, block scales, image.
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    tl.store(codes_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed,
+             mask=rmask[:, None] & (pcols < K // 2)[None, :])
+    scols = k0 // 16 + tl.arange(0, nb)
+    tl.store(scales_ptr + _scale_offsets(rows[:, None], scols[None, :], K // 16, scale_cols_padded, SWIZZLED),
+             sf_code, mask=rmask[:, None] & (scols < K // 16)[None, :])
+    if WITH_IMAGE:
+        img = tl.reshape(tl.reshape(e2m1_value(codes), (BLOCK_R, nb, 16)) * sf[:, :, None], (BLOCK_R, BLOCK_K))
+        tl.store(image_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], bf16_image_bits(img),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _scale_offsets(r, c, cols, scale_cols_padded, SWIZZLED: tl.constexpr):
+    """Offset of block scale (row r, block column c): linear, or the 128x4 swizzled layout."""
+    if SWIZZLED:
+        return ((r // 128) * (scale_cols_padded // 4) + c // 4).to(tl.int64) * 512 \
+            + (r % 32) * 16 + ((r // 32) % 4) * 4 + (c % 4)
+    else:
+        return r.to(tl.int64) * cols + c
+
+
 @triton.jit(do_not_specialize=["key"])
 def _quantize_kernel(
     x_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
     HAS_COL_INDEX: tl.constexpr, ROW_AMAX: tl.constexpr, TILE16: tl.constexpr,
     STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
+    """Row-major programs: BLOCK_R rows each; one pass when ``SINGLE_PASS`` (BLOCK_K >= K:
+    the rows stay in registers), else one amax pass (row scales) and one quantize pass."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    nb: tl.constexpr = BLOCK_K // 16
-
-    # Steps 1-2: the global amax of each row's scale domain, then S_enc / S_dec.
-    if ROW_AMAX:
-        amax_bits = tl.zeros((BLOCK_R,), tl.int32)
+    if STOCHASTIC:
+        key_u = key.to(tl.uint32, bitcast=True)
+    else:
+        key_u = 0
+    if SINGLE_PASS:  # whole rows in registers
+        cols = tl.arange(0, BLOCK_K)
+        x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
+        if ROW_AMAX:
+            amax = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
+        else:
+            amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec),
+                 mask=rmask & ((rows % rows_per_group) == 0))
+        _quantize_tile(x, rows, cols, 0, rmask, R, K, (s_enc * ONE_SIXTH)[:, None], s_dec, key_u,
+                       codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+                       TILE16, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_R, BLOCK_K)
+    else:
+        # Steps 1-2: the global amax of each row's scale domain, then S_enc / S_dec.
+        if ROW_AMAX:
+            amax_bits = tl.zeros((BLOCK_R,), tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
+                amax_bits = tl.maximum(amax_bits, tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1))
+            amax = amax_bits.to(tl.float32, bitcast=True)  # NaN bits sort above +inf: NaN wins
+        else:
+            amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec),
+                 mask=rmask & ((rows % rows_per_group) == 0))
+        scale_mul = (s_enc * ONE_SIXTH)[:, None]
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
-            amax_bits = tl.maximum(amax_bits, tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1))
-        amax = amax_bits.to(tl.float32, bitcast=True)  # NaN bits sort above +inf: NaN wins
+            _quantize_tile(x, rows, cols, k0, rmask, R, K, scale_mul, s_dec, key_u,
+                           codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+                           TILE16, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_R, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["key"])
+def _quantize_t_kernel(
+    s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
+    R, K, stride_s, T_SRC, rows_per_group, key, scale_cols_padded,
+    HAS_COL_INDEX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Quantize ``S^T`` where ``S`` is row-major ``[T_SRC, R]`` (row stride ``stride_s``): the
+    wgrad operands ``x.t()`` / ``dy.t()``. The quantized matrix is ``[R, K]`` (K = tokens, or
+    ``col_index``'s length: padded token c reads source row ``col_index[c]``, zero where -1).
+
+    Each program loads a [BLOCK_T tokens, BLOCK_H features] tile of ``S`` (coalesced along
+    features) and does the block math along tokens in that layout (no per-block work is
+    replicated across threads); the transposed outputs are written through the store layout.
+    Global amax comes precomputed (``amax_ptr``, one per ``rows_per_group`` rows).
+    """
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # quantized columns (tokens)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # quantized rows (features)
+    hmask = h < R
+    tmask = t < K
+    if HAS_COL_INDEX:
+        src = tl.load(col_ptr + t, mask=tmask, other=-1)
+        lmask = (src >= 0)[:, None] & hmask[None, :]
+        src = tl.where(src >= 0, src, 0)
     else:
-        amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+        src = t
+        lmask = tmask[:, None] & hmask[None, :]
+    x = tl.load(s_ptr + src[:, None].to(tl.int64) * stride_s + h[None, :], mask=lmask, other=0.0).to(tl.float32)
+    amax = tl.load(amax_ptr + h // rows_per_group, mask=hmask, other=0.0)
     s_enc, s_dec = global_scales_from_amax(amax)
-    first_of_domain = rmask & ((rows % rows_per_group) == 0)
-    tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=first_of_domain)
-    scale_mul = (s_enc * ONE_SIXTH)[:, None]
+    if pid_t == 0:
+        tl.store(sdec_ptr + h // rows_per_group, canonical_nan_f32(s_dec), mask=hmask & ((h % rows_per_group) == 0))
+    nb: tl.constexpr = BLOCK_T // 16
+    # Step 3 along tokens (axis 0): [nb, 16, BH] -> [nb, BH]
+    x3 = tl.reshape(x, (nb, 16, BLOCK_H))
+    bmax = tl.max(tl.abs(x3), axis=1)
+    bnan = tl.max((x3 != x3).to(tl.int32), axis=1)
+    bmax = tl.where(bnan > 0, float("nan"), bmax)
+    sf_code, sf = e4m3_rne_satfinite(bmax * (s_enc * ONE_SIXTH)[None, :])
+    enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec[None, :])
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    v = tl.reshape(x3 * enc[:, None, :], (BLOCK_T, BLOCK_H))
     if STOCHASTIC:
-        key_u = key.to(tl.uint32, bitcast=True)
-
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        x = _load_tile(x_ptr, col_ptr, rows, cols, R, K, stride_r, stride_k, HAS_COL_INDEX)
-        # Step 3: block scales.
-        bmax = _block_max(tl.abs(x), x != x, BLOCK_R, BLOCK_K, TILE16)
-        sf_code, sf = e4m3_rne_satfinite(bmax * scale_mul)
-        # Step 4: encode scale, IEEE division, clamped to FLT_MAX (NaN stays NaN).
-        enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec[:, None])
-        enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
-        # Step 5: E2M1 rounding.
-        v = tl.reshape(tl.reshape(x, (BLOCK_R, nb, 16)) * enc[:, :, None], (BLOCK_R, BLOCK_K))
-        if STOCHASTIC:
-            u = sr_uniform(key_u, rows[:, None], cols[None, :])
-            codes = e2m1_stochastic(v, u)
-        else:
-            codes = e2m1_nearest(v)
-        # Outputs: packed codes, block scales, image.
-        mask = rmask[:, None] & cmask[None, :]
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(codes_ptr + rows[:, None].to(tl.int64) * (K // 2) + pcols[None, :], packed,
-                 mask=rmask[:, None] & (pcols < K // 2)[None, :])
-        scols = k0 // 16 + tl.arange(0, nb)
-        smask = rmask[:, None] & (scols < K // 16)[None, :]
-        if SWIZZLED:
-            r2 = rows[:, None]
-            c2 = scols[None, :]
-            soffs = ((r2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
-                + (r2 % 32) * 16 + ((r2 // 32) % 4) * 4 + (c2 % 4)
-        else:
-            soffs = rows[:, None].to(tl.int64) * (K // 16) + scols[None, :]
-        tl.store(scales_ptr + soffs, sf_code, mask=smask)
-        if WITH_IMAGE:
-            img = tl.reshape(
-                tl.reshape(e2m1_value(codes), (BLOCK_R, nb, 16)) * sf[:, :, None], (BLOCK_R, BLOCK_K)
-            )
-            tl.store(image_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], bf16_image_bits(img), mask=mask)
+        codes = e2m1_stochastic(v, sr_uniform(key.to(tl.uint32, bitcast=True), h[None, :], t[:, None]))
+    else:
+        codes = e2m1_nearest(v)
+    # codes [BT, BH] -> pairs of consecutive tokens -> bytes [BT/2, BH]
+    lo, hi = tl.split(tl.permute(tl.reshape(codes, (BLOCK_T // 2, 2, BLOCK_H)), (0, 2, 1)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    tp = pid_t * (BLOCK_T // 2) + tl.arange(0, BLOCK_T // 2)
+    tl.store(codes_ptr + h[None, :].to(tl.int64) * (K // 2) + tp[:, None], packed,
+             mask=hmask[None, :] & (tp < K // 2)[:, None])
+    ts = pid_t * nb + tl.arange(0, nb)
+    tl.store(scales_ptr + _scale_offsets(h[None, :], ts[:, None], K // 16, scale_cols_padded, SWIZZLED), sf_code,
+             mask=hmask[None, :] & (ts < K // 16)[:, None])
+    if WITH_IMAGE:
+        img = tl.reshape(tl.reshape(e2m1_value(codes), (nb, 16, BLOCK_H)) * sf[:, None, :], (BLOCK_T, BLOCK_H))
+        tl.store(image_ptr + h[None, :].to(tl.int64) * K + t[:, None], bf16_image_bits(img),
+                 mask=hmask[None, :] & tmask[:, None])
 
 
-GPU_QUANTIZE_TILE = (32, 128)
-"""(BLOCK_R, BLOCK_K) of a quantize program on the GPU (K steps of BLOCK_K)."""
+GPU_QUANTIZE_TILE = (16, 256)
+"""(BLOCK_R, BLOCK_K) of a looping row-major quantize program on the GPU (K > GPU_SINGLE_PASS_K)."""
 GPU_QUANTIZE_WARPS = 8
+GPU_SINGLE_PASS_K = 4096
+"""Rows up to this K (rounded up to a power of two) are quantized in one pass from registers."""
+GPU_SINGLE_PASS_ELEMS = 8192
+"""Elements per single-pass program (BLOCK_R = this // next_pow2(K))."""
+GPU_TRANSPOSED_TILE = (64, 64, 4)
+"""(BLOCK_T, BLOCK_H, num_warps) of the transposed-input kernel."""
 
 
-def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_K, num_warps)."""
+def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_R, BLOCK_K, num_warps, SINGLE_PASS) of the row-major kernel."""
+    if interpreting():
+        block_k = min(triton.next_power_of_2(k), 64)
+        block_r = 16 if tile16 else max(1, min(16, triton.next_power_of_2(r)))
+        return block_r, block_k, 4, block_k >= k
+    kp = triton.next_power_of_2(k)
+    if kp <= GPU_SINGLE_PASS_K:
+        elems = GPU_SINGLE_PASS_ELEMS // (2 if stochastic else 1)
+        block_r = max(16 if tile16 else 1, min(64, elems // kp))
+        warps = 8 if block_r * kp >= 8192 else 4
+        return block_r, kp, warps, True
     tile_r, tile_k = GPU_QUANTIZE_TILE
     if stochastic:  # the hash RNG needs registers: half the tile keeps the kernel spill-free
         tile_r = max(1, tile_r // 2)
-    block_k = min(triton.next_power_of_2(k), tile_k)
+    block_k = min(kp, tile_k)
     block_r = max(16 if tile16 else 1, min(64, tile_r * tile_k // block_k))
-    if r < block_r and not tile16:
-        block_r = max(1, triton.next_power_of_2(r))
-    return block_r, block_k, GPU_QUANTIZE_WARPS
+    return block_r, block_k, GPU_QUANTIZE_WARPS, False
+
+
+def _transposed_source(x2d: torch.Tensor) -> bool:
+    """``x2d`` is the transpose of a row-major matrix (``x.t()``): read it with the t-kernel."""
+    return x2d.dim() == 2 and x2d.stride(0) == 1 and x2d.stride(1) != 1 and x2d.shape[0] > 1
+
+
+def _tensor_amax(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
+    """amax per run of rows, read in the orientation that is contiguous when there is one domain."""
+    if rows_per_group >= x2d.shape[0] and _transposed_source(x2d):
+        return amax_forward(x2d.t(), max(x2d.shape[1], 1))
+    return amax_forward(x2d, rows_per_group)
 
 
 def sr_key(seed: int) -> int:
@@ -208,14 +326,27 @@ def quantize_op(
     image = torch.empty((r, k) if with_image else (0,), dtype=torch.bfloat16, device=dev)
     if r == 0 or k == 0:
         return codes, scales, sdec, image
-    block_r, block_k, warps = _config(r, k, tile16, stochastic)
+    cols_padded = -(-scale_cols // 4) * 4
+    if _transposed_source(x2d) and not tile16:
+        if amax is None:
+            amax = amax_forward(x2d, 1)
+        bt, bh, warps = (16, 16, 4) if interpreting() else GPU_TRANSPOSED_TILE
+        src = x2d.t()
+        _quantize_t_kernel[(triton.cdiv(k, bt), triton.cdiv(r, bh))](
+            src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image.view(torch.int16),
+            r, k, src.stride(0), src.shape[0], rows_per_group, key, cols_padded,
+            HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
+            BLOCK_T=bt, BLOCK_H=bh, num_warps=warps, **exact_launch(),
+        )
+        return codes, scales, sdec, image
+    block_r, block_k, warps, single = _config(r, k, tile16, stochastic)
     _quantize_kernel[(triton.cdiv(r, block_r),)](
         x2d, col_index if col_index is not None else codes, amax if amax is not None else sdec,
         codes, scales, sdec, image.view(torch.int16),
-        r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, -(-scale_cols // 4) * 4,
+        r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, cols_padded,
         HAS_COL_INDEX=col_index is not None, ROW_AMAX=amax is None, TILE16=tile16,
         STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps, **exact_launch(),
+        BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single, num_warps=warps, **exact_launch(),
     )
     return codes, scales, sdec, image
 
@@ -284,7 +415,7 @@ def quantize_forward(
     if amax is not None:
         amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     elif global_scale != "row" and rows and k:
-        amax = amax_forward(x2d, rpg)
+        amax = _tensor_amax(x2d, rpg)
     if global_scale != "row" and rows == 0:
         # An empty tensor still carries its (tensor/group) global scales: amax = 0 -> S_dec = 1.
         return _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image)
