@@ -47,6 +47,9 @@ megatron.training
       initialization and the RNG-tracker seeding when ``torch.cuda.device_count() == 0``: they run
       with one pseudo device visible (``device_count() == 1``, ``set_device`` a no-op) for the
       duration of the call only. ``torch.cuda.is_available()`` is unaffected.
+    * ``arguments.get_device_arch_version`` (the CUDA major version; TP/CP argument checks call it)
+      returns 0, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set if unset, which the check for
+      pre-Blackwell GPUs then asks for (it orders CUDA streams; meaningless, harmless on a CPU).
     * ``training.build_train_valid_test_data_iterators``: creating a ``DataLoader`` iterator draws
       its base seed from the CPU default generator. On a GPU that generator is not the one dropout
       uses; here it is, and ``pretrain`` builds the iterators *after* loading a checkpoint, so a
@@ -70,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -117,6 +121,11 @@ REDIRECTS: tuple[Redirect, ...] = (
     ),
     Redirect("megatron.training.initialize", "_set_random_seed", "RNG tracker seeding gated on device_count() > 0"),
     Redirect(
+        "megatron.training.arguments",
+        "get_device_arch_version",
+        "argument checks for TP/CP ask the GPU architecture; raises without a driver",
+    ),
+    Redirect(
         "megatron.training.training",
         "build_train_valid_test_data_iterators",
         "data loaders draw their seed from the CPU generator, which stands in for the device one",
@@ -129,6 +138,7 @@ _active = False
 _originals: list[tuple[Any, str, Any]] = []
 _mode: "CudaToCpuMode | None" = None
 _unwrapped: list[tuple[Any, str, Any]] = []
+_env_set: list[str] = []
 
 
 def is_active() -> bool:
@@ -241,7 +251,17 @@ def _cpu_set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, graph_saf
     torch.set_rng_state(new_state)
 
 
+_tracker_classes: dict[type, type] = {}
+
+
 def _make_cpu_tracker_class(base: type) -> type:
+    """The CPU tracker class for Megatron's tracker class ``base`` (built once per base)."""
+    if base not in _tracker_classes:
+        _tracker_classes[base] = _build_cpu_tracker_class(base)
+    return _tracker_classes[base]
+
+
+def _build_cpu_tracker_class(base: type) -> type:
     class CpuRNGStatesTracker(base):
         """Megatron's model-parallel RNG tracker with the CPU default generator standing in for
         the CUDA one (same names, seeds and fork semantics; no CUDA graphs)."""
@@ -335,6 +355,11 @@ def _keep_device_rng(original: Callable) -> Callable:
     return build_train_valid_test_data_iterators
 
 
+def _no_gpu_arch() -> int:
+    """``get_device_arch_version`` without a GPU: 0 (no architecture)."""
+    return 0
+
+
 def _allow_no_cuda(original: Callable) -> Callable:
     def initialize_megatron(*args, **kwargs):
         kwargs["allow_no_cuda"] = True
@@ -362,6 +387,7 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
         ("megatron.training.training", "initialize_megatron"): _allow_no_cuda,
         ("megatron.training.initialize", "_initialize_distributed"): _with_pseudo_device,
         ("megatron.training.initialize", "_set_random_seed"): _with_pseudo_device,
+        ("megatron.training.arguments", "get_device_arch_version"): lambda orig: _no_gpu_arch,
         ("megatron.training.training", "build_train_valid_test_data_iterators"): _keep_device_rng,
     }
 
@@ -448,6 +474,9 @@ def activate() -> bool:
             mrandom._CUDA_RNG_STATE_TRACKER = None
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
         unwrapped = _unwrap_compiled_fusions()
+        if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+            _env_set.append("CUDA_DEVICE_MAX_CONNECTIONS")
         _mode = CudaToCpuMode()
         _mode.__enter__()
         _active = True
@@ -464,6 +493,18 @@ def activate() -> bool:
         return True
 
 
+@contextlib.contextmanager
+def activated():
+    """Context manager: the layer active inside (if there is no GPU); afterwards as it was."""
+    was_active = _active
+    activate()
+    try:
+        yield _active
+    finally:
+        if not was_active:
+            deactivate()
+
+
 def deactivate() -> None:
     """Undo :func:`activate` (for tests); must run on the thread that activated."""
     global _active, _mode
@@ -476,13 +517,14 @@ def deactivate() -> None:
         for mod, attr, original in reversed(_originals):
             setattr(mod, attr, original)
         _originals.clear()
+        for name in _env_set:
+            os.environ.pop(name, None)
+        _env_set.clear()
         for holder, attr, value in reversed(_unwrapped):
             setattr(holder, attr, value)
         _unwrapped.clear()
-        import megatron.core.tensor_parallel.random as mrandom
-
-        mrandom._CUDA_RNG_STATE_TRACKER = None
-        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        # The tracker instance (a CPU tracker, with its seeded states) is kept: it is the only
+        # tracker that works on this machine, and tests that re-activate keep their states.
         import megatron.core.jit as jit
 
         jit.enable_jit_fuser()

@@ -101,20 +101,15 @@ def check_transformer_engine_request(args: argparse.Namespace) -> None:
         )
 
 
-def validate_minite_args(args: argparse.Namespace) -> None:
-    """Fail fast on configurations minite cannot run; only acts when ``--transformer-impl minite``.
-
-    Raises :class:`MiniteArgumentError` (every problem found, each naming its flag) and lets the
-    recipe's own ``RecipeError`` (which names the ``--minite-*`` flag or recipe field) through.
-    Also: without a Transformer Engine install, ``--transformer-impl transformer_engine`` (Megatron's
-    default) is rejected with a pointer to ``minite``/``local``.
-    """
+def check_minite_flags(args: argparse.Namespace) -> None:
+    """The checks that need no derived sizes (run before Megatron's own ``validate_args``, whose
+    messages would ask for TE): conflicting and TE-only flags, ``--spec``, MLA, the recipe."""
     check_transformer_engine_request(args)
     if getattr(args, "transformer_impl", None) != MINITE:
         return
     from .recipe import recipe_from_args
 
-    recipe = recipe_from_args(args)  # RecipeError names the field / flag
+    recipe_from_args(args)  # RecipeError names the field / flag
     errors: list[str] = []
     te_flags = {
         "fp4": "--fp4-format",
@@ -129,18 +124,40 @@ def validate_minite_args(args: argparse.Namespace) -> None:
             hint = (
                 "minite quantizes with its own recipe: use the --minite-* flags"
                 if dest in ("fp4", "fp8")
+                else "it selects a Transformer Engine code path; minite always groups the experts"
+                if dest == "moe_grouped_gemm"
                 else "it selects a Transformer Engine code path"
             )
             errors.append(f"{flag} cannot be combined with --transformer-impl minite ({hint})")
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
         errors.append("--cuda-graph-impl cannot be combined with --transformer-impl minite (not supported yet)")
     if getattr(args, "multi_latent_attention", False):
-        errors.append("--multi-latent-attention is not supported with --transformer-impl minite")
+        errors.append("--multi-latent-attention cannot be combined with --transformer-impl minite (not supported yet)")
     if getattr(args, "spec", None) is not None:
         errors.append(
             "--spec cannot be combined with --transformer-impl minite (the minite layer specs are chosen "
             "from the recipe); drop --spec, or use --transformer-impl local with your own spec"
         )
+    if errors:
+        raise MiniteArgumentError("; ".join(errors))
+
+
+def validate_minite_args(args: argparse.Namespace) -> None:
+    """Fail fast on configurations minite cannot run; only acts when ``--transformer-impl minite``
+    (except the TE check below). Call it after Megatron's ``validate_args`` (derived sizes).
+
+    Raises :class:`MiniteArgumentError` (every problem found, each naming its flag) and lets the
+    recipe's own ``RecipeError`` (which names the ``--minite-*`` flag or recipe field) through.
+    Also: without a Transformer Engine install, ``--transformer-impl transformer_engine`` (Megatron's
+    default) is rejected with a pointer to ``minite``/``local``.
+    """
+    check_minite_flags(args)
+    if getattr(args, "transformer_impl", None) != MINITE:
+        return
+    from .recipe import recipe_from_args
+
+    recipe = recipe_from_args(args)
+    errors: list[str] = []
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     etp = getattr(args, "expert_tensor_parallel_size", None) or tp
     _check_multiple(errors, getattr(args, "hidden_size", None), "--hidden-size", tp, "--tensor-model-parallel-size")
@@ -196,44 +213,40 @@ def _resolve_recipe(recipe: Any = None):
 
 def minite_layer_spec(config: Any, vp_stage: int | None = None, *, recipe: Any = None):
     """The minite decoder-block spec for ``config`` (a ``TransformerConfig`` or a megatron.training
-    ``GPTModelConfig``, whose ``.transformer`` is used).
+    ``GPTModelConfig``, whose ``.transformer`` is used): :func:`minite_megatron.specs.
+    get_gpt_decoder_block_minite_spec` for this (virtual) pipeline stage.
 
-    ``recipe``: a ``Recipe``, a dict of fields, or None (built from Megatron's global args).
-    Until ``minite_megatron.specs`` exists this returns Megatron's local spec and logs a warning.
+    ``recipe``: a ``Recipe``, a dict of recipe fields, or None (built from Megatron's global args).
     """
-    transformer_config = getattr(config, "transformer", config)
-    recipe = _resolve_recipe(recipe)
-    if importlib.util.find_spec("minite_megatron.specs") is None:
-        logger.warning("minite: minite_megatron.specs is not available yet; building Megatron's local spec")
-        return _local_spec(transformer_config, vp_stage)
     from .specs import get_gpt_decoder_block_minite_spec
 
-    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=recipe, vp_stage=vp_stage)
-
-
-def _local_spec(config: Any, vp_stage: int | None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-
-    if config.num_moe_experts:
-        return get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
-        )
-    return get_gpt_layer_local_spec(
-        config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm, normalization=config.normalization
-    )
+    transformer_config = getattr(config, "transformer", config)
+    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=_resolve_recipe(recipe), vp_stage=vp_stage)
 
 
 def finalize_gpt_model(model: Any, recipe: Any):
-    """Post-build tweaks of the lead's ``minite_megatron.model.finalize_gpt_model`` (identity until it lands)."""
-    if importlib.util.find_spec("minite_megatron.model") is None:
-        return model
+    """:func:`minite_megatron.model.finalize_gpt_model` (the recipe's LM head) on a built model."""
     from .model import finalize_gpt_model as finalize
 
-    return finalize(model, recipe)
+    return finalize(model, _resolve_recipe(recipe))
+
+
+def describe_minite_modules(model: Any) -> str:
+    """One line counting the miniTE modules of a built model (logged by the launcher's hook)."""
+    from collections import Counter
+
+    counts = Counter()
+    for module in model.modules():
+        precision = getattr(module, "precision", None)
+        if getattr(module, "minite_ctx", None) is not None or type(module).__module__.startswith("minite_megatron."):
+            counts[f"{type(module).__name__}" + (f"[{precision}]" if precision else "")] += 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no miniTE modules"
 
 
 def _finalize_chunks(models: list, recipe: Any) -> list:
-    return [finalize_gpt_model(m, recipe) or m for m in models]
+    models = [finalize_gpt_model(m, recipe) or m for m in models]
+    logger.info("minite: model chunk(s) built with %s", "; ".join(describe_minite_modules(m) for m in models))
+    return models
 
 
 def apply_minite_to_model_config(model_config: Any, recipe: Any) -> Any:
@@ -288,7 +301,7 @@ def install() -> None:
     def validate_args(original):
         @functools.wraps(original)
         def wrapper(args, defaults={}):  # noqa: B006 - Megatron's signature
-            check_transformer_engine_request(args)
+            check_minite_flags(args)
             result = original(args, defaults)  # fills derived sizes (ffn, kv_channels, ...)
             validate_minite_args(args)
             return result

@@ -16,13 +16,18 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer
 
 @pytest.fixture
 def active(caplog):
+    """The layer active during the test; afterwards as it was before (other test modules in this
+    process may have activated it and rely on it staying active)."""
+    was_active = cpu_compat.is_active()
     caplog.set_level(logging.WARNING, logger="minite_megatron.cpu_compat")
+    if was_active:  # re-activate so that the activation line is logged inside this test
+        cpu_compat.deactivate()
     assert cpu_compat.activate() is True
     try:
         yield caplog
     finally:
-        cpu_compat.deactivate()
-    assert not cpu_compat.is_active()
+        if not was_active:
+            cpu_compat.deactivate()
 
 
 def test_redirect_targets_exist_in_installed_megatron():
@@ -40,11 +45,19 @@ def test_checked_version_matches_installed():
 
 def test_does_nothing_when_a_gpu_is_present(monkeypatch):
     """Pins: GPU runs are never touched (activate returns False and patches nothing)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    before = torch.cuda.current_device
-    assert cpu_compat.activate() is False
-    assert not cpu_compat.is_active()
-    assert torch.cuda.current_device is before
+    was_active = cpu_compat.is_active()
+    if was_active:
+        cpu_compat.deactivate()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        before = torch.cuda.current_device
+        assert cpu_compat.activate() is False
+        assert not cpu_compat.is_active()
+        assert torch.cuda.current_device is before
+    finally:
+        monkeypatch.undo()
+        if was_active:
+            cpu_compat.activate()
 
 
 def test_activate_is_idempotent_and_logs_once(active):
@@ -58,6 +71,17 @@ def test_activate_is_idempotent_and_logs_once(active):
 def test_deactivate_restores_every_attribute():
     import importlib
 
+    was_active = cpu_compat.is_active()
+    if was_active:
+        cpu_compat.deactivate()
+    try:
+        _check_deactivate_restores(importlib)
+    finally:
+        if was_active:
+            cpu_compat.activate()
+
+
+def _check_deactivate_restores(importlib):
     before = {(r.target, r.attr): getattr(importlib.import_module(r.target), r.attr) for r in cpu_compat.REDIRECTS}
     cpu_compat.activate()
     changed = [k for k, v in before.items() if getattr(importlib.import_module(k[0]), k[1]) is v]

@@ -1,0 +1,84 @@
+"""Spawn a few gloo processes for a test and collect what each rank returns.
+
+``run_distributed("pkg.module:function", world_size, **kwargs)`` starts ``world_size`` fresh
+processes (``spawn``), activates the CPU compatibility layer, initializes ``torch.distributed``
+with gloo on a free port, calls ``function(rank, world_size, **kwargs)`` and returns the list of
+the ranks' return values (pickled through files). A failing rank fails the test with its
+traceback. The target is named by a dotted path so that anyone (e.g. a spec parametrization)
+can pass their own worker without touching this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve(path: str):
+    """``"pkg.mod:attr"`` (or ``"pkg.mod.attr"``) -> the object."""
+    module, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, kwargs: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    out = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        import torch  # noqa: F401
+
+        from minite_megatron import cpu_compat
+
+        cpu_compat.activate()
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = resolve(target)(rank, world_size, **kwargs)
+        with open(out, "wb") as fh:
+            pickle.dump(("ok", result), fh)
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        with open(out, "wb") as fh:
+            pickle.dump(("error", traceback.format_exc()), fh)
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(target: str, world_size: int, **kwargs):
+    """Run ``target(rank, world_size, **kwargs)`` on ``world_size`` gloo ranks; list of results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="minite_dist_") as out_dir:
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, free_port(), target, kwargs, out_dir),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessRaisedException:
+            pass  # the rank's own traceback is reported below
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise AssertionError(f"rank {rank} of {target} died without a result")
+            with open(path, "rb") as fh:
+                status, value = pickle.load(fh)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} of {target} failed:\n{value}")
+            results.append(value)
+        return results

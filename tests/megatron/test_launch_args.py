@@ -1,0 +1,131 @@
+"""``--transformer-impl minite`` on Megatron's real argument parser (in process): it parses, routes
+the model config to the minite specs, and bad configurations fail fast naming the flag."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from minite_megatron import megatron_args
+from minite_megatron.megatron_args import MiniteArgumentError
+from minite_megatron.recipe import Recipe, RecipeError
+
+BASE = [
+    "--transformer-impl", "minite", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "128", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+]
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    """The launcher's hooks (and, without a GPU, the CPU layer: Megatron's TP argument checks ask
+    for the GPU architecture), removed afterwards."""
+    from minite_megatron import cpu_compat
+
+    with cpu_compat.activated():
+        megatron_args.install()
+        try:
+            yield
+        finally:
+            megatron_args.uninstall()
+
+
+def _parse(argv, monkeypatch):
+    from megatron.training import arguments
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *map(str, argv)])
+    args = arguments.parse_args()
+    arguments.validate_args(args, {})
+    return args
+
+
+def _replace(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
+def test_minite_parses_and_routes_the_model_config_to_the_minite_specs(monkeypatch):
+    from megatron.training import argument_utils
+
+    args = _parse(BASE + ["--minite-strict", "--minite-bf16-first-layers", "1"], monkeypatch)
+    assert args.transformer_impl == "minite"
+    assert megatron_args.validate_minite_args(args) is None
+    assert args.apply_rope_fusion is False  # needs TE
+    model_config = argument_utils.gpt_config_from_args(args)
+    spec = model_config.transformer_layer_spec
+    assert spec.func is megatron_args.minite_layer_spec
+    assert spec.keywords["recipe"] == Recipe(strict=True, bf16_first_layers=1)
+    assert len(model_config.pre_wrap_hooks) == 1
+
+
+def test_local_and_other_scripts_are_untouched(monkeypatch):
+    from megatron.training import argument_utils
+
+    args = _parse(_replace(BASE, "--transformer-impl", "local"), monkeypatch)
+    assert argument_utils.gpt_config_from_args(args).transformer_layer_spec is None
+
+
+def _has_te() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@pytest.mark.parametrize("change, flag", [(("--hidden-size", 72), "--hidden-size 72"), (("--ffn-hidden-size", 200), "--ffn-hidden-size 200")])
+def test_sizes_that_are_not_multiples_of_16_fail_naming_the_flag(monkeypatch, change, flag):
+    with pytest.raises(MiniteArgumentError, match=flag):
+        _parse(_replace(BASE, *change), monkeypatch)
+
+
+@pytest.mark.skipif(_has_te(), reason="Transformer Engine is installed here")
+def test_te_path_without_te_fails_naming_the_flag(monkeypatch):
+    """Pins: Megatron's default --transformer-impl transformer_engine without TE used to fail deep
+    inside model construction; the launcher stops at argument validation instead."""
+    argv = [a for a in BASE if a not in ("--transformer-impl", "minite")]  # Megatron's default impl
+    with pytest.raises(MiniteArgumentError, match="--transformer-impl transformer_engine"):
+        _parse(argv, monkeypatch)
+
+
+def test_tensor_parallel_shard_must_stay_a_multiple_of_16(monkeypatch):
+    argv = _replace(BASE, "--ffn-hidden-size", 80) + ["--tensor-model-parallel-size", "2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MiniteArgumentError, match=r"--ffn-hidden-size 80 / --tensor-model-parallel-size 2 = 40"):
+        _parse(argv, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--fp4-format", "e2m1"], "--fp4-format"),
+        (["--spec", "my.module", "my_spec"], "--spec"),
+        (["--multi-latent-attention"], "--multi-latent-attention"),
+    ],
+)
+def test_te_and_conflicting_flags_fail_naming_the_flag(monkeypatch, extra, flag):
+    """Pins: these are rejected before Megatron's own checks (which would ask for TE instead)."""
+    with pytest.raises(MiniteArgumentError, match=f"{flag} cannot be combined with --transformer-impl minite"):
+        _parse(BASE + extra, monkeypatch)
+
+
+def test_unknown_recipe_field_in_a_recipe_file_names_the_field(monkeypatch, tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"strict": True, "stochastic_rounding_typo": True}))
+    with pytest.raises(RecipeError, match="stochastic_rounding_typo"):
+        _parse(BASE + ["--minite-recipe", recipe], monkeypatch)
+
+
+def test_unknown_minite_flag_is_an_argparse_error_naming_it(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as info:
+        _parse(BASE + ["--minite-stochastic-rounding", "1"], monkeypatch)
+    assert info.value.code == 2
+    assert "--minite-stochastic-rounding" in capsys.readouterr().err
+
+
+def test_invalid_recipe_value_names_the_flag(monkeypatch):
+    with pytest.raises(RecipeError, match="--minite-fp32-router"):
+        _parse(BASE + ["--minite-strict", "--no-minite-fp32-router"], monkeypatch)
