@@ -428,18 +428,21 @@ def sec_decode(res, ms):
             t_b = timed(lambda: [torch.mm(x, w.t()) for w in ws], graph=True) / copies
             t_f = timed(lambda: [decode_gemm_op(qx.image, q.codes, q.block_scales.view(torch.uint8), qx.global_decode,
                                                q.global_decode, None, BF16) for q in qws], graph=True) / copies
+            qimgs = [quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True) for w in ws[:4]]
+            t_img = timed(lambda: [gemm_op(qx.image, q.image, qx.global_decode, q.global_decode, None, BF16, False,
+                                           False) for q in qimgs], graph=True) / len(qimgs)
             t_fq = timed(lambda: [decode_gemm_op(quantize_forward(x, with_image=True).image, q.codes,
                                                 q.block_scales.view(torch.uint8), qx.global_decode, q.global_decode,
                                                 None, BF16) for q in qws], graph=True) / copies
             wbytes = n * k // 2 + n * k // 16
-            rows.append({"shape": name, "M": m, "bf16_us": 1e3 * t_b, "nvfp4_us": 1e3 * t_f,
+            rows.append({"shape": name, "M": m, "bf16_us": 1e3 * t_b, "nvfp4_us": 1e3 * t_f, "image_gemm_us": 1e3 * t_img,
                          "speedup": t_b / t_f, "with_act_quant_speedup": t_b / t_fq,
                          "nvfp4_weight_GBps": wbytes / t_f / 1e6, "bf16_weight_GBps": n * k * 2 / t_b / 1e6})
         del ws, qws
     res["decode"] = rows
     print_table("decode GEMM (per GEMM; weights rotated through 4x L2; CUDA-graph replay)", rows,
-                ["shape", "M", "bf16_us", "nvfp4_us", "speedup", "with_act_quant_speedup", "nvfp4_weight_GBps",
-                 "bf16_weight_GBps"])
+                ["shape", "M", "bf16_us", "nvfp4_us", "image_gemm_us", "speedup", "with_act_quant_speedup",
+                 "nvfp4_weight_GBps", "bf16_weight_GBps"])
 
 
 # ---- memory ---------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def _decode(m_pad=16):
         "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "s_am": "i32", "s_om": "i32", "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128 if m_pad <= 16 else 64,
-              M_PAD=m_pad, DOT_FP32=False)
+              M_PAD=m_pad, SPLIT_MAX=4, DOT_FP32=False)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=4, divisible=("K", "K_PER_SPLIT", "s_am", "N"),
                        **EXACT_LAUNCH)
 

@@ -8,8 +8,8 @@ multiplied on the tensor cores with the weights as the MMA's M side (swap-AB: ``
 
 Parallelism: N / BLOCK_N tiles are too few to fill the GPU at decode shapes, so K is split
 into ``SPLIT`` ranges; each program writes an fp32 partial, and the last program of an N tile
-to finish (an atomic counter, acquire/release) adds the partials in split order (fixed, so
-the result is deterministic run to run) and applies the contract's epilogue
+to finish (an atomic counter, acquire/release) loads all partials at once and adds them in
+a fixed order (deterministic run to run) and applies the contract's epilogue
 ``fp32(s_a[m] * s_b[n]) * acc (+ bias)``, one rounding.
 
 Accumulation order differs from the contract's canonical one (tensor-core order inside a K
@@ -31,6 +31,7 @@ from ._nvfp4_math import e2m1_value, e4m3_value, exact_launch, interpreting, rou
 from .gemm import OUT_DTYPES
 
 MAX_M = 64
+MAX_SPLIT = 16
 
 
 @triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
@@ -38,7 +39,7 @@ def _decode_gemm_kernel(
     a_ptr, codes_ptr, scales_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, K_PER_SPLIT, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -74,11 +75,12 @@ def _decode_gemm_kernel(
         done = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel: orders the partial stores
         is_last = done == SPLIT - 1
         if is_last:
-            acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            for s in range(0, SPLIT):
-                p = tl.load(part_ptr + s * N * M_PAD + rn[:, None] * M_PAD + rm[None, :],
-                            mask=(rn < N)[:, None], other=0.0, cache_modifier=".cg")
-                acc = acc + p
+            # all partials in one load (independent, in flight together), summed in a fixed
+            # order: deterministic run to run
+            sp = tl.arange(0, SPLIT_MAX)
+            p = tl.load(part_ptr + sp[:, None, None] * N * M_PAD + rn[None, :, None] * M_PAD + rm[None, None, :],
+                        mask=(sp < SPLIT)[:, None, None] & (rn < N)[None, :, None], other=0.0, cache_modifier=".cg")
+            acc = tl.sum(p, axis=0)
             tl.store(cnt_ptr + pid_n, 0)
     if is_last:
         if SA_ROWS:
@@ -109,7 +111,7 @@ def select_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int,
     block_n, block_k = GPU_DECODE["block_n"], GPU_DECODE["block_k"][m_pad]
     k_blocks = triton.cdiv(k, block_k)
     target = GPU_DECODE["programs_per_sm"] * sm_count
-    split = max(1, min(k_blocks, target // max(triton.cdiv(n, block_n), 1)))
+    split = max(1, min(k_blocks, MAX_SPLIT, target // max(triton.cdiv(n, block_n), 1)))
     return block_n, block_k, m_pad, split, GPU_DECODE["warps"]
 
 
@@ -142,6 +144,7 @@ def decode_gemm_op(
         m, n, k, k_per_split, a.stride(0), out.stride(0), split,
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad,
+        SPLIT_MAX=triton.next_power_of_2(split),
         DOT_FP32=interpreting(), num_warps=warps, **exact_launch(),
     )
     return out

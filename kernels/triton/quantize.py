@@ -248,11 +248,15 @@ def _quantize_t_kernel(
 GPU_QUANTIZE_TILE = (16, 256)
 """(BLOCK_R, BLOCK_K) of a looping row-major quantize program on the GPU (K > GPU_SINGLE_PASS_K)."""
 GPU_QUANTIZE_WARPS = 8
-GPU_SINGLE_PASS_K = 4096
-"""Rows up to this K (rounded up to a power of two) are quantized in one pass from registers."""
+GPU_SINGLE_PASS_K = 1024
+"""Rows up to this K (rounded up to a power of two) are quantized in one pass from registers
+(H200, 2026-11-29: at K = 2048 the K-loop ran 0.095 ms, one pass 0.136-0.17 ms)."""
+GPU_SMALL_R = 64
+"""Up to this many rows (decode), rows of K <= 16384 are quantized in one pass (one launch of
+a few programs: the K loop's latency chain dominated, 9.4 us for one row of 2048)."""
 GPU_SINGLE_PASS_ELEMS = 8192
 """Elements per single-pass program (BLOCK_R = this // next_pow2(K))."""
-GPU_TRANSPOSED_TILE = (64, 64, 4)
+GPU_TRANSPOSED_TILE = (16, 128, 4)
 """(BLOCK_T, BLOCK_H, num_warps) of the transposed-input kernel."""
 
 
@@ -263,6 +267,9 @@ def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, i
         block_r = 16 if tile16 else max(1, min(16, triton.next_power_of_2(r)))
         return block_r, block_k, 4, block_k >= k
     kp = triton.next_power_of_2(k)
+    if r <= GPU_SMALL_R and kp <= 16384 and not tile16:
+        block_r = min(triton.next_power_of_2(r), max(1, 8192 // kp))
+        return block_r, kp, 4 if block_r * kp <= 4096 else 8, True
     if kp <= GPU_SINGLE_PASS_K:
         elems = GPU_SINGLE_PASS_ELEMS // (2 if stochastic else 1)
         block_r = max(16 if tile16 else 1, min(64, elems // kp))
