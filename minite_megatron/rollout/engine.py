@@ -42,6 +42,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 from megatron.core.inference.utils import InferenceMode
+from megatron.core.utils import get_attr_wrapped_model
 
 from .logprobs import model_is_strict, token_logprobs
 
@@ -203,7 +204,8 @@ class RolloutEngine:
     """Generation with raw per-token log-probs on a Megatron ``GPTModel``.
 
     Args:
-        model: the learner's ``GPTModel`` (any spec; strict modules give strict log-probs).
+        model: the learner's ``GPTModel`` (any spec; strict modules give strict log-probs), or a
+            wrapper of one (``Float16Module``, DDP); one pipeline stage, any TP (logits gathered).
         eod_id: end-of-document token: padding and, unless ``stop_at_eod=False``, termination.
         max_batch_size: sequences per static batch (larger requests are split).
         max_sequence_length: KV-cache length, prompt + new tokens (default: the model's).
@@ -213,12 +215,12 @@ class RolloutEngine:
     def __init__(self, model, *, eod_id: int, max_batch_size: int = 8, max_sequence_length: int | None = None,
                  strict: bool | None = None):
         self.model = model
-        self.vocab_size = int(model.vocab_size)
+        self.vocab_size = int(get_attr_wrapped_model(model, "vocab_size"))
         if not 0 <= eod_id < self.vocab_size:
             raise ValueError(f"eod_id {eod_id} outside the vocabulary [0, {self.vocab_size})")
         self.eod_id = eod_id
         self.max_batch_size = max_batch_size
-        self.max_sequence_length = int(max_sequence_length or model.max_sequence_length)
+        self.max_sequence_length = int(max_sequence_length or get_attr_wrapped_model(model, "max_sequence_length"))
         self.strict = model_is_strict(model) if strict is None else strict
         context = StaticInferenceContext(max_batch_size, self.max_sequence_length)
         self.wrapper = LogProbGPTInferenceWrapper(model, context, strict=self.strict)

@@ -1,6 +1,7 @@
 """Fixed-order TP reductions on two gloo processes: every rank gets the same bits, a token's
-result depends only on its own partials, and the strict row-parallel linear at TP=2 equals TP=1
-bitwise in fp32 (its per-rank partials are aligned halves of the K tree)."""
+result depends only on its own partials, the strict row-parallel linear at TP=2 equals TP=1
+bitwise in fp32 (its per-rank partials are aligned halves of the K tree), and a strict dense GPT
+at TP=2 has a learner-vs-rollout gap of exactly 0.0."""
 
 import os
 import socket
@@ -22,7 +23,7 @@ def _worker(rank, world, init_file, out_dir):
 
     results = {}
     parts = [torch.randn(8, 5, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(world)]
-    x = parts[rank].clone().requires_grad_()
+    x = parts[rank].clone().requires_grad_()  # (no Megatron yet: the primitives need only torch)
     y = invariant_all_reduce(x)
     results["all_reduce"] = y.detach()
     results["all_reduce_ref"] = tree_sum(torch.stack(parts), dim=0)
@@ -37,11 +38,17 @@ def _worker(rank, world, init_file, out_dir):
     results["reduce_scatter_grad"] = xs.grad
 
     # the strict row-parallel linear at TP=2 (fp32): equal to the unsplit strict linear
+    from minite_megatron import cpu_compat
+
+    cpu_compat.activate()
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from minite_megatron.strict.matmul import linear
     from minite_megatron.strict.parallel_linear import StrictRowParallelLinear
 
+    parallel_state.initialize_model_parallel(world, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, tensor_model_parallel_size=world,
                             use_cpu_initialization=True, params_dtype=torch.float32)
     g = torch.Generator().manual_seed(9)
@@ -55,6 +62,22 @@ def _worker(rank, world, init_file, out_dir):
         out, _ = row(inp[..., rank * shard : (rank + 1) * shard])
     results["row_tp"] = out
     results["row_full"] = linear(inp, w_full)
+
+    # end to end: a strict dense GPT split over 2 TP ranks (heads, MLP columns, vocab)
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tiny_gpt
+
+    from minite_megatron.rollout.engine import RolloutEngine
+    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
+
+    model = tiny_gpt.build_gpt(True, num_moe_experts=None, moe_ffn_hidden_size=None, tensor_model_parallel_size=world)
+    rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate(tiny_gpt.PROMPTS, max_new_tokens=4, seed=1)
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
+    results["tp_rollout"] = [r.log_probs for r in rollouts]
+    results["tp_learner"] = learner
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -75,3 +98,7 @@ def test_fixed_order_reductions_on_two_ranks():
         grad = res[r]["reduce_scatter_grad"]  # all-gather of the per-rank output grads (1, then 2)
         assert_bitwise_equal(grad, torch.cat([torch.full((4, 5), 1.0), torch.full((4, 5), 2.0)]))
         assert_bitwise_equal(res[r]["row_tp"], res[r]["row_full"], f"row-parallel TP=2 vs TP=1, rank {r}")
+        for i, (a, b) in enumerate(zip(res[r]["tp_rollout"], res[r]["tp_learner"])):
+            assert_bitwise_equal(a, b, f"TP=2 strict gap, rank {r}, sequence {i}")
+    for a, b in zip(res[0]["tp_rollout"], res[1]["tp_rollout"]):
+        assert_bitwise_equal(a, b, "ranks agree")
