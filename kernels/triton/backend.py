@@ -4,9 +4,9 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad``), each op equal to its reference:
 
 * ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
-* ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for M <= 64 rows outside
-  strict mode the decode GEMM on packed weights (:mod:`.decode_gemm`). Operands quantized
-  without an image get one from :mod:`.image`.
+* ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows outside
+  strict mode (``DECODE_MAX_M`` / ``DECODE_MAX_N``) the decode GEMM on packed weights
+  (:mod:`.decode_gemm`). Operands quantized without an image get one from :mod:`.image`.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
 
@@ -39,9 +39,16 @@ from .image import image_2d, image_op
 from .quantize import quantize_forward
 
 #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
+#: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
+#: the default wgmma GEMM is already batch invariant (fixed config) -- measured bitwise equal
+#: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
+#: on adversarial data (BENCHMARKS.md).
 STRICT_CANONICAL = False
-#: Outside strict mode, GEMMs with at most this many rows use the decode kernel.
-DECODE_MAX_M = MAX_M
+#: Outside strict mode the decode kernel (packed weights) takes GEMMs with at most this many
+#: rows and at most DECODE_MAX_N outputs: where it measured faster than the image GEMM on the
+#: H200 (2026-11-29: o / fc2 at M <= 16; the image GEMM won at N >= 5120 and at M = 64).
+DECODE_MAX_M = 16
+DECODE_MAX_N = 4096
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -108,7 +115,7 @@ class TritonBackend:
             raise ValueError(f"nvfp4.gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
         a_img = image_2d(a)
         a_scale, b_scale = _global_decode(a), _global_decode(bm)
-        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and bm.layout == "linear":
+        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and n <= DECODE_MAX_N and bm.layout == "linear":
             out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
                                       bias, out_dtype)
         else:

@@ -141,11 +141,16 @@ def test_grouped_empty_experts_and_very_unbalanced_routing_at_real_shape():
 
 
 def test_decode_gemm_within_bound_at_real_shape():
-    for m in (1, 7, 64):
-        qa, qb = _operands(m, 5120, 2048, seed=m)
-        out = _backend().gemm(_dev(qa), _dev(qb), batch_invariant=False).cpu()
+    from minite_kernels.triton.decode_gemm import decode_gemm_forward
+
+    for m, n, k in ((1, 2048, 4096), (7, 5120, 2048), (64, 2048, 6144)):
+        qa, qb = _operands(m, n, k, seed=m)
+        out = decode_gemm_forward(qa.image.to(CUDA), qb.codes.to(CUDA), qb.block_scales.to(CUDA),
+                                  qa.global_decode.to(CUDA), qb.global_decode.to(CUDA)).cpu()
         exact, bound = nvfp4.fp32_accumulation_bound(qa, qb)
         assert_within(out, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"decode M={m}")
+        out = _backend().gemm(_dev(qa), _dev(qb), batch_invariant=False).cpu()  # dispatcher's choice
+        assert_within(out, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"backend M={m}")
 
 
 def test_grouped_wgrad_at_real_shape():
