@@ -406,6 +406,10 @@ def quantize_forward(
 
     shape = x.shape
     k = shape[-1]
+    if x.numel() == 0:
+        # Nothing to quantize (no rows, or K == 0): the contract's empty result, with the
+        # (tensor / group) global scales of empty domains (amax 0 -> S_dec = 1).
+        return _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image)
     if rht_seed is not None:
         signs = rht_signs(None if rht_seed < 0 else rht_seed, device=x.device)
         x2d = rht16(x, signs).reshape(-1, k)
@@ -423,9 +427,6 @@ def quantize_forward(
         amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     elif global_scale != "row" and rows and k:
         amax = _tensor_amax(x2d, rpg)
-    if global_scale != "row" and rows == 0:
-        # An empty tensor still carries its (tensor/group) global scales: amax = 0 -> S_dec = 1.
-        return _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image)
     codes, scales, sdec, image = quantize_op(
         x2d, amax, None, rpg, tile16, rounding == "stochastic",
         sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled",

@@ -167,3 +167,9 @@ def test_bad_inputs_raise_clearly():
         quantize_forward(randn(4, 24).to(DEVICE))
     with pytest.raises(TypeError, match="bfloat16/float32/float16"):
         quantize_forward(torch.ones(4, 16, dtype=torch.int32).to(DEVICE))
+
+
+def test_k_zero_and_empty_domains_follow_the_contract():
+    """Regression: K == 0 (empty scale domains, S_dec = 1) used to fail in ``reshape(-1, 0)``."""
+    for shape, gs in (((4, 0), "row"), ((4, 0), "tensor"), ((2, 3, 0), "group"), ((0, 32), "tensor")):
+        check(torch.zeros(shape), global_scale=gs)
