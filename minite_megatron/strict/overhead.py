@@ -117,6 +117,7 @@ def measure(device: str = "cpu", dtype: torch.dtype = torch.float32, *, layers: 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (prompt - (i % 3),), generator=g).tolist() for i in range(batch)]
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+              "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
               "dtype": str(dtype), "torch": torch.__version__, "layers": layers, "hidden": hidden,
               "experts": experts, "vocab": vocab, "batch": batch, "prompt": prompt, "new": new}
     for name, model in (("default", default), ("strict", strict)):
@@ -162,9 +163,12 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.threads:
+        torch.set_num_threads(args.threads)
     res = measure(args.device, dtype, layers=args.layers, hidden=args.hidden, experts=args.experts,
                   vocab=args.vocab, batch=args.batch, prompt=args.prompt, new=args.new, repeats=args.repeats)
     print(f"device {res['device']}, {res['dtype']}, {args.layers} layers, hidden {args.hidden}, "
