@@ -176,7 +176,8 @@ class LogProbGPTInferenceWrapper(GPTInferenceWrapper):
 
     def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)
-        self._pending = (self._window, logits)
+        if logits is not None:  # None on pipeline stages before the last one
+            self._pending = (self._window, logits)
         return logits
 
     def _flush(self):
