@@ -28,8 +28,13 @@ def _first_mismatches(diff: torch.Tensor, a: torch.Tensor, b: torch.Tensor, limi
     return "; ".join(parts)
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> None:
-    """``torch.equal`` on raw bits, with a report of how many elements differ and where."""
+def assert_bitwise_equal(
+    actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor", *, nan_equal: bool = False
+) -> None:
+    """``torch.equal`` on raw bits, with a report of how many elements differ and where.
+
+    ``nan_equal``: a NaN matches any NaN (payloads and signs of NaN differ between torch's
+    vectorised and scalar conversions, e.g. 0xFFFF vs 0x7FC0 in bf16)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     if actual.dtype != expected.dtype:
@@ -38,6 +43,10 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
     if torch.equal(ra, rb):
         return
     diff = ra != rb
+    if nan_equal and actual.dtype.is_floating_point:
+        diff &= ~(torch.isnan(actual.cpu().float()) & torch.isnan(expected.cpu().float()))
+        if not bool(diff.any()):
+            return
     n = int(diff.sum())
     raise AssertionError(
         f"{name}: {n} of {diff.numel()} elements ({100.0 * n / max(diff.numel(), 1):.4f}%) differ "
@@ -61,7 +70,7 @@ def assert_nvfp4_equal(actual: NVFP4Tensor, expected: NVFP4Tensor, name: str = "
     assert_bitwise_equal(actual.linear_scales(), expected.linear_scales(), f"{name}.block_scales")
     assert_bitwise_equal(actual.global_decode.reshape(-1), expected.global_decode.reshape(-1), f"{name}.global_decode")
     if image and actual.image is not None:
-        assert_bitwise_equal(actual.bf16_image(), expected.image_fp32().to(torch.bfloat16), f"{name}.image")
+        assert_bitwise_equal(actual.bf16_image(), expected.image_fp32().to(torch.bfloat16), f"{name}.image", nan_equal=True)
 
 
 def assert_within(actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, name: str = "tensor") -> None:

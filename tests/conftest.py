@@ -15,6 +15,10 @@ if not HAS_CUDA:
     # tiny models are dominated by per-op overhead: one intra-op thread avoids thread-pool
     # contention on the 2-core CI machine (measured ~10x faster tiny-model rollouts under load)
     torch.set_num_threads(1)
+    # Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.5 rejects
+    from minite_kernels.triton._interpreter_compat import install as _install_interpreter_compat
+
+    _install_interpreter_compat()
 
 
 def pytest_configure(config):
