@@ -4,7 +4,9 @@ the model config to the minite specs, and bad configurations fail fast naming th
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +131,20 @@ def test_unknown_minite_flag_is_an_argparse_error_naming_it(monkeypatch, capsys)
 def test_invalid_recipe_value_names_the_flag(monkeypatch):
     with pytest.raises(RecipeError, match="--minite-fp32-router"):
         _parse(BASE + ["--minite-strict", "--no-minite-fp32-router"], monkeypatch)
+
+
+def test_qwen3_30b_a3b_config_parses_and_validates(monkeypatch):
+    """examples/configs/qwen3_30b_a3b.sh (needs 8 GPUs to run) against the real parser and checks."""
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_30b_a3b.sh"
+    out = subprocess.run(
+        ["bash", "-c", f'source "{config}"; printf "%s\\0" "${{QWEN3_30B_A3B_ARGS[@]}}"'],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    flags = [f for f in out.split("\0") if f]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = _parse(flags + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1",
+                           "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-5"], monkeypatch)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups) == (48, 2048, 32, 4)
+    assert (args.kv_channels, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (128, 128, 8, 768)
+    assert (args.expert_model_parallel_size, args.vocab_size, args.vocab_size % 128) == (8, 151936, 0)
+    assert args.qk_layernorm and args.rotary_base == 1000000 and args.transformer_impl == "minite"

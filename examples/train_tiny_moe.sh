@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The main job: train a tiny Qwen3-MoE-shaped model (4 layers, 8 experts top-2, GQA, qk-layernorm,
+# SwiGLU, RoPE, RMSNorm) with --transformer-impl minite (NVFP4 W4A4, miniTE's recipe) on the
+# machine's default backend (the CPU reference when there is no GPU), with a progress bar and the
+# loss. A few minutes on 2 CPU cores. Extra arguments go to Megatron / the recipe, e.g.
+#     examples/train_tiny_moe.sh --train-iters 50 --minite-strict
+# Environment: ITERS (default 300), RUN_DIR (default runs/tiny_moe), PYTHON (default .venv/bin/python).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+RUN_DIR=${RUN_DIR:-runs/tiny_moe}
+DATA=${DATA:-runs/data/tiny_corpus/tiny}
+ITERS=${ITERS:-300}
+mkdir -p "$RUN_DIR"
+export PYTHONWARNINGS=ignore TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$RUN_DIR/.inductor}
+if [ ! -f "$DATA.bin" ]; then
+  "$PY" examples/make_tiny_corpus.py --output "$DATA" >/dev/null
+fi
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+echo "train_tiny_moe: $ITERS iterations; Megatron's log: $RUN_DIR/train.log; losses: $RUN_DIR/loss.jsonl" >&2
+rm -f "$RUN_DIR/loss.jsonl"
+MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 \
+"$PY" -m minite_megatron.launch examples/pretrain_gpt.py \
+  --transformer-impl minite \
+  --num-layers 4 --hidden-size 64 --ffn-hidden-size 192 \
+  --num-attention-heads 4 --kv-channels 16 --group-query-attention --num-query-groups 2 --qk-layernorm \
+  --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-token-dispatcher-type alltoall \
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 \
+  --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear \
+  --position-embedding-type rope --rotary-base 1000000 --untie-embeddings-and-output-weights \
+  --attention-backend unfused --hidden-dropout 0 --attention-dropout 0 \
+  --seq-length 128 --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 8 \
+  --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+  --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234 \
+  --data-path "$DATA" --split 99,1,0 --tokenizer-type NullTokenizer --vocab-size 256 --num-workers 0 \
+  --eval-iters 0 --eval-interval "$ITERS" --log-interval 10 \
+  --save "$RUN_DIR/checkpoints" --save-interval "$ITERS" \
+  --progress-bar --loss-log "$RUN_DIR/loss.jsonl" \
+  "$@" > "$RUN_DIR/train.log"
+"$PY" - "$RUN_DIR/loss.jsonl" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+first, last = rows[0], rows[-1]
+tail = rows[-10:]
+print(f"train_tiny_moe: loss {first['lm loss']:.3f} (iteration {first['iteration']}) -> "
+      f"{sum(r['lm loss'] for r in tail) / len(tail):.3f} (mean of the last {len(tail)} iterations, "
+      f"uniform would be 5.545); checkpoint in {sys.argv[1].rsplit('/', 1)[0]}/checkpoints")
+PYEOF
