@@ -4,7 +4,6 @@ bitwise in fp32 (its per-rank partials are aligned halves of the K tree), and a 
 at TP=2 has a learner-vs-rollout gap of exactly 0.0."""
 
 import os
-import socket
 import tempfile
 
 import pytest

@@ -135,8 +135,6 @@ def test_strict_core_attention_matches_megatron_and_its_decode_layout(tiny_gpt):
 
 # ---- tensor-parallel linears (TP = 1 here; the reductions are tested in test_collectives.py) ----
 def test_strict_parallel_linears_are_batch_invariant_and_train(tiny_gpt):
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
-
     from minite_megatron.strict.matmul import linear
     from minite_megatron.strict.parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
 
