@@ -145,8 +145,7 @@ def test_nvfp4_model_in_strict_mode_has_zero_gap(tiny_gpt):
     tensor_parallel.model_parallel_cuda_manual_seed(3)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
                      vocab_size=tiny_gpt.VOCAB, max_sequence_length=64, position_embedding_type="rope")
-    # no autograd: the NVFP4 linear quantizes x^T for wgrad whenever the weight requires grad
-    model = finalize_gpt_model(model, recipe).to(torch.bfloat16).eval().requires_grad_(False)
+    model = finalize_gpt_model(model, recipe).to(torch.bfloat16).eval()
     rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate(tiny_gpt.PROMPTS[:4], max_new_tokens=5, seed=1)
     with torch.no_grad():
         learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
