@@ -134,3 +134,15 @@ class NVFP4RowParallelLinear(_NVFP4LinearMixin, RowParallelLinear):
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group, **kwargs,
             )
         return self._gemm(input, weight, bias)
+
+    def _strict_gemm(self, input_parallel):
+        return self._gemm(input_parallel, self.weight, None)
+
+    def forward(self, input_):
+        """Megatron's forward; in strict mode its TP reduction is the fixed-order one (NCCL's
+        all-reduce / reduce-scatter order depends on the message size, i.e. on the batch)."""
+        if self.recipe.strict:
+            from ..strict.parallel_linear import StrictRowParallelLinear
+
+            return StrictRowParallelLinear.forward(self, input_)
+        return super().forward(input_)

@@ -60,6 +60,10 @@ class StrictRowParallelLinear(RowParallelLinear):
 
     minite_strict = True
 
+    def _strict_gemm(self, input_parallel):
+        """The local GEMM (a subclass with another batch-invariant GEMM overrides only this)."""
+        return batch_invariant_linear(input_parallel, self.weight, None)
+
     def forward(self, input_):
         """``input_`` [s, b, h/tp] (or [tokens, h/tp] for experts) -> ``(output, bias or None)``."""
         if self.input_is_parallel:
@@ -68,7 +72,7 @@ class StrictRowParallelLinear(RowParallelLinear):
             if self.sequence_parallel:
                 raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        output_parallel = batch_invariant_linear(input_parallel, self.weight, None)
+        output_parallel = self._strict_gemm(input_parallel)
         if self.explicit_expert_comm:
             if not self.skip_bias_add:
                 raise ValueError("expert RowParallelLinear must use skip_bias_add=True")
