@@ -77,6 +77,28 @@ def _worker(rank, world, init_file, out_dir):
         learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
     results["tp_rollout"] = [r.log_probs for r in rollouts]
     results["tp_learner"] = learner
+
+    # the same with miniTE's NVFP4 spec in strict mode (NVFP4 row-parallel linears reduce in
+    # the fixed order; quantization amaxes are max-reduced over the TP group)
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from minite_megatron.model import finalize_gpt_model
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    cfg_fp4 = tiny_gpt.tiny_config(True, torch.float32, num_moe_experts=None, moe_ffn_hidden_size=None,
+                                   tensor_model_parallel_size=world)
+    recipe = Recipe(strict=True)
+    torch.manual_seed(7)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    fp4 = GPTModel(config=cfg_fp4, transformer_layer_spec=get_gpt_decoder_block_minite_spec(cfg_fp4, recipe),
+                   vocab_size=tiny_gpt.VOCAB, max_sequence_length=64, position_embedding_type="rope")
+    finalize_gpt_model(fp4, recipe).eval()
+    rollouts = RolloutEngine(fp4, eod_id=tiny_gpt.EOD).generate(tiny_gpt.PROMPTS, max_new_tokens=4, seed=2)
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(fp4, [r.tokens for r in rollouts])
+    results["tp_fp4_rollout"] = [r.log_probs for r in rollouts]
+    results["tp_fp4_learner"] = learner
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -99,5 +121,7 @@ def test_fixed_order_reductions_on_two_ranks():
         assert_bitwise_equal(res[r]["row_tp"], res[r]["row_full"], f"row-parallel TP=2 vs TP=1, rank {r}")
         for i, (a, b) in enumerate(zip(res[r]["tp_rollout"], res[r]["tp_learner"])):
             assert_bitwise_equal(a, b, f"TP=2 strict gap, rank {r}, sequence {i}")
+        for i, (a, b) in enumerate(zip(res[r]["tp_fp4_learner"], res[r]["tp_fp4_rollout"])):
+            assert_bitwise_equal(a, b, f"TP=2 strict NVFP4 gap, rank {r}, sequence {i}")
     for a, b in zip(res[0]["tp_rollout"], res[1]["tp_rollout"]):
         assert_bitwise_equal(a, b, "ranks agree")
