@@ -4,13 +4,13 @@
 # machine's default backend (the CPU reference when there is no GPU), with a progress bar and the
 # loss. A few minutes on 2 CPU cores. Extra arguments go to Megatron / the recipe, e.g.
 #     examples/train_tiny_moe.sh --train-iters 50 --minite-strict
-# Environment: ITERS (default 300), RUN_DIR (default runs/tiny_moe), PYTHON (default .venv/bin/python).
+# Environment: ITERS (default 200), RUN_DIR (default runs/tiny_moe), PYTHON (default .venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 RUN_DIR=${RUN_DIR:-runs/tiny_moe}
 DATA=${DATA:-runs/data/tiny_corpus/tiny}
-ITERS=${ITERS:-300}
+ITERS=${ITERS:-200}
 mkdir -p "$RUN_DIR"
 export PYTHONWARNINGS=ignore TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$RUN_DIR/.inductor}
 if [ ! -f "$DATA.bin" ]; then
@@ -29,7 +29,7 @@ MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 \
   --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear \
   --position-embedding-type rope --rotary-base 1000000 --untie-embeddings-and-output-weights \
   --attention-backend unfused --hidden-dropout 0 --attention-dropout 0 \
-  --seq-length 128 --max-position-embeddings 128 --micro-batch-size 8 --global-batch-size 8 \
+  --seq-length 64 --max-position-embeddings 64 --micro-batch-size 8 --global-batch-size 8 \
   --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --seed 1234 \
   --data-path "$DATA" --split 99,1,0 --tokenizer-type NullTokenizer --vocab-size 256 --num-workers 0 \

@@ -27,7 +27,9 @@ Device placement
       mappings, all-to-all output buffers, router aux losses, batch broadcast).
 Streams and events (MoE all-to-all dispatcher, DDP, timers)
     * ``torch.cuda.Stream / Event / current_stream / stream / synchronize`` -> thin wrappers over
-      ``torch.cpu``'s device-agnostic no-op versions (they accept and ignore ``device=``).
+      ``torch.cpu``'s device-agnostic no-op versions (they accept and ignore ``device=``); events
+      with ``enable_timing`` measure wall-clock time (``elapsed_time``, used by the static
+      inference engine's step timing).
 RNG
     * Megatron's model-parallel RNG tracker swaps CUDA generator states. On a CPU machine the
       generator that dropout and ``init`` use is the CPU default generator, so the tracker class
@@ -76,6 +78,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -197,11 +200,26 @@ class CudaToCpuMode(TorchFunctionMode):
 
 # --------------------------------------------------------------------------- torch.cuda stand-ins
 class CpuEvent(torch.cpu.Event):
-    """``torch.cuda.Event`` stand-in: accepts CUDA's constructor arguments; every wait is a no-op.
-    (No ``elapsed_time``: CUDA-event timing has no CPU meaning and fails loudly if asked for.)"""
+    """``torch.cuda.Event`` stand-in: accepts CUDA's constructor arguments; waits are no-ops (CPU
+    work is synchronous, so an event is complete when recorded). With ``enable_timing=True``,
+    ``record()`` takes ``time.perf_counter()`` and ``elapsed_time(end)`` returns milliseconds, as a
+    CUDA event does (Megatron's static generation loop times every step this way); asking an
+    event without timing, or one not recorded yet, raises ``RuntimeError`` like CUDA does."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         super().__init__()
+        self.enable_timing = enable_timing
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def elapsed_time(self, end_event: "CpuEvent") -> float:
+        if not (self.enable_timing and getattr(end_event, "enable_timing", False)):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time")
+        if self._t is None or end_event._t is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        return (end_event._t - self._t) * 1000.0
 
 
 class CpuStream(torch.cpu.Stream):

@@ -82,3 +82,20 @@ def run_distributed(target: str, world_size: int, **kwargs):
                 raise AssertionError(f"rank {rank} of {target} failed:\n{value}")
             results.append(value)
         return results
+
+
+def init_single_process() -> None:
+    """In this process: the CPU layer (no GPU), torch.distributed (gloo, world 1) and Megatron's
+    model-parallel state (TP=EP=1); idempotent. Leaves them initialized (other tests reuse them)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from minite_megatron import cpu_compat
+
+    cpu_compat.activate()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)

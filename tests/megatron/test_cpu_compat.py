@@ -117,6 +117,21 @@ def test_torch_cuda_stand_ins(active):
     assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())
 
 
+def test_timing_events_measure_wall_clock_like_cuda_events(active):
+    """Pins: Megatron's static generation loop calls Event(enable_timing=True).elapsed_time."""
+    import time
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    assert 15.0 <= start.elapsed_time(end) < 2000.0
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        torch.cuda.Event().elapsed_time(end)
+    with pytest.raises(RuntimeError, match="recorded"):
+        torch.cuda.Event(enable_timing=True).elapsed_time(end)
+
+
 def test_rng_tracker_fork_uses_seeded_cpu_streams(active):
     """Pins: the model-parallel tracker on CPU draws the stream of its own seed (bitwise equal to a
     torch.Generator seeded the same), continues it across forks, and restores the default stream."""
