@@ -212,3 +212,66 @@ def round_to(x, dtype: tl.constexpr, BITWISE_BF16: tl.constexpr):
         return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
+
+
+# ---- cheaper element steps of the fast quantize kernels (quantize_rows / quantize_cols) ------
+#: 2^-126: multiplying an E2M1 magnitude by it puts the E2M1 bits ``e1 e0 m`` at fp32 bits 24..22.
+TWO_M126 = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def e2m1_round_nearest(v):
+    """fp32 ``v`` -> (magnitude code int32 0..7, rounded magnitude fp32 in {0, .5, 1, 1.5, 2, 3, 4, 6}).
+
+    Round to nearest, ties to the even code, ``|v| > 6 -> 6`` (equal to the contract's bin
+    edges, ``formats.E2M1_BIN_EDGES``). One rounding by a magic addition: the E2M1 grid has
+    spacing 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], i.e. 2^(E-1) with E the exponent of
+    ``max(|v|, 1)``, so adding ``2^(E + 22)`` (fp32 ulp = the grid spacing) and subtracting it
+    rounds ``|v|`` once, ties to even (the even multiple of the spacing is the even code).
+    The code is the fp32 bits of ``r * 2^-126`` shifted right by 22 (exact, subnormals kept:
+    ``EXACT_LAUNCH``). The sign is not handled here; NaN gives garbage the callers mask by block.
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    e = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+    magic = (e + 0x0B000000).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    code = (r * TWO_M126).to(tl.int32, bitcast=True) >> 22
+    return code, r
+
+
+@triton.jit
+def e2m1_round_stochastic(v, u):
+    """fp32 ``v``, uniforms ``u`` in [0, 1) -> (magnitude code 0..7, rounded magnitude fp32).
+
+    The contract's rule (:mod:`minite_megatron.nvfp4.stochastic`): between the grid neighbours
+    ``lo <= |v| < lo + gap`` round up iff ``u < (|v| - lo) * (1 / gap)`` (exact: the gap is a
+    power of two); ``|v| >= 6`` saturates to 6. ``lo`` is ``|v|`` with its fp32 mantissa cut
+    to one bit (``|v| >= 1``) or 0 / 0.5 below 1; the gap is ``2^(E-1)``, E the exponent of
+    ``max(|v|, 1)``. NaN gives garbage the callers mask by block.
+    """
+    a = tl.minimum(tl.abs(v), 6.0)
+    bits = a.to(tl.int32, bitcast=True)
+    e = tl.maximum(bits & 0x7F800000, 0x3F800000)
+    lo = tl.where(a >= 1.0, (bits & -4194304).to(tl.float32, bitcast=True), tl.where(a >= 0.5, 0.5, 0.0))
+    gap = (e - 0x00800000).to(tl.float32, bitcast=True)
+    inv_gap = (0x7F800000 - e).to(tl.float32, bitcast=True)
+    r = tl.where(u < (a - lo) * inv_gap, lo + gap, lo)
+    code = (r * TWO_M126).to(tl.int32, bitcast=True) >> 22
+    return code, r
+
+
+@triton.jit
+def max_propagate_nan(a, b):
+    """Combine function of a NaN-propagating max reduction (``tl.reduce(x, axis, max_propagate_nan)``)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_encode_scales(bmax, scale_mul, s_dec):
+    """Contract steps 3-4 on block amax ``bmax`` (fp32, NaN for a NaN block) with broadcastable
+    ``scale_mul = S_enc * RN(1/6)`` and ``s_dec``: (E4M3 code uint8, fp32 scale, fp32 encode
+    scale ``min(1 / (sf * S_dec), FLT_MAX)``, NaN mask of the block)."""
+    sf_code, sf = e4m3_rne_satfinite(bmax * scale_mul)
+    enc = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * s_dec)
+    enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
+    return sf_code, sf, enc, sf != sf

@@ -50,6 +50,7 @@ from ._nvfp4_math import (
     global_scales_from_amax,
     sr_uniform,
 )
+from . import quantize_rows
 from .amax import amax_forward
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), exactly representable
@@ -334,6 +335,10 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
+    if quantize_rows.supported(x2d, tile16, col_index is not None):
+        quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
+                             cols_padded)
+        return codes, scales, sdec, image
     if _transposed_source(x2d) and not tile16:
         if amax is None:
             amax = amax_forward(x2d, 1)

@@ -1,0 +1,258 @@
+"""Fast NVFP4 quantization of row-major 16-bit rows (activations, gradients), 1x16 blocks.
+
+The hot path of :func:`.quantize.quantize_forward`: bitwise equal to
+``nvfp4.quantize_reference`` (codes, E4M3 block scales, fp32 global decode scales, bf16
+image), for bf16 / fp16 input ``[R, K]`` with unit stride along K, ``(1, 16)`` blocks, a per-row
+global scale computed in the kernel or a given amax per run of rows (tensor / group scales),
+round-to-nearest-even or the contract's stochastic rounding, linear or swizzled scales.
+
+Layout (why it is fast): the input is read as int32 *words* (two 16-bit elements each). A
+16-element block is 8 words, loaded as two 16-byte halves ``[BLOCK_R, BLOCK_NB, 4]`` with the
+same offsets pattern, so Triton gives both the same layout and one thread owns each whole
+block: the block amax is an in-thread reduction, the per-block math (E4M3 scale, IEEE
+division) runs once per block, and every output is written by the thread that owns the
+block with no layout conversion (8 bytes of codes as one int64, 32 bytes of image as two
+16-byte word vectors, one scale byte). A program covers exactly one block per thread
+(``BLOCK_R * BLOCK_NB == 32 * num_warps``), which is what keeps Triton's store layouts equal
+to the load layout. Element steps are the bit-level ones of :mod:`._nvfp4_math`
+(``e2m1_round_nearest``: one magic addition; the image is ``r * sf`` with the input's sign
+bits, assembled as bf16 pairs); NaN is handled per block (a NaN block has NaN scale, zero
+codes and a NaN image).
+
+Per-row scales need the row amax before the first block: rows that fit one chunk
+(``SINGLE_PASS``) are loaded once; longer rows are read twice (an amax pass over the words,
+then the quantize pass, the second read hitting L1/L2).
+
+Raises nothing itself: :func:`.quantize.quantize_forward` validates and dispatches here only
+when :func:`supported` holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._nvfp4_math import (
+    block_encode_scales,
+    canonical_nan_f32,
+    e2m1_round_nearest,
+    e2m1_round_stochastic,
+    exact_launch,
+    fmix32,
+    global_scales_from_amax,
+    interpreting,
+    max_propagate_nan,
+)
+
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
+
+#: num_warps of the row kernel on the GPU (one 16-element block per thread per chunk).
+GPU_ROWS_WARPS = 4
+#: Largest chunk (blocks per row per iteration); rows of at most this many blocks take one pass.
+GPU_ROWS_MAX_NB = 128
+
+
+def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool) -> bool:
+    """Whether the fast row kernel takes ``x2d``: 16-bit floats, unit stride along K, rows
+    that start on 4-byte boundaries (the input is read as int32 words), 1x16 blocks."""
+    return (
+        not tile16
+        and not has_col_index
+        and x2d.dtype in (torch.bfloat16, torch.float16)
+        and x2d.dim() == 2
+        and (x2d.stride(1) == 1 or x2d.shape[1] == 1)
+        and x2d.stride(0) % 2 == 0
+        and x2d.data_ptr() % 4 == 0
+    )
+
+
+def config(r: int, k: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_R, BLOCK_NB, num_warps, SINGLE_PASS): BLOCK_NB is the largest power of two that
+    divides the row's block count (capped), so chunks never straddle the row end."""
+    nb = k // 16
+    threads = 32 * (1 if interpreting() else GPU_ROWS_WARPS)
+    cap = 8 if interpreting() else GPU_ROWS_MAX_NB
+    block_nb = 1
+    while block_nb * 2 <= min(cap, threads) and nb % (block_nb * 2) == 0:
+        block_nb *= 2
+    if nb < block_nb:  # pragma: no cover - nb is a multiple of block_nb by construction
+        block_nb = triton.next_power_of_2(nb)
+    block_r = threads // block_nb
+    return block_r, block_nb, threads // 32, block_nb >= nb
+
+
+@triton.jit
+def _unpack(w, IS_FP16: tl.constexpr):
+    """int32 words -> (fp32 of the low halves, fp32 of the high halves): exact."""
+    if IS_FP16:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _words_amax_bits(w, IS_FP16: tl.constexpr):
+    """Element-wise max of the two |halves| of each word, as comparable int32 bits (any NaN
+    orders above +inf): fp32 bits for bf16, 16-bit magnitudes for fp16."""
+    if IS_FP16:
+        return tl.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF)
+    else:
+        return tl.maximum((w << 16) & 0x7FFF0000, w & 0x7FFF0000)
+
+
+@triton.jit
+def _amax_bits_to_f32(m, IS_FP16: tl.constexpr):
+    if IS_FP16:
+        return m.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return m.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sr_uniform(inner, col):
+    """The contract's uniform for the element in column ``col`` of a row with ``inner =
+    fmix32(row + key)`` (uint32)."""
+    bits = fmix32(inner + col.to(tl.uint32, bitcast=True))
+    return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+
+
+@triton.jit
+def _quantize_half(w, enc, sf, inner, col0, STOCHASTIC: tl.constexpr, IS_FP16: tl.constexpr):
+    """8 elements per block (4 words ``[BR, NB, 4]``) -> (their 8 codes as one int32
+    ``[BR, NB]``, element i in nibble i, and the bf16 image words ``[BR, NB, 4]``).
+
+    ``col0``: column of each word's low element (stochastic rounding only)."""
+    x_lo, x_hi = _unpack(w, IS_FP16)
+    e3 = enc[:, :, None]
+    if STOCHASTIC:
+        c_lo, r_lo = e2m1_round_stochastic(x_lo * e3, _sr_uniform(inner, col0))
+        c_hi, r_hi = e2m1_round_stochastic(x_hi * e3, _sr_uniform(inner, col0 + 1))
+    else:
+        c_lo, r_lo = e2m1_round_nearest(x_lo * e3)
+        c_hi, r_hi = e2m1_round_nearest(x_hi * e3)
+    # byte of word j: low element in the low nibble; sign bits 15 / 31 of the word -> 3 / 7
+    byte = c_lo | (c_hi << 4) | ((w >> 12) & 8) | ((w >> 24) & 0x80)
+    j = tl.arange(0, 4)
+    codes = tl.sum(byte << (j * 8)[None, None, :], axis=2)
+    s3 = sf[:, :, None]
+    i_lo = (r_lo * s3).to(tl.int32, bitcast=True)
+    i_hi = (r_hi * s3).to(tl.int32, bitcast=True)
+    # image values are exact in bf16 (low 16 fp32 bits zero): the high halves are the bf16 bits
+    img = ((i_lo >> 16) & 0xFFFF) | (i_hi & -65536) | (w & -2147450880)  # sign bits 0x80008000
+    return codes, img
+
+
+@triton.jit
+def _quantize_chunk(
+    wa, wb, rows, blk, valid, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+    STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr, IS_FP16: tl.constexpr,
+):
+    """Quantize one chunk: ``wa`` / ``wb`` the two halves (words 0-3 / 4-7) of blocks ``blk``
+    of ``rows``; ``valid`` [BR, NB] masks rows / blocks past the end."""
+    bm = tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2), tl.max(_words_amax_bits(wb, IS_FP16), axis=2))
+    bmax = _amax_bits_to_f32(bm, IS_FP16)
+    sf_code, sf, enc, nan = block_encode_scales(bmax, scale_mul, s_dec)
+    col0 = (blk * 16)[None, :, None] + (tl.arange(0, 4) * 2)[None, None, :]
+    ca, ia = _quantize_half(wa, enc, sf, inner, col0, STOCHASTIC, IS_FP16)
+    cb, ib = _quantize_half(wb, enc, sf, inner, col0 + 8, STOCHASTIC, IS_FP16)
+    # a NaN block (NaN input or a NaN scale domain) has code 0 everywhere
+    ca = tl.where(nan, 0, ca)
+    cb = tl.where(nan, 0, cb)
+    codes = ca.to(tl.uint32, bitcast=True).to(tl.int64) | (cb.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
+    nbk = K // 16
+    r64 = rows.to(tl.int64)[:, None]
+    tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + r64 * nbk + blk[None, :], codes, mask=valid)
+    if SWIZZLED:
+        r2 = rows[:, None]
+        c2 = blk[None, :]
+        soff = ((r2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
+            + (r2 % 32) * 16 + ((r2 // 32) % 4) * 4 + (c2 % 4)
+    else:
+        soff = r64 * nbk + blk[None, :]
+    tl.store(scales_ptr + soff, sf_code, mask=valid)
+    if WITH_IMAGE:
+        ioff = r64[:, :, None] * (K // 2) + (blk * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        iptr = image_ptr.to(tl.pointer_type(tl.int32)) + ioff
+        tl.store(iptr, ia, mask=valid[:, :, None])
+        tl.store(iptr + 4, ib, mask=valid[:, :, None])
+
+
+@triton.jit(do_not_specialize=["key"])
+def _quantize_rows_kernel(
+    x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
+    R, K, stride_w, rows_per_group, key, scale_cols_padded,
+    ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
+    IS_FP16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    """BLOCK_R rows x BLOCK_NB blocks per chunk, one block per thread; ``stride_w`` is the row
+    stride in int32 words. See the module docstring."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    nbk = K // 16
+    w_ptr = x_ptr.to(tl.pointer_type(tl.int32))
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
+    jw = (tl.arange(0, BLOCK_NB) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    if STOCHASTIC:
+        inner = fmix32(rows.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, None, None]
+    else:
+        inner = tl.zeros((BLOCK_R, 1, 1), tl.uint32)
+
+    if SINGLE_PASS:  # the whole row (all of its blocks) in this chunk: load once
+        blk = tl.arange(0, BLOCK_NB)
+        valid = rmask[:, None] & (blk < nbk)[None, :]
+        wa = tl.load(row_ptr + jw, mask=valid[:, :, None], other=0)
+        wb = tl.load(row_ptr + jw + 4, mask=valid[:, :, None], other=0)
+        if ROW_AMAX:
+            m = tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2), tl.max(_words_amax_bits(wb, IS_FP16), axis=2))
+            amax = _amax_bits_to_f32(tl.max(m, axis=1), IS_FP16)
+        else:
+            amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=rmask & ((rows % rows_per_group) == 0))
+        _quantize_chunk(wa, wb, rows, blk, valid, K, (s_enc * ONE_SIXTH)[:, None], s_dec[:, None], inner,
+                        codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+                        STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16)
+    else:
+        if ROW_AMAX:
+            mb = tl.zeros((BLOCK_R, BLOCK_NB), tl.int32)
+            for b0 in range(0, nbk, BLOCK_NB):
+                off = row_ptr + b0 * 8 + jw
+                rm3 = rmask[:, None, None]
+                wa = tl.load(off, mask=rm3, other=0)
+                wb = tl.load(off + 4, mask=rm3, other=0)
+                mb = tl.maximum(mb, tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2),
+                                               tl.max(_words_amax_bits(wb, IS_FP16), axis=2)))
+            amax = _amax_bits_to_f32(tl.max(mb, axis=1), IS_FP16)
+        else:
+            amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=rmask & ((rows % rows_per_group) == 0))
+        scale_mul = (s_enc * ONE_SIXTH)[:, None]
+        s_dec2 = s_dec[:, None]
+        for b0 in range(0, nbk, BLOCK_NB):
+            blk = b0 + tl.arange(0, BLOCK_NB)
+            valid = rmask[:, None] & (blk < nbk)[None, :]
+            off = row_ptr + b0 * 8 + jw
+            wa = tl.load(off, mask=valid[:, :, None], other=0)
+            wb = tl.load(off + 4, mask=valid[:, :, None], other=0)
+            _quantize_chunk(wa, wb, rows, blk, valid, K, scale_mul, s_dec2, inner,
+                            codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+                            STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16)
+
+
+def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled, cols_padded):
+    """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
+    r, k = x2d.shape
+    block_r, block_nb, warps, single = config(r, k)
+    _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
+        x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
+        r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,
+        ROW_AMAX=amax is None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0, SWIZZLED=swizzled,
+        IS_FP16=x2d.dtype == torch.float16, BLOCK_R=block_r, BLOCK_NB=block_nb, SINGLE_PASS=single,
+        num_warps=warps, **exact_launch(),
+    )

@@ -1,0 +1,174 @@
+"""The fast row-major quantize kernel (:mod:`minite_kernels.triton.quantize_rows`) ==
+``nvfp4.quantize_reference``, bit for bit, on bf16 / fp16 rows: fresh random data, every E2M1
+bin edge and its 16-bit neighbours, saturation, zeros, subnormal inputs and scales, non-finite
+input (row / tensor / group domains, amax override), stochastic rounding, swizzled scales,
+strided rows, rows that take one chunk or many (the amax pass + quantize pass), and the
+fallback for inputs it does not take.
+
+Runs under TRITON_INTERPRET=1 on CPU-only machines and on the GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.testing import assert_bitwise_equal
+
+from minite_kernels.triton._testing import DEVICE, assert_quantized_equal, heavy_tailed, kernels_runnable, randn, tie_matrix
+
+pytestmark = pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
+
+from minite_kernels.triton import quantize_rows  # noqa: E402
+from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _cpu(q):
+    from dataclasses import replace
+
+    return replace(
+        q, codes=q.codes.cpu(), block_scales=q.block_scales.cpu(), global_decode=q.global_decode.cpu(),
+        image=None if q.image is None else q.image.cpu(),
+    )
+
+
+def check(x: torch.Tensor, name: str = "q", fast: bool = True, **kwargs) -> None:
+    """Kernel on DEVICE vs reference on CPU (every output, image included); ``fast``: assert
+    the input takes the row kernel (else the generic one)."""
+    kwargs.setdefault("with_image", True)
+    xd = x.to(DEVICE) if x.device != DEVICE else x
+    x2d = xd.reshape(-1, xd.shape[-1]) if xd.dim() != 2 else xd
+    assert quantize_rows.supported(x2d, tuple(kwargs.get("tile", (1, 16))) == (16, 16), False) == fast, name
+    got = quantize_forward(xd, **kwargs)
+    ref = nvfp4.quantize_reference(x.cpu(), **kwargs)
+    assert_quantized_equal(_cpu(got), ref, name)
+    assert got.global_decode.shape == ref.global_decode.shape, name
+
+
+def half_tie_matrix(dtype: torch.dtype, rows: int = 8) -> torch.Tensor:
+    """``tie_matrix`` in a 16-bit type, plus a block per row of each E2M1 bin edge's 16-bit
+    neighbours (one ulp of ``dtype`` above and below, exactly on the other side of the edge)."""
+    base = tie_matrix(rows).to(dtype)
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=dtype)
+    bits = edges.view(torch.int16)
+    up, dn = (bits + 1).view(dtype), (bits - 1).view(dtype)
+    block = torch.cat([torch.tensor([6.0], dtype=dtype), up, -dn, torch.tensor([-6.5], dtype=dtype)])
+    big = torch.tensor([2688.0] + [0.0] * 15, dtype=dtype)  # keeps S_enc = 1 if the row had none
+    extra = torch.stack([torch.cat([block, big]) for _ in range(rows)])
+    return torch.cat([base, extra], dim=1)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("global_scale", ["row", "tensor"])
+def test_random_normal_and_heavy_tailed(dtype, global_scale):
+    check(randn(37, 96, seed=1, scale=3.0, dtype=dtype), global_scale=global_scale)
+    check(heavy_tailed(19, 160, seed=2, dtype=dtype), global_scale=global_scale)
+
+
+@pytest.mark.parametrize("k", [16, 48, 256, 320])
+def test_row_lengths_one_chunk_and_many(k):
+    """K = 16 (one block per row), 48 (odd block count: chunk of one block), 256 / 320
+    (several chunks: the amax pass + quantize pass), with a row count that leaves a tail."""
+    block_r, block_nb, _, single = quantize_rows.config(21, k)
+    assert block_nb * (k // 16 // block_nb) == k // 16
+    x = randn(21, k, seed=k, scale=2.0, dtype=torch.bfloat16)
+    check(x)
+    check(x, global_scale="tensor")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_every_bin_edge_neighbour_tie_and_saturation(dtype):
+    """Ties to the even code at every E2M1 edge, the 16-bit neighbours on either side, 6.5 ->
+    6, -0.0 (code 8), subnormal E4M3 scales and a scale that rounds to zero."""
+    x = half_tie_matrix(dtype)
+    check(x)
+    check(x, global_scale="tensor")
+
+
+def test_zeros_subnormal_inputs_and_extrema():
+    x = torch.zeros(6, 64, dtype=torch.bfloat16)
+    x[1, 3] = 1.0
+    x[2] = torch.tensor(9.2e-41).to(torch.bfloat16)  # bf16 subnormals (whole row)
+    x[3, 5] = torch.tensor(-3.3895e38).to(torch.bfloat16)  # bf16 max magnitude
+    x[3, 40] = torch.tensor(1e-38).to(torch.bfloat16)
+    check(x)
+    check(x, global_scale="tensor")
+    h = randn(4, 64, seed=3, dtype=torch.float16)
+    h[0, 0], h[1, 1], h[2, 2] = 65504.0, -65504.0, 6e-8  # fp16 max and a subnormal
+    check(h)
+
+
+def test_amax_override_below_the_data_saturates():
+    x = randn(16, 64, seed=4, dtype=torch.bfloat16)
+    check(x, amax=torch.full((16,), 0.5))
+    check(x, global_scale="tensor", amax=torch.tensor([0.25]))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_marks_its_scale_domain(dtype, bad):
+    x = randn(6, 160, seed=5, dtype=dtype)
+    x[2, 17] = bad
+    check(x)  # only row 2
+    check(x, global_scale="tensor")  # everything
+    g = randn(3, 4, 32, seed=6, dtype=dtype)
+    g[1, 3, 4] = bad
+    check(g, global_scale="group")  # only group 1
+
+
+def test_nonfinite_with_amax_override_marks_blocks():
+    """Finite amax given, NaN / inf inside: the NaN block gets a NaN scale and zero codes, the
+    inf block saturates (scale 448, code 7), the rest of the row is quantized normally."""
+    x = randn(4, 64, seed=7, dtype=torch.bfloat16)
+    x[1, 20] = float("nan")
+    x[3, 40] = float("-inf")
+    check(x, amax=torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("seed", [0, 2**31 + 7, 2**32 - 1])
+@pytest.mark.parametrize("k", [64, 320])
+def test_stochastic_rounding_draws_the_reference_bits(seed, k):
+    x = randn(9, k, seed=8, scale=4.0, dtype=torch.bfloat16)
+    check(x, rounding="stochastic", seed=seed)
+    check(x, rounding="stochastic", seed=seed, global_scale="tensor")
+
+
+def test_stochastic_rounding_hard_cases():
+    """Grid points, saturation and the edges under stochastic rounding (exact fractions)."""
+    x = half_tie_matrix(torch.bfloat16)
+    check(x, rounding="stochastic", seed=3)
+
+
+def test_swizzled_scales():
+    x = randn(130, 80, seed=9, dtype=torch.bfloat16)
+    got = quantize_forward(x.to(DEVICE), scale_layout="swizzled", with_image=True)
+    ref = nvfp4.quantize_reference(x, with_image=True)
+    assert_bitwise_equal(got.block_scales.cpu(), nvfp4.swizzle_scales(ref.block_scales.reshape(130, 5)), "swizzled")
+    assert_bitwise_equal(got.codes.cpu(), ref.codes, "codes")
+    assert_bitwise_equal(got.image.cpu(), ref.image, "image")
+
+
+def test_strided_rows_and_leading_dims():
+    """Rows with a larger stride (a column slice) are read in place; leading dims are flattened."""
+    x = randn(20, 128, seed=10, dtype=torch.bfloat16)
+    check(x[:, 32:96])
+    check(x[::2, 16:80])
+    check(randn(2, 3, 32, seed=11, dtype=torch.bfloat16))
+
+
+def test_inputs_the_row_kernel_does_not_take_fall_back():
+    """Rows starting off a 4-byte boundary, fp32 input, and 16x16 tiles go to the generic kernel."""
+    x = randn(8, 64, seed=12, dtype=torch.bfloat16)
+    odd = x.reshape(-1)[1:1 + 7 * 64].reshape(7, 64)
+    check(odd, fast=False)
+    check(randn(5, 32, seed=13), fast=False)
+    check(randn(32, 32, seed=14, dtype=torch.bfloat16), fast=False, global_scale="tensor", tile=(16, 16))
+
+
+def test_without_image_and_empty():
+    check(randn(5, 32, seed=15, dtype=torch.bfloat16), with_image=False)
+    got = quantize_forward(torch.zeros(0, 32, dtype=torch.bfloat16, device=DEVICE), with_image=True)
+    assert got.codes.shape == (0, 16) and got.image.shape == (0, 32)
