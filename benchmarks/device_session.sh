@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Everything this repository runs on a lent GPU machine, in one command (the machine has torch,
+# triton and CUDA but not megatron-core: its wheel travels in .whl/, see BENCHMARKS.md).
+#
+#   benchmarks/device_session.sh [STEP ...]      steps: tests alignment kernels multigpu (default: all)
+#
+# Logs and JSON go to $OUT (the device tool's output folder) or /tmp/minite_out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/minite_out}
+mkdir -p "$OUT"
+STEPS=${*:-tests alignment kernels multigpu}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "device_session: megatron-core wheel missing in .whl/" >&2; exit 1; }
+ln -sfn "$PWD/kernels" /tmp/site/minite_kernels   # the package name kernels/ is installed under
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi -L | tee "$OUT/devices.txt"
+python3 -c 'import torch, triton, megatron.core as m; print("torch", torch.__version__, "triton", triton.__version__, "megatron-core", m.__version__)' | tee -a "$OUT/devices.txt"
+
+step() {  # step NAME CMD...: run, keep the full log, show its tail
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+}
+
+for s in $STEPS; do
+  case $s in
+    tests)  # every GPU test of the suite (Triton kernels, strict mode, minite model, reference on CUDA)
+      step gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu -ra tests ;;
+    alignment)  # ALIGNMENT.md: gaps and strict-mode overhead on a Qwen3-MoE-shaped model
+      step alignment python3 -m benchmarks.alignment --preset qwen3-moe --json "$OUT/alignment.jsonl" ;;
+    kernels)  # BENCHMARKS.md: the kernel benchmark (quantize, linear, grouped sections)
+      step kernels python3 -m benchmarks.nvfp4_kernels --sections ceilings,quantize,linear,grouped --tokens 16384 \
+        --out "$OUT" ;;
+    multigpu)  # the main job's model on 2 GPUs: TP=2 + SP, and EP=2 (NCCL), through the launcher
+      if [ "$NGPU" -lt 2 ]; then echo "=== multigpu: skipped ($NGPU GPU)"; continue; fi
+      COMMON=(--transformer-impl minite --num-layers 4 --hidden-size 256 --ffn-hidden-size 768
+        --num-attention-heads 8 --kv-channels 32 --group-query-attention --num-query-groups 4 --qk-layernorm
+        --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256 --moe-token-dispatcher-type alltoall
+        --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --normalization RMSNorm --swiglu
+        --disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights
+        --hidden-dropout 0 --attention-dropout 0 --seq-length 256 --max-position-embeddings 256
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --lr 3e-3 --lr-warmup-iters 5 --bf16
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 4096 --eval-iters 0 --eval-interval 1000
+        --log-interval 10 --no-gradient-accumulation-fusion)
+      step multigpu_tp2_sp torchrun --nproc-per-node 2 -m minite_megatron.launch examples/pretrain_gpt.py "${COMMON[@]}" \
+        --tensor-model-parallel-size 2 --sequence-parallel --loss-log "$OUT/loss_tp2.jsonl"
+      step multigpu_ep2 torchrun --nproc-per-node 2 -m minite_megatron.launch examples/pretrain_gpt.py "${COMMON[@]}" \
+        --expert-model-parallel-size 2 --loss-log "$OUT/loss_ep2.jsonl"
+      step multigpu_dp2 torchrun --nproc-per-node 2 -m minite_megatron.launch examples/pretrain_gpt.py "${COMMON[@]}" \
+        --loss-log "$OUT/loss_dp2.jsonl" ;;
+    *) echo "unknown step $s" >&2 ;;
+  esac
+done
