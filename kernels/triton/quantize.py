@@ -24,6 +24,7 @@ multiple of 16). Raises like the reference (TypeError / ValueError) on bad input
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -50,7 +51,7 @@ from ._nvfp4_math import (
     global_scales_from_amax,
     sr_uniform,
 )
-from . import quantize_rows
+from . import quantize_cols, quantize_rows
 from .amax import amax_forward
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), exactly representable
@@ -296,6 +297,20 @@ def _tensor_amax(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
     return amax_forward(x2d, rows_per_group)
 
 
+@functools.lru_cache(maxsize=64)
+def rht_mask_of(rht_seed: int | None) -> int:
+    """The RHT sign vector of ``rht_seed`` (``nvfp4.rht_signs``) as 16 bits (bit j: sign j is
+    -1); -1 for no transform. A negative seed is the fixed all-ones vector (mask 0)."""
+    if rht_seed is None:
+        return -1
+    signs = rht_signs(None if rht_seed < 0 else rht_seed)
+    return int(sum(1 << j for j in range(BLOCK) if float(signs[j]) < 0))
+
+
+def _signs_of_mask(mask: int, device) -> torch.Tensor:
+    return torch.tensor([-1.0 if (mask >> j) & 1 else 1.0 for j in range(BLOCK)], dtype=torch.float32, device=device)
+
+
 def sr_key(seed: int) -> int:
     """fmix32(seed mod 2^32) as a signed int32 (the kernel reinterprets it as uint32)."""
     key = int(_fmix32_ref(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
@@ -313,12 +328,17 @@ def quantize_op(
     key: int,
     with_image: bool,
     swizzled: bool,
+    rht_mask: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch on a 2D (possibly strided) ``x2d`` ``[R, K]`` (K = ``col_index`` length if given).
 
     ``amax``: None (per-row amax computed in the kernel, ``rows_per_group`` must be 1) or fp32
-    ``[ceil(R / rows_per_group)]``. Returns ``(codes [R, K/2] uint8, scales uint8 (linear
-    [R, K/16] or flat swizzled), global decode fp32 [domains], image bf16 [R, K] or [0])``.
+    ``[ceil(R / rows_per_group)]`` (of the transformed values when ``rht_mask >= 0``).
+    ``rht_mask``: -1, or the RHT sign vector as bits (bit j set: sign j is -1, see
+    :func:`rht_mask_of`); the transform runs along K, fused into the column kernel for
+    transposed sources, a separate ``rht16`` pass otherwise. Returns ``(codes [R, K/2] uint8,
+    scales uint8 (linear [R, K/16] or flat swizzled), global decode fp32 [domains], image bf16
+    [R, K] or [0])``.
     """
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
@@ -335,10 +355,21 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
-    if quantize_rows.supported(x2d, tile16, col_index is not None):
+    if rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
                              cols_padded)
         return codes, scales, sdec, image
+    if quantize_cols.supported(x2d, tile16):
+        if amax is None:
+            amax = quantize_cols.amax_launch(x2d, col_index, 1, rht_mask)
+        quantize_cols.launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key,
+                             rht_mask, swizzled, cols_padded)
+        return codes, scales, sdec, image
+    if rht_mask >= 0:  # layouts the column kernel does not take: transform first (exact, fp32)
+        if col_index is not None:
+            x2d = torch.where((col_index >= 0)[None, :], x2d[:, col_index.clamp(min=0).long()], 0)
+            col_index = None
+        x2d = rht16(x2d, _signs_of_mask(rht_mask, x2d.device))
     if _transposed_source(x2d) and not tile16:
         if amax is None:
             amax = amax_forward(x2d, 1)
@@ -364,7 +395,7 @@ def quantize_op(
 
 
 @quantize_op.register_fake
-def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled):
+def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled, rht_mask=-1):
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     scale_numel = swizzled_numel(r, k // BLOCK) if swizzled else r * (k // BLOCK)
@@ -415,13 +446,13 @@ def quantize_forward(
         # Nothing to quantize (no rows, or K == 0): the contract's empty result, with the
         # (tensor / group) global scales of empty domains (amax 0 -> S_dec = 1).
         return _empty_domains(x, shape, global_scale, tile, rht_seed, amax, with_image)
-    if rht_seed is not None:
-        signs = rht_signs(None if rht_seed < 0 else rht_seed, device=x.device)
-        x2d = rht16(x, signs).reshape(-1, k)
-    else:
-        x2d = x.reshape(-1, k) if x.dim() != 2 else x
-    rows = x2d.shape[0]
+    x2d = x.reshape(-1, k) if x.dim() != 2 else x
     tile16 = tuple(tile) == (BLOCK, BLOCK)
+    rht = rht_mask_of(rht_seed)
+    if rht >= 0 and not quantize_cols.supported(x2d, tile16):  # the transform is fused only there
+        x2d = rht16(x2d, _signs_of_mask(rht, x.device))
+        rht = -1
+    rows = x2d.shape[0]
     if global_scale == "row":
         rpg = 1
     elif global_scale == "tensor":
@@ -431,10 +462,10 @@ def quantize_forward(
     if amax is not None:
         amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     elif global_scale != "row" and rows and k:
-        amax = _tensor_amax(x2d, rpg)
+        amax = quantize_cols.amax_launch(x2d, None, rpg, rht) if rht >= 0 else _tensor_amax(x2d, rpg)
     codes, scales, sdec, image = quantize_op(
         x2d, amax, None, rpg, tile16, rounding == "stochastic",
-        sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled",
+        sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled", rht,
     )
     q = NVFP4Tensor(
         codes=codes.reshape(*shape[:-1], k // 2),
