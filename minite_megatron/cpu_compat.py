@@ -5,8 +5,9 @@ Checked against megatron-core 0.19.2 (:data:`CHECKED_MEGATRON_CORE`) and torch 2
 
 ``activate()`` does nothing and returns ``False`` when ``torch.cuda.is_available()``: GPU runs are
 never touched. On a CPU-only machine it is idempotent, logs one line, and redirects the CUDA uses
-that Megatron hard-codes. The principle: it only replaces things that *raise* on a CPU-only
-machine (or that silently skip work Megatron needs), so no working code path changes behaviour.
+that Megatron hard-codes. The principle: it only replaces what *raises* on a CPU-only machine,
+what silently skips work Megatron needs, or what behaves differently because the CPU now stands
+in for the GPU (the generator, ``Tensor.type()`` names); no working CPU code path is changed.
 Every redirect is listed in :data:`REDIRECTS` (target, attribute, why); ``tests/megatron/
 test_cpu_compat*.py`` fails loudly if a future Megatron moves or removes one of them.
 
@@ -17,7 +18,8 @@ Device placement
       call (``device="cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an ordinal) to the CPU,
       makes ``Tensor.cuda()`` / ``Tensor.pin_memory()`` return the tensor itself and drops
       ``pin_memory=True``; ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names (Megatron's
-      optimizer and gradient clipping assert them). ``megatron.training`` alone writes ``device='cuda'`` in ~40 places
+      optimizer and gradient clipping assert them). ``megatron.training`` alone writes
+      ``device='cuda'`` in ~40 places
       (loss buffers, all-reduced flags, timers) and scripts call ``batch.cuda()``; a mode is torch's
       public hook for exactly this. Cost: ~1-3 us per torch call (measured on this machine).
       The mode is pushed on the activating thread's torch-function stack (torch keeps that stack
@@ -43,8 +45,9 @@ MoE token dispatcher (gloo)
       gloo's ``all_to_all_single`` rejects tensor split sizes. The replacement converts CPU
       tensors to numpy when asked (``as_numpy=True``), as the GPU path does.
 megatron.training
-    * ``training.initialize_megatron`` asserts ``torch.cuda.is_available()`` unless
-      ``allow_no_cuda``: the replacement passes ``allow_no_cuda=True``.
+    * ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``: the
+      replacement passes ``allow_no_cuda=True`` (in ``megatron.training``, its ``initialize`` and
+      its ``training`` module, where ``pretrain`` looks it up).
     * ``initialize._initialize_distributed`` and ``initialize._set_random_seed`` skip model-parallel
       initialization and the RNG-tracker seeding when ``torch.cuda.device_count() == 0``: they run
       with one pseudo device visible (``device_count() == 1``, ``set_device`` a no-op) for the
@@ -103,7 +106,7 @@ class Redirect:
 REDIRECTS: tuple[Redirect, ...] = (
     Redirect("torch.cuda", "current_device", "used as device= all over megatron-core; raises without a driver"),
     Redirect("torch.cuda", "Stream", "MoE all-to-all dispatcher D2H stream, DDP stream; raises without a driver"),
-    Redirect("torch.cuda", "Event", "MoE delayed wgrad, timers; CPU no-op event"),
+    Redirect("torch.cuda", "Event", "MoE delayed wgrad, static inference step timing; raises without a driver"),
     Redirect("torch.cuda", "current_stream", "stream bookkeeping in the MoE dispatcher and DDP"),
     Redirect("torch.cuda", "stream", "stream context in the MoE dispatcher and DDP"),
     Redirect("torch.cuda", "synchronize", "timers, parallel_state, checkpointing; raises without a driver"),
@@ -118,7 +121,9 @@ REDIRECTS: tuple[Redirect, ...] = (
         "maybe_move_tensor_to_cpu",
         "gloo all_to_all_single needs host split sizes",
     ),
-    Redirect("megatron.training.training", "initialize_megatron", "asserts CUDA unless allow_no_cuda"),
+    Redirect("megatron.training.training", "initialize_megatron", "asserts CUDA unless allow_no_cuda (pretrain's)"),
+    Redirect("megatron.training.initialize", "initialize_megatron", "asserts CUDA unless allow_no_cuda"),
+    Redirect("megatron.training", "initialize_megatron", "asserts CUDA unless allow_no_cuda (scripts' import)"),
     Redirect(
         "megatron.training.initialize", "_initialize_distributed", "mpu init gated on torch.cuda.device_count() > 0"
     ),
@@ -380,7 +385,10 @@ def _no_gpu_arch() -> int:
 
 def _allow_no_cuda(original: Callable) -> Callable:
     def initialize_megatron(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
+        if args:  # allow_no_cuda is the first parameter
+            args = (True, *args[1:])
+        else:
+            kwargs["allow_no_cuda"] = True
         return original(*args, **kwargs)
 
     initialize_megatron.__wrapped__ = original
@@ -403,6 +411,8 @@ def _replacements() -> dict[tuple[str, str], Callable[[Any], Any]]:
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"): lambda orig: _cpu_set_cuda_rng_state,
         ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"): _cpu_maybe_move_tensor_to_cpu,
         ("megatron.training.training", "initialize_megatron"): _allow_no_cuda,
+        ("megatron.training.initialize", "initialize_megatron"): _allow_no_cuda,
+        ("megatron.training", "initialize_megatron"): _allow_no_cuda,
         ("megatron.training.initialize", "_initialize_distributed"): _with_pseudo_device,
         ("megatron.training.initialize", "_set_random_seed"): _with_pseudo_device,
         ("megatron.training.arguments", "get_device_arch_version"): lambda orig: _no_gpu_arch,

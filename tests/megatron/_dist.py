@@ -32,6 +32,8 @@ def resolve(path: str):
 
 def _entry(rank: int, world_size: int, port: int, target: str, kwargs: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    for name in [k for k in os.environ if k.startswith("NVTE_")]:
+        del os.environ[name]  # Megatron exports these per attention backend; the parent's must not leak
     out = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         import torch  # noqa: F401

@@ -35,8 +35,11 @@ TINY = [
 
 
 def _launch(args: list, timeout: int = 420) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", PYTHONWARNINGS="ignore")
+    # Megatron's GPTModel exports NVTE_*_ATTN for its attention backend; models built earlier in
+    # this test process must not leak theirs into the script (it asserts they match its own).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               PYTHONWARNINGS="ignore")
     return subprocess.run(
         [sys.executable, "-m", "minite_megatron.launch", str(EXAMPLE), *map(str, args)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
