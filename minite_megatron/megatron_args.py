@@ -27,7 +27,9 @@ Where ``transformer_impl == "minite"`` meets Megatron's own comparisons: every
 ``== "transformer_engine"`` / ``== "inference_optimized"`` test is false, so Megatron takes its
 local paths (local ``DotProductAttention`` fallback, torch norms, local ``MoELayer`` and
 token dispatchers, no TE RNG tracker, no TE fp8/fp4 autocast); ``models.backends.get_backend``
-(used only by multi-latent attention) raises for unknown names, hence MLA is rejected here.
+(used only by multi-latent attention) raises for unknown names, hence MLA is rejected here. The
+two ``== "local"`` tests are not taken: torch-FSDP2's (it then also wraps plain
+``ColumnParallelLinear`` units, as for TE; FSDP with minite is untested) and none other in 0.19.2.
 """
 
 from __future__ import annotations
