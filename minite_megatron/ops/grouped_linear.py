@@ -24,6 +24,7 @@ import torch
 from .. import nvfp4
 from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes, quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
+from .seeds import next_sr_seed
 from .linear import LinearContext, _trace, add_wgrad, backend_for
 
 
@@ -129,7 +130,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                     dy,
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
-                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
                     amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
                     with_image=True,
                     nonfinite=recipe.nonfinite,
@@ -143,7 +144,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                     sizes,
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
-                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
                     rht_seed=recipe.wgrad_rht_seed,
                     nonfinite=recipe.nonfinite,
                     quantize=backend.quantize,

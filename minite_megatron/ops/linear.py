@@ -10,8 +10,8 @@
 of 16, which leaves dW unchanged). The forward saves ``Q_col(x)`` (packed
 codes and scales: 4.5 bits per element) for wgrad, never a BF16 copy of x. The quantized weight
 comes from a :class:`~.weight_cache.QuantizedWeightCache` (once per optimizer step).
-Stochastic-rounding seeds are drawn from torch's default CPU generator, so a run resumed from a
-Megatron checkpoint (which restores that generator) draws the same seeds as an uninterrupted one.
+Stochastic-rounding seeds come from :mod:`.seeds` (a hash of the iteration, the call and the rank
+under ``megatron.training``), so a run resumed from a checkpoint rounds like an uninterrupted one.
 
 Where the weight has Megatron's fp32 ``main_grad``, the fp32 wgrad is added there directly (one
 fp32 add, no BF16 rounding of the gradient) and a dummy gradient is returned, as Megatron's own
@@ -29,6 +29,7 @@ from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
 from .amax_sync import synced_amax
+from .seeds import next_sr_seed
 from .weight_cache import QuantizedWeightCache
 
 
@@ -169,7 +170,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                     dy,
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
-                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
                     amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
                     with_image=True,
                     nonfinite=recipe.nonfinite,
@@ -184,7 +185,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                     [dy.shape[0]],
                     global_scale=recipe.grad_scale,
                     rounding=recipe.grad_rounding,
-                    seed=nvfp4.draw_seed() if recipe.grad_stochastic_rounding else None,
+                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
                     rht_seed=recipe.wgrad_rht_seed,
                     nonfinite=recipe.nonfinite,
                     quantize=backend.quantize,

@@ -28,6 +28,7 @@ import torch
 
 from .. import nvfp4
 from ..nvfp4.tensor import NVFP4Tensor
+from ..ops.seeds import next_sr_seed
 from ..recipe import Recipe
 
 try:  # TE >= 2.16: custom recipes with role-aware quantizer factories
@@ -101,7 +102,7 @@ def quantize_operand(x: torch.Tensor, kind: str, recipe: Recipe, rowwise: bool, 
             x2,
             global_scale=recipe.grad_scale if grad else recipe.activation_scale,
             rounding=rounding,
-            seed=nvfp4.draw_seed() if rounding == "stochastic" else None,
+            seed=next_sr_seed(recipe.seed) if rounding == "stochastic" else None,
             with_image=True,
             nonfinite=recipe.nonfinite,
         )
@@ -110,7 +111,7 @@ def quantize_operand(x: torch.Tensor, kind: str, recipe: Recipe, rowwise: bool, 
             x2.t(),
             global_scale=recipe.grad_scale,
             rounding=rounding,
-            seed=nvfp4.draw_seed() if rounding == "stochastic" else None,
+            seed=next_sr_seed(recipe.seed) if rounding == "stochastic" else None,
             rht_seed=recipe.wgrad_rht_seed,
             nonfinite=recipe.nonfinite,
         )

@@ -171,3 +171,25 @@ def test_token_count_not_a_multiple_of_16():
     pad = lambda t: torch.cat([t, t.new_zeros(8, t.shape[1])])  # noqa: E731
     want = nvfp4.gemm(nvfp4.quantize(pad(dy).t(), "tensor"), nvfp4.quantize(pad(x.detach()).t(), "tensor"), out_dtype=torch.float32)
     assert_bitwise_equal(w.grad, want, "wgrad")
+
+
+def test_sr_seeds_follow_the_megatron_iteration(monkeypatch):
+    """Pins: seeds drawn from torch's default generator shifted in a resumed run (building the
+    data loader after the checkpoint load consumed a draw); under megatron.training they are a
+    function of (iteration, call, rank) only."""
+    from types import SimpleNamespace
+
+    from megatron.training import global_vars
+
+    from minite_megatron.ops import seeds
+
+    args = SimpleNamespace(curr_iteration=7)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0})
+    first = [seeds.next_sr_seed(0) for _ in range(3)]
+    torch.rand(5)  # unrelated draws from the default generator change nothing
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0})
+    assert [seeds.next_sr_seed(0) for _ in range(3)] == first
+    assert len(set(first)) == 3
+    args.curr_iteration = 8
+    assert seeds.next_sr_seed(0) not in first
