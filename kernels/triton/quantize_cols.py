@@ -41,7 +41,10 @@ from ._nvfp4_math import (
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU.
-GPU_COLS_TILE = (64, 16, 4)
+GPU_COLS_TILE = (32, 16, 4)
+#: At most this many token-block groups per program, and at least this many programs.
+GPU_GROUPS_PER_PROG = 8
+GPU_MIN_PROGRAMS = 1024
 
 
 def supported(x2d: torch.Tensor, tile16: bool) -> bool:
@@ -177,10 +180,11 @@ def _pair(x0, x1, enc, sf, inner, t, STOCHASTIC: tl.constexpr):
     b0 = x0.to(tl.int32, bitcast=True)
     b1 = x1.to(tl.int32, bitcast=True)
     byte = c0 | (c1 << 4) | ((b0 >> 28) & 8) | ((b1 >> 24) & 0x80)
-    i0 = (r0 * sf).to(tl.int32, bitcast=True)
-    i1 = (r1 * sf).to(tl.int32, bitcast=True)
-    # exact bf16 values: the high fp32 halves; the signs come from the inputs
-    word = ((i0 >> 16) & 0x7FFF) | (i1 & 0x7FFF0000) | ((b0 >> 16) & 0x8000) | (b1 & -2147483648)
+    i0 = (r0 * sf).to(tl.uint32, bitcast=True)
+    i1 = (r1 * sf).to(tl.uint32, bitcast=True)
+    # exact bf16 values >= 0 (low 16 fp32 bits zero): the high halves; signs from the inputs
+    word = (i0 >> 16).to(tl.int32, bitcast=True) | i1.to(tl.int32, bitcast=True) \
+        | ((b0 >> 16) & 0x8000) | (b1 & -2147483648)
     return byte, word
 
 
@@ -190,14 +194,58 @@ def _uniform(inner, t):
     return (bits >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
 
 
+@triton.jit
+def _store_group(xs, b0, bm, h2, hm2, K, s_enc, s_dec, inner, codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+                 STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Quantize and store one group of token blocks: ``xs`` the 16 token tensors [BH, NB] of
+    blocks ``b0 .. b0 + NB - 1``, ``bm`` their amax bits [BH, NB]."""
+    blk = b0 + tl.arange(0, BLOCK_NB)
+    sf_code, sf, enc, nan = block_encode_scales(bm.to(tl.float32, bitcast=True), (s_enc * ONE_SIXTH)[:, None],
+                                                s_dec[:, None])
+    t0 = (blk * 16)[None, :]
+    y0, w0 = _pair(xs[0], xs[1], enc, sf, inner, t0 + 0, STOCHASTIC)
+    y1, w1 = _pair(xs[2], xs[3], enc, sf, inner, t0 + 2, STOCHASTIC)
+    y2, w2 = _pair(xs[4], xs[5], enc, sf, inner, t0 + 4, STOCHASTIC)
+    y3, w3 = _pair(xs[6], xs[7], enc, sf, inner, t0 + 6, STOCHASTIC)
+    y4, w4 = _pair(xs[8], xs[9], enc, sf, inner, t0 + 8, STOCHASTIC)
+    y5, w5 = _pair(xs[10], xs[11], enc, sf, inner, t0 + 10, STOCHASTIC)
+    y6, w6 = _pair(xs[12], xs[13], enc, sf, inner, t0 + 12, STOCHASTIC)
+    y7, w7 = _pair(xs[14], xs[15], enc, sf, inner, t0 + 14, STOCHASTIC)
+    lo = tl.where(nan, 0, y0 | (y1 << 8) | (y2 << 16) | (y3 << 24))
+    hi = tl.where(nan, 0, y4 | (y5 << 8) | (y6 << 16) | (y7 << 24))
+    bmask = hm2 & (blk < K // 16)[None, :]
+    r64 = h2.to(tl.int64)
+    # codes: 8 bytes per block = two int32 words, laid out along tokens ([BH, 2 NB] words)
+    cw = tl.reshape(tl.join(lo, hi), (BLOCK_H, 2 * BLOCK_NB))
+    cj = b0 * 2 + tl.arange(0, 2 * BLOCK_NB)
+    tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + r64 * (K // 8) + cj[None, :], cw,
+             mask=hm2 & (cj < K // 8)[None, :])
+    if SWIZZLED:
+        c2 = blk[None, :]
+        soff = ((h2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
+            + (h2 % 32) * 16 + ((h2 // 32) % 4) * 4 + (c2 % 4)
+    else:
+        soff = r64 * (K // 16) + blk[None, :]
+    tl.store(scales_ptr + soff, sf_code, mask=bmask)
+    if WITH_IMAGE:
+        # join nests the new axis last: index 4a + 2b + c of join(join(join(.,.)c, .)b, .)a -> w0..w7 in order
+        img = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        img = tl.reshape(img, (BLOCK_H, 8 * BLOCK_NB))
+        ij = b0 * 8 + tl.arange(0, 8 * BLOCK_NB)
+        tl.store(image_ptr.to(tl.pointer_type(tl.int32)) + r64 * (K // 2) + ij[None, :], img,
+                 mask=hm2 & (ij < K // 2)[None, :])
+
+
 @triton.jit(do_not_specialize=["key"])
 def _quantize_cols_kernel(
     s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
-    R, K, stride_s, rows_per_group, key, rht_mask, scale_cols_padded,
+    R, K, stride_s, rows_per_group, key, rht_mask, scale_cols_padded, groups_per_prog,
     HAS_COL_INDEX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
     RHT: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
-    """Program (token-block group, feature group): BLOCK_H features x BLOCK_NB blocks of 16 tokens.
+    """Program (token range, feature group): BLOCK_H features x ``groups_per_prog`` groups of
+    BLOCK_NB blocks of 16 tokens (the per-feature set-up is paid once per program).
 
     ``AMAX_ONLY``: the same reads (and transform) but only the amax per run of rows, max-reduced
     into ``amax_ptr`` (int32 bits of fp32, zero-initialised) with ``atomic_max``."""
@@ -207,12 +255,14 @@ def _quantize_cols_kernel(
     hm = h < R
     h2 = h[:, None]
     hm2 = hm[:, None]
-    blk = pid_t * BLOCK_NB + tl.arange(0, BLOCK_NB)  # token-block index (quantized block column)
-    t0 = (blk * 16)[None, :]
-    xs = _load_block(s_ptr, col_ptr, t0, h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, RHT)
-    bm = _block_amax_bits(xs)  # [BH, NB]
+    g0 = pid_t * groups_per_prog
     if AMAX_ONLY:
-        row_max = tl.max(bm, axis=1)
+        m = tl.zeros((BLOCK_H, BLOCK_NB), tl.int32)
+        for g in range(g0, g0 + groups_per_prog):
+            blk = g * BLOCK_NB + tl.arange(0, BLOCK_NB)
+            xs = _load_block(s_ptr, col_ptr, (blk * 16)[None, :], h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, RHT)
+            m = tl.maximum(m, _block_amax_bits(xs))
+        row_max = tl.max(m, axis=1)
         first = pid_h * BLOCK_H
         last = tl.minimum(first + BLOCK_H, R) - 1
         if first // rows_per_group == last // rows_per_group:
@@ -224,42 +274,25 @@ def _quantize_cols_kernel(
         s_enc, s_dec = global_scales_from_amax(amax)
         if pid_t == 0:
             tl.store(sdec_ptr + h // rows_per_group, canonical_nan_f32(s_dec), mask=hm & ((h % rows_per_group) == 0))
-        sf_code, sf, enc, nan = block_encode_scales(bm.to(tl.float32, bitcast=True), (s_enc * ONE_SIXTH)[:, None],
-                                                    s_dec[:, None])
         if STOCHASTIC:
             inner = fmix32(h.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, None]
         else:
             inner = tl.zeros((BLOCK_H, 1), tl.uint32)
-        y0, w0 = _pair(xs[0], xs[1], enc, sf, inner, t0 + 0, STOCHASTIC)
-        y1, w1 = _pair(xs[2], xs[3], enc, sf, inner, t0 + 2, STOCHASTIC)
-        y2, w2 = _pair(xs[4], xs[5], enc, sf, inner, t0 + 4, STOCHASTIC)
-        y3, w3 = _pair(xs[6], xs[7], enc, sf, inner, t0 + 6, STOCHASTIC)
-        y4, w4 = _pair(xs[8], xs[9], enc, sf, inner, t0 + 8, STOCHASTIC)
-        y5, w5 = _pair(xs[10], xs[11], enc, sf, inner, t0 + 10, STOCHASTIC)
-        y6, w6 = _pair(xs[12], xs[13], enc, sf, inner, t0 + 12, STOCHASTIC)
-        y7, w7 = _pair(xs[14], xs[15], enc, sf, inner, t0 + 14, STOCHASTIC)
-        lo = tl.where(nan, 0, y0 | (y1 << 8) | (y2 << 16) | (y3 << 24))
-        hi = tl.where(nan, 0, y4 | (y5 << 8) | (y6 << 16) | (y7 << 24))
-        bmask = hm2 & (blk < K // 16)[None, :]
-        r64 = h2.to(tl.int64)
-        # codes: 8 bytes per block = two int32 words
-        cptr = codes_ptr.to(tl.pointer_type(tl.int32)) + r64 * (K // 8) + (blk * 2)[None, :]
-        tl.store(cptr[:, :, None] + tl.arange(0, 2)[None, None, :], tl.join(lo, hi), mask=bmask[:, :, None])
-        if SWIZZLED:
-            r2 = h2
-            c2 = blk[None, :]
-            soff = ((r2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
-                + (r2 % 32) * 16 + ((r2 // 32) % 4) * 4 + (c2 % 4)
-        else:
-            soff = r64 * (K // 16) + blk[None, :]
-        tl.store(scales_ptr + soff, sf_code, mask=bmask)
-        if WITH_IMAGE:
-            img = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
-            # join nests the last axis as (w1/w0 pick, w2/w0 pick, w4/w0 pick) -> word index 4a + 2b + c
-            img = tl.reshape(img, (BLOCK_H, BLOCK_NB, 8))
-            iptr = image_ptr.to(tl.pointer_type(tl.int32)) + r64[:, :, None] * (K // 2) \
-                + (blk * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
-            tl.store(iptr, img, mask=bmask[:, :, None])
+        for g in range(g0, g0 + groups_per_prog):
+            blk = g * BLOCK_NB + tl.arange(0, BLOCK_NB)
+            xs = _load_block(s_ptr, col_ptr, (blk * 16)[None, :], h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, RHT)
+            _store_group(xs, g * BLOCK_NB, _block_amax_bits(xs), h2, hm2, K, s_enc, s_dec, inner, codes_ptr, scales_ptr,
+                         image_ptr, scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_H, BLOCK_NB)
+
+
+def _grid(r: int, k: int) -> tuple[tuple[int, int], int, int, int, int]:
+    """(grid, groups per program, BLOCK_H, BLOCK_NB, num_warps): enough programs to fill the
+    GPU, each walking ``groups`` groups of BLOCK_NB token blocks."""
+    bh, nb, warps = tile()
+    groups = triton.cdiv(k // 16, nb)
+    ph = triton.cdiv(r, bh)
+    per = 1 if interpreting() else max(1, min(GPU_GROUPS_PER_PROG, groups * ph // GPU_MIN_PROGRAMS))
+    return (triton.cdiv(groups, per), ph), per, bh, nb, warps
 
 
 def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key, rht_mask,
@@ -268,12 +301,12 @@ def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, sto
     src = x2d.t()
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
-    bh, nb, warps = tile()
-    _quantize_cols_kernel[(triton.cdiv(k // 16, nb), triton.cdiv(r, bh))](
+    grid, per, bh, nb, warps = _grid(r, k)
+    _quantize_cols_kernel[grid](
         src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image,
-        r, k, src.stride(0), rows_per_group, key, rht_mask, cols_padded,
+        r, k, src.stride(0), rows_per_group, key, rht_mask, cols_padded, per,
         HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0,
-        SWIZZLED=swizzled, RHT=rht_mask is not None and rht_mask >= 0, AMAX_ONLY=False,
+        SWIZZLED=swizzled, RHT=rht_mask >= 0, AMAX_ONLY=False,
         BLOCK_H=bh, BLOCK_NB=nb, num_warps=warps, **exact_launch(),
     )
 
@@ -286,12 +319,11 @@ def amax_launch(x2d, col_index, rows_per_group, rht_mask) -> torch.Tensor:
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     out = torch.zeros(-(-r // rows_per_group) if r else 1, dtype=torch.int32, device=x2d.device)
     if r and k:
-        bh, nb, warps = tile()
-        _quantize_cols_kernel[(triton.cdiv(k // 16, nb), triton.cdiv(r, bh))](
+        grid, per, bh, nb, warps = _grid(r, k)
+        _quantize_cols_kernel[grid](
             src, col_index if col_index is not None else out, out, out, out, out, out,
-            r, k, src.stride(0), rows_per_group, 0, rht_mask if rht_mask is not None else -1, 0,
+            r, k, src.stride(0), rows_per_group, 0, rht_mask, 0, per,
             HAS_COL_INDEX=col_index is not None, STOCHASTIC=False, WITH_IMAGE=False, SWIZZLED=False,
-            RHT=rht_mask is not None and rht_mask >= 0, AMAX_ONLY=True,
-            BLOCK_H=bh, BLOCK_NB=nb, num_warps=warps, **exact_launch(),
+            RHT=rht_mask >= 0, AMAX_ONLY=True, BLOCK_H=bh, BLOCK_NB=nb, num_warps=warps, **exact_launch(),
         )
     return out.view(torch.float32)

@@ -47,10 +47,12 @@ from ._nvfp4_math import (
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
-#: num_warps of the row kernel on the GPU (one 16-element block per thread per chunk).
+#: num_warps of the row kernel on the GPU (each warp walks rows; one block per thread per chunk).
 GPU_ROWS_WARPS = 4
-#: Largest chunk (blocks per row per iteration); rows of at most this many blocks take one pass.
-GPU_ROWS_MAX_NB = 128
+#: Threads (blocks per chunk) per row on the GPU: one warp per row.
+GPU_ROWS_NB = 32
+#: Rows of at most this many chunks are held in registers (one read); longer rows are read twice.
+MAX_CHUNKS = 4
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool) -> bool:
@@ -67,19 +69,19 @@ def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool) -> bool:
     )
 
 
-def config(r: int, k: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_R, BLOCK_NB, num_warps, SINGLE_PASS): BLOCK_NB is the largest power of two that
-    divides the row's block count (capped), so chunks never straddle the row end."""
+def config(r: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_NB, BLOCK_R, num_warps, CHUNKS): BLOCK_NB (threads per row) is the largest power
+    of two <= GPU_ROWS_NB dividing the row's block count, so chunks never straddle a row end;
+    CHUNKS = blocks per row / BLOCK_NB when at most MAX_CHUNKS (one read), else 0 (two reads)."""
     nb = k // 16
-    threads = 32 * (1 if interpreting() else GPU_ROWS_WARPS)
-    cap = 8 if interpreting() else GPU_ROWS_MAX_NB
+    warps = 1 if interpreting() else GPU_ROWS_WARPS
+    cap = 4 if interpreting() else GPU_ROWS_NB
     block_nb = 1
-    while block_nb * 2 <= min(cap, threads) and nb % (block_nb * 2) == 0:
+    while block_nb * 2 <= cap and nb % (block_nb * 2) == 0:
         block_nb *= 2
-    if nb < block_nb:  # pragma: no cover - nb is a multiple of block_nb by construction
-        block_nb = triton.next_power_of_2(nb)
-    block_r = threads // block_nb
-    return block_r, block_nb, threads // 32, block_nb >= nb
+    block_r = (32 // block_nb) * warps
+    chunks = nb // block_nb
+    return block_nb, block_r, warps, chunks if chunks <= MAX_CHUNKS else 0
 
 
 @triton.jit
@@ -122,8 +124,8 @@ def _sr_uniform(inner, col):
 
 @triton.jit
 def _quantize_half(w, enc, sf, inner, col0, STOCHASTIC: tl.constexpr, IS_FP16: tl.constexpr):
-    """8 elements per block (4 words ``[BR, NB, 4]``) -> (their 8 codes as one int32
-    ``[BR, NB]``, element i in nibble i, and the bf16 image words ``[BR, NB, 4]``).
+    """8 elements per block (4 words ``[NB, BR, 4]``) -> (their 8 codes as one int32
+    ``[NB, BR]``, element i in nibble i, and the bf16 image words ``[NB, BR, 4]``).
 
     ``col0``: column of each word's low element (stochastic rounding only)."""
     x_lo, x_hi = _unpack(w, IS_FP16)
@@ -139,24 +141,43 @@ def _quantize_half(w, enc, sf, inner, col0, STOCHASTIC: tl.constexpr, IS_FP16: t
     j = tl.arange(0, 4)
     codes = tl.sum(byte << (j * 8)[None, None, :], axis=2)
     s3 = sf[:, :, None]
-    i_lo = (r_lo * s3).to(tl.int32, bitcast=True)
-    i_hi = (r_hi * s3).to(tl.int32, bitcast=True)
-    # image values are exact in bf16 (low 16 fp32 bits zero): the high halves are the bf16 bits
-    img = ((i_lo >> 16) & 0xFFFF) | (i_hi & -65536) | (w & -2147450880)  # sign bits 0x80008000
+    i_lo = (r_lo * s3).to(tl.uint32, bitcast=True)
+    i_hi = (r_hi * s3).to(tl.uint32, bitcast=True)
+    # image values are exact in bf16 and >= 0 (low 16 fp32 bits zero): the high halves are the
+    # bf16 bits; the signs are the input's (0x80008000). A NaN block's NaN stays NaN.
+    img = (i_lo >> 16).to(tl.int32, bitcast=True) | i_hi.to(tl.int32, bitcast=True) | (w & -2147450880)
     return codes, img
 
 
 @triton.jit
+def _chunk_block_max(wa, wb, IS_FP16: tl.constexpr):
+    """[NB, BR] fp32 block amax (NaN wins), from the same unpacked values the quantize uses."""
+    a_lo, a_hi = _unpack(wa, IS_FP16)
+    b_lo, b_hi = _unpack(wb, IS_FP16)
+    m = tl.maximum(tl.abs(a_lo), tl.abs(a_hi), propagate_nan=tl.PropagateNan.ALL)
+    m = tl.maximum(m, tl.abs(b_lo), propagate_nan=tl.PropagateNan.ALL)
+    m = tl.maximum(m, tl.abs(b_hi), propagate_nan=tl.PropagateNan.ALL)
+    return tl.reduce(m, 2, max_propagate_nan)
+
+
+@triton.jit
+def _load_chunk(row_ptr, jw, c, BLOCK_NB: tl.constexpr, rmask3):
+    """Words 0-3 and 4-7 of the blocks of chunk ``c`` ([NB, BR, 4] each)."""
+    off = row_ptr + c * (BLOCK_NB * 8) + jw
+    return tl.load(off, mask=rmask3, other=0), tl.load(off + 4, mask=rmask3, other=0)
+
+
+@triton.jit
 def _quantize_chunk(
-    wa, wb, rows, blk, valid, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
+    wa, wb, bm, rows, c, rmask, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
     STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr, IS_FP16: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
 ):
-    """Quantize one chunk: ``wa`` / ``wb`` the two halves (words 0-3 / 4-7) of blocks ``blk``
-    of ``rows``; ``valid`` [BR, NB] masks rows / blocks past the end."""
-    bm = tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2), tl.max(_words_amax_bits(wb, IS_FP16), axis=2))
-    bmax = _amax_bits_to_f32(bm, IS_FP16)
-    sf_code, sf, enc, nan = block_encode_scales(bmax, scale_mul, s_dec)
-    col0 = (blk * 16)[None, :, None] + (tl.arange(0, 4) * 2)[None, None, :]
+    """Quantize chunk ``c`` of ``rows`` ([1, BR]): ``wa`` / ``wb`` the two halves (words 0-3 /
+    4-7) of its blocks, ``bm`` their amax bits [NB, BR]; ``rmask`` [1, BR]."""
+    blk = (c * BLOCK_NB + tl.arange(0, BLOCK_NB))[:, None]  # [NB, 1]
+    sf_code, sf, enc, nan = block_encode_scales(bm, scale_mul, s_dec)
+    col0 = (blk * 16)[:, :, None] + (tl.arange(0, 4) * 2)[None, None, :]
     ca, ia = _quantize_half(wa, enc, sf, inner, col0, STOCHASTIC, IS_FP16)
     cb, ib = _quantize_half(wb, enc, sf, inner, col0 + 8, STOCHASTIC, IS_FP16)
     # a NaN block (NaN input or a NaN scale domain) has code 0 everywhere
@@ -164,21 +185,19 @@ def _quantize_chunk(
     cb = tl.where(nan, 0, cb)
     codes = ca.to(tl.uint32, bitcast=True).to(tl.int64) | (cb.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
     nbk = K // 16
-    r64 = rows.to(tl.int64)[:, None]
-    tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + r64 * nbk + blk[None, :], codes, mask=valid)
+    r64 = rows.to(tl.int64)
+    tl.store(codes_ptr.to(tl.pointer_type(tl.int64)) + r64 * nbk + blk, codes, mask=rmask)
     if SWIZZLED:
-        r2 = rows[:, None]
-        c2 = blk[None, :]
-        soff = ((r2 // 128) * (scale_cols_padded // 4) + c2 // 4).to(tl.int64) * 512 \
-            + (r2 % 32) * 16 + ((r2 // 32) % 4) * 4 + (c2 % 4)
+        soff = ((rows // 128) * (scale_cols_padded // 4) + blk // 4).to(tl.int64) * 512 \
+            + (rows % 32) * 16 + ((rows // 32) % 4) * 4 + (blk % 4)
     else:
-        soff = r64 * nbk + blk[None, :]
-    tl.store(scales_ptr + soff, sf_code, mask=valid)
+        soff = r64 * nbk + blk
+    tl.store(scales_ptr + soff, sf_code, mask=rmask)
     if WITH_IMAGE:
-        ioff = r64[:, :, None] * (K // 2) + (blk * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        ioff = r64[:, :, None] * (K // 2) + (blk * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
         iptr = image_ptr.to(tl.pointer_type(tl.int32)) + ioff
-        tl.store(iptr, ia, mask=valid[:, :, None])
-        tl.store(iptr + 4, ib, mask=valid[:, :, None])
+        tl.store(iptr, ia, mask=rmask[:, :, None])
+        tl.store(iptr + 4, ib, mask=rmask[:, :, None])
 
 
 @triton.jit(do_not_specialize=["key"])
@@ -186,73 +205,86 @@ def _quantize_rows_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_w, rows_per_group, key, scale_cols_padded,
     ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
-    IS_FP16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    IS_FP16: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
 ):
-    """BLOCK_R rows x BLOCK_NB blocks per chunk, one block per thread; ``stride_w`` is the row
-    stride in int32 words. See the module docstring."""
+    """BLOCK_R rows per program, BLOCK_NB threads (one block each) per row and chunk. Tiles are
+    ``[BLOCK_NB, BLOCK_R, 4]`` (blocks first: Triton spreads threads over the first
+    non-contiguous axis first, so a warp walks one row). ``CHUNKS`` (1..4): the row's chunks
+    stay in registers (one read); 0: loop, reading the row twice. ``stride_w``: row stride in
+    int32 words. See the module docstring."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R))[None, :]  # [1, BR]
     rmask = rows < R
+    rmask3 = rmask[:, :, None]
     nbk = K // 16
-    w_ptr = x_ptr.to(tl.pointer_type(tl.int32))
-    row_ptr = w_ptr + rows.to(tl.int64)[:, None, None] * stride_w
-    jw = (tl.arange(0, BLOCK_NB) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    row_ptr = x_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, :, None] * stride_w
+    jw = (tl.arange(0, BLOCK_NB) * 8)[:, None, None] + tl.arange(0, 4)[None, None, :]
     if STOCHASTIC:
-        inner = fmix32(rows.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, None, None]
+        inner = fmix32(rows.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, :, None]
     else:
-        inner = tl.zeros((BLOCK_R, 1, 1), tl.uint32)
+        inner = tl.zeros((1, BLOCK_R, 1), tl.uint32)
 
-    if SINGLE_PASS:  # the whole row (all of its blocks) in this chunk: load once
-        blk = tl.arange(0, BLOCK_NB)
-        valid = rmask[:, None] & (blk < nbk)[None, :]
-        wa = tl.load(row_ptr + jw, mask=valid[:, :, None], other=0)
-        wb = tl.load(row_ptr + jw + 4, mask=valid[:, :, None], other=0)
+    if CHUNKS > 0:  # every chunk of the row in registers: one read
+        wa0, wb0 = _load_chunk(row_ptr, jw, 0, BLOCK_NB, rmask3)
+        bm0 = _chunk_block_max(wa0, wb0, IS_FP16)
+        m = bm0
+        if CHUNKS > 1:
+            wa1, wb1 = _load_chunk(row_ptr, jw, 1, BLOCK_NB, rmask3)
+            bm1 = _chunk_block_max(wa1, wb1, IS_FP16)
+            m = tl.maximum(m, bm1, propagate_nan=tl.PropagateNan.ALL)
+        if CHUNKS > 2:
+            wa2, wb2 = _load_chunk(row_ptr, jw, 2, BLOCK_NB, rmask3)
+            bm2 = _chunk_block_max(wa2, wb2, IS_FP16)
+            m = tl.maximum(m, bm2, propagate_nan=tl.PropagateNan.ALL)
+        if CHUNKS > 3:
+            wa3, wb3 = _load_chunk(row_ptr, jw, 3, BLOCK_NB, rmask3)
+            bm3 = _chunk_block_max(wa3, wb3, IS_FP16)
+            m = tl.maximum(m, bm3, propagate_nan=tl.PropagateNan.ALL)
         if ROW_AMAX:
-            m = tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2), tl.max(_words_amax_bits(wb, IS_FP16), axis=2))
-            amax = _amax_bits_to_f32(tl.max(m, axis=1), IS_FP16)
+            amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
         else:
             amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
-        s_enc, s_dec = global_scales_from_amax(amax)
-        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=rmask & ((rows % rows_per_group) == 0))
-        _quantize_chunk(wa, wb, rows, blk, valid, K, (s_enc * ONE_SIXTH)[:, None], s_dec[:, None], inner,
-                        codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
-                        STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16)
     else:
         if ROW_AMAX:
-            mb = tl.zeros((BLOCK_R, BLOCK_NB), tl.int32)
-            for b0 in range(0, nbk, BLOCK_NB):
-                off = row_ptr + b0 * 8 + jw
-                rm3 = rmask[:, None, None]
-                wa = tl.load(off, mask=rm3, other=0)
-                wb = tl.load(off + 4, mask=rm3, other=0)
-                mb = tl.maximum(mb, tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2),
-                                               tl.max(_words_amax_bits(wb, IS_FP16), axis=2)))
-            amax = _amax_bits_to_f32(tl.max(mb, axis=1), IS_FP16)
+            m = tl.zeros((BLOCK_NB, BLOCK_R), tl.int32)
+            for c in range(0, nbk // BLOCK_NB):  # amax pass: int max of the words' |halves|
+                wa, wb = _load_chunk(row_ptr, jw, c, BLOCK_NB, rmask3)
+                m = tl.maximum(m, tl.maximum(tl.max(_words_amax_bits(wa, IS_FP16), axis=2),
+                                             tl.max(_words_amax_bits(wb, IS_FP16), axis=2)))
+            amax = _amax_bits_to_f32(tl.max(m, axis=0, keep_dims=True), IS_FP16)
         else:
             amax = tl.load(amax_ptr + rows // rows_per_group, mask=rmask, other=0.0)
-        s_enc, s_dec = global_scales_from_amax(amax)
-        tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=rmask & ((rows % rows_per_group) == 0))
-        scale_mul = (s_enc * ONE_SIXTH)[:, None]
-        s_dec2 = s_dec[:, None]
-        for b0 in range(0, nbk, BLOCK_NB):
-            blk = b0 + tl.arange(0, BLOCK_NB)
-            valid = rmask[:, None] & (blk < nbk)[None, :]
-            off = row_ptr + b0 * 8 + jw
-            wa = tl.load(off, mask=valid[:, :, None], other=0)
-            wb = tl.load(off + 4, mask=valid[:, :, None], other=0)
-            _quantize_chunk(wa, wb, rows, blk, valid, K, scale_mul, s_dec2, inner,
+    s_enc, s_dec = global_scales_from_amax(amax)
+    tl.store(sdec_ptr + rows // rows_per_group, canonical_nan_f32(s_dec), mask=rmask & ((rows % rows_per_group) == 0))
+    scale_mul = s_enc * ONE_SIXTH
+    if CHUNKS > 0:
+        _quantize_chunk(wa0, wb0, bm0, rows, 0, rmask, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr,
+                        scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
+        if CHUNKS > 1:
+            _quantize_chunk(wa1, wb1, bm1, rows, 1, rmask, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                            image_ptr, scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
+        if CHUNKS > 2:
+            _quantize_chunk(wa2, wb2, bm2, rows, 2, rmask, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                            image_ptr, scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
+        if CHUNKS > 3:
+            _quantize_chunk(wa3, wb3, bm3, rows, 3, rmask, K, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                            image_ptr, scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
+    else:
+        for c in range(0, nbk // BLOCK_NB):
+            wa, wb = _load_chunk(row_ptr, jw, c, BLOCK_NB, rmask3)
+            _quantize_chunk(wa, wb, _chunk_block_max(wa, wb, IS_FP16), rows, c, rmask, K, scale_mul, s_dec, inner,
                             codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
-                            STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16)
+                            STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
 
 
 def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled, cols_padded):
     """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
     r, k = x2d.shape
-    block_r, block_nb, warps, single = config(r, k)
+    block_nb, block_r, warps, chunks = config(r, k)
     _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
         x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,
         ROW_AMAX=amax is None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0, SWIZZLED=swizzled,
-        IS_FP16=x2d.dtype == torch.float16, BLOCK_R=block_r, BLOCK_NB=block_nb, SINGLE_PASS=single,
+        IS_FP16=x2d.dtype == torch.float16, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks,
         num_warps=warps, **exact_launch(),
     )

@@ -68,12 +68,13 @@ def test_random_normal_and_heavy_tailed(dtype, global_scale):
     check(heavy_tailed(19, 160, seed=2, dtype=dtype), global_scale=global_scale)
 
 
-@pytest.mark.parametrize("k", [16, 48, 256, 320])
+@pytest.mark.parametrize("k", [16, 48, 128, 256, 320])
 def test_row_lengths_one_chunk_and_many(k):
-    """K = 16 (one block per row), 48 (odd block count: chunk of one block), 256 / 320
-    (several chunks: the amax pass + quantize pass), with a row count that leaves a tail."""
-    block_r, block_nb, _, single = quantize_rows.config(21, k)
-    assert block_nb * (k // 16 // block_nb) == k // 16
+    """K = 16 (one block per row), 48 (odd block count: chunks of one block), 128 / 256 (2 / 4
+    chunks held in registers), 320 (more chunks than registers hold: the amax pass + quantize
+    pass), with a row count that leaves a tail."""
+    block_nb, block_r, _, chunks = quantize_rows.config(21, k)
+    assert (k // 16) % block_nb == 0 and chunks in (0, k // 16 // block_nb)
     x = randn(21, k, seed=k, scale=2.0, dtype=torch.bfloat16)
     check(x)
     check(x, global_scale="tensor")
