@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -31,65 +30,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PRESETS = {
-    # Qwen3-30B-A3B's layer shapes (hidden 2048, 32 heads / 4 KV groups of 128, 128 experts
-    # top-8 with FFN 768, qk-layernorm, RMSNorm, SwiGLU, RoPE 1e6), fewer layers and a smaller
-    # vocabulary so that one GPU holds it with room for both modes
-    "qwen3-moe": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128, experts=128, topk=8, moe_ffn=768,
-                      vocab=32768, batch=8, prompt_min=16, prompt_max=96, new=64, learner_batch=8),
-    "tiny": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=8, topk=2, moe_ffn=32,
-                 vocab=256, batch=6, prompt_min=3, prompt_max=12, new=10, learner_batch=6),
+SAMPLING = {
+    # batch of mixed prompt lengths, new tokens per rollout, learner timing batch
+    "qwen3-moe": dict(batch=8, prompt_min=16, prompt_max=96, new=64, learner_batch=8),
+    "tiny": dict(batch=6, prompt_min=3, prompt_max=12, new=10, learner_batch=6),
 }
 
 
-def init(device: str) -> None:
-    from minite_megatron import cpu_compat
-
-    cpu_compat.activate()
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
-
-
-def build(p: dict, strict: bool, device: str, dtype: torch.dtype, backend: str | None):
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from minite_megatron.model import finalize_gpt_model
-    from minite_megatron.recipe import Recipe
-    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
-
-    recipe = Recipe(strict=strict, backend=backend)
-    config = TransformerConfig(
-        num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
-        kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
-        num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
-        use_cpu_initialization=device == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16, init_method_std=0.02,
-    )
-    torch.manual_seed(0)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
-                     vocab_size=p["vocab"], max_sequence_length=p["prompt_max"] + p["new"],
-                     position_embedding_type="rope", rotary_base=1_000_000)
-    finalize_gpt_model(model, recipe)
-    return model.to(device=device).eval(), recipe
-
-
-def prompts(p: dict) -> list[list[int]]:
+def prompts(p: dict, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     lengths = torch.linspace(p["prompt_min"], p["prompt_max"], p["batch"]).round().int().tolist()
-    return [torch.randint(1, p["vocab"] - 1, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(1, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
 def sync(device: str) -> None:
@@ -115,18 +66,21 @@ def learner_step_time(model, seqs, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_mode(p, strict, device, dtype, backend, repeats, state=None):
+def run_mode(preset, p, strict, device, dtype, backend, repeats, state=None):
     from minite_megatron.diagnostics import gap_metrics
+    from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.engine import RolloutEngine
+    from minite_megatron.training.presets import build_gpt
     from minite_megatron.rollout.logprobs import teacher_forced_logprobs
 
-    model, recipe = build(p, strict, device, dtype, backend)
+    recipe = Recipe(strict=strict, backend=backend)
+    model = build_gpt(preset, recipe, max_seq=p["prompt_max"] + p["new"], device=device, dtype=dtype).eval()
     if state is not None:
         model.load_state_dict(state, strict=False)
     engine = RolloutEngine(model, eod_id=0, max_batch_size=p["batch"], max_sequence_length=p["prompt_max"] + p["new"])
     t = time.perf_counter()
     with torch.no_grad():
-        rollouts = engine.generate(prompts(p), p["new"], temperature=1.0, seed=3, stop_at_eod=False)
+        rollouts = engine.generate(prompts(p, model.vocab_size), p["new"], temperature=1.0, seed=3, stop_at_eod=False)
     sync(device)
     rollout_s = time.perf_counter() - t
     seqs = [r.prompt_tokens + r.generated_tokens for r in rollouts]
@@ -155,7 +109,7 @@ def run_mode(p, strict, device, dtype, backend, repeats, state=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-moe" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--preset", choices=sorted(SAMPLING), default="qwen3-moe" if torch.cuda.is_available() else "tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16" if torch.cuda.is_available() else "fp32")
     ap.add_argument("--backend", default=None)
@@ -164,13 +118,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(1)
-    p = PRESETS[args.preset]
+    p = SAMPLING[args.preset]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    init(args.device)
     from minite_megatron import nvfp4
+    from minite_megatron.training.presets import PRESETS, init_single_process
 
-    default, state = run_mode(p, False, args.device, dtype, args.backend, args.repeats)
-    strict, _ = run_mode(p, True, args.device, dtype, args.backend, args.repeats, state=state)
+    init_single_process()
+    default, state = run_mode(args.preset, p, False, args.device, dtype, args.backend, args.repeats)
+    strict, _ = run_mode(args.preset, p, True, args.device, dtype, args.backend, args.repeats, state=state)
     overhead = strict["learner_step_s"] / default["learner_step_s"] - 1
     rows = [default, strict]
     print(f"{'mode':8} {'mean|dlogp|':>12} {'max|dlogp|':>12} {'k3_kl':>10} {'tokens':>7} {'learner step':>13} {'rollout':>9}")
@@ -182,7 +137,7 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "backend": nvfp4.get_backend(args.backend, args.device).name,
-        "preset": args.preset, "config": p, "dtype": args.dtype, "results": rows, "strict_overhead": overhead,
+        "preset": args.preset, "config": {**PRESETS[args.preset], **p}, "dtype": args.dtype, "results": rows, "strict_overhead": overhead,
         "command": "python -m benchmarks.alignment " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if args.json:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -51,56 +50,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def init_megatron(seed: int) -> torch.device:
-    """One process: torch.distributed (NCCL on a GPU, gloo on CPU) and Megatron's parallel state."""
-    from minite_megatron import cpu_compat
-
-    cpu_compat.activate()  # no-op with a GPU
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def build_policy(args, device):
-    """A tiny Qwen3-MoE-shaped GPT on miniTE's NVFP4 specs."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from minite_megatron.model import finalize_gpt_model
+    """A tiny Qwen3-MoE-shaped GPT on miniTE's NVFP4 specs (``minite_megatron.training.presets``)."""
     from minite_megatron.recipe import Recipe
-    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+    from minite_megatron.training.presets import PRESETS, build_gpt
 
     recipe = Recipe(strict=args.strict, backend=args.backend)
-    on_gpu = device.type == "cuda"
-    config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=128, moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2,
-        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
-        use_cpu_initialization=not on_gpu, params_dtype=torch.bfloat16 if on_gpu else torch.float32,
-        bf16=on_gpu,
-    )
-    seq = args.prompt_len + args.new_tokens
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
-        vocab_size=args.vocab, max_sequence_length=seq, position_embedding_type="rope",
-    )
-    finalize_gpt_model(model, recipe)
-    return model.to(device), recipe
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_gpt(dict(PRESETS["tiny"], vocab=args.vocab), recipe, max_seq=args.prompt_len + args.new_tokens,
+                      device=device, dtype=dtype, seed=args.seed)
+    return model, recipe
 
 
 def task_prompts(step: int, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -138,7 +97,9 @@ def warm_up(model, args, device):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = init_megatron(args.seed)
+    from minite_megatron.training.presets import init_single_process
+
+    device = init_single_process(args.seed)
     from tqdm import tqdm
 
     from minite_megatron.diagnostics import GapMonitor

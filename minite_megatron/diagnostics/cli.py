@@ -32,7 +32,7 @@ import torch
 
 from .metrics import DEFAULT_THRESHOLDS, gap_metrics, position_curves
 
-PLUGIN_MODULES: tuple[str, ...] = ()
+PLUGIN_MODULES: tuple[str, ...] = ("minite_megatron.diagnostics.run",)
 """Modules imported before the parser is built; each may call :func:`register_subcommand`."""
 
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -172,4 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # `python -m ...cli`: run the importable module's main, the registry plugins register into
+    from minite_megatron.diagnostics.cli import main as _main
+
+    sys.exit(_main())

@@ -130,6 +130,20 @@ class Trace:
     def names(self) -> list[str]:
         return list(self.order)
 
+    def restrict(self, token_keys: torch.Tensor) -> "Trace":
+        """A trace holding only the rows of the given tokens (``pack_keys(seq, pos)``), e.g. to
+        drop padding or positions an engine computed past a sequence's end. Routed rows follow
+        their token; static points are kept whole."""
+        valid = torch.as_tensor(token_keys).long().reshape(-1).unique()
+        points = {}
+        for name, pt in self.points.items():
+            if pt.kind == "static":
+                points[name] = pt
+                continue
+            keep = torch.isin(token_part(pt.keys), valid)
+            points[name] = TracePoint(name, pt.kind, pt.keys[keep], pt.values[keep], pt.duplicates)
+        return Trace(points=points, order=list(self.order), engine=self.engine, meta=dict(self.meta))
+
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write to ``.pt`` (torch.save) or ``.safetensors`` (by suffix); returns the path."""

@@ -175,10 +175,27 @@ class LogProbGPTInferenceWrapper(GPTInferenceWrapper):
         return super().get_batch_for_context_window(inference_input, context_start_position, context_end_position)
 
     def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
+        self._declare_tokens()
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)
         if logits is not None:  # None on pipeline stages before the last one
             self._pending = (self._window, logits)
         return logits
+
+    def _declare_tokens(self):
+        """Tell an active diagnostics tracer which (sequence, position) each row of this step is
+        (sequences numbered from ``seq_offset`` in request order), so that the rollout's trace
+        aligns with the learner's (:meth:`minite_megatron.diagnostics.Tracer.set_tokens`)."""
+        from ..diagnostics.capture import active_tracer
+
+        tracer = active_tracer()
+        if tracer is None or self._window is None:
+            return
+        start, end = self._window
+        b = self.tokens.shape[0]
+        seq = torch.arange(b) + self.seq_offset
+        tracer.set_tokens(seq.view(1, b), torch.arange(start, end).view(-1, 1))
+
+    seq_offset = 0
 
     def _flush(self):
         if self._pending is None:
@@ -285,6 +302,7 @@ class RolloutEngine:
         self.controller.sampling_rng.manual_seed(int(seed))
         out: list[Rollout] = []
         for start in range(0, len(prompts), self.max_batch_size):
+            self.wrapper.seq_offset = start
             out.extend(self._generate_batch(prompts[start : start + self.max_batch_size], params, stop_at_eod))
         return out
 

@@ -1,0 +1,74 @@
+"""Ready-made Megatron GPT models on miniTE's specs, for tools that need one in a single process
+(the alignment benchmark, ``minite-diagnose run``, the RL example).
+
+``tiny``: a Qwen3-MoE-shaped toy that runs on a CPU. ``qwen3-moe``: Qwen3-30B-A3B's layer shapes
+(hidden 2048, 32 heads / 4 KV groups of 128, 128 experts top-8 with FFN 768, qk-layernorm,
+RMSNorm, SwiGLU, RoPE 1e6) with 4 layers and a 32k vocabulary, for one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+PRESETS = {
+    "tiny": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=4, topk=2, moe_ffn=32, vocab=256),
+    "qwen3-moe": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128, experts=128, topk=8, moe_ffn=768,
+                      vocab=32768),
+}
+
+
+def init_single_process(seed: int = 1) -> torch.device:
+    """torch.distributed (NCCL on a GPU, gloo on CPU, world size 1) and Megatron's parallel
+    state; the CPU compatibility layer when there is no GPU. Returns the device to use."""
+    from .. import cpu_compat
+
+    cpu_compat.activate()  # a no-op with a GPU
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A ``GPTModel`` of ``preset`` on the minite specs under ``recipe``, weights from ``seed``."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..model import finalize_gpt_model
+    from ..specs import get_gpt_decoder_block_minite_spec
+
+    from megatron.core import tensor_parallel
+
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    device = torch.device(device)
+    config = TransformerConfig(
+        num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
+        kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
+        num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
+        use_cpu_initialization=device.type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        init_method_std=0.02,
+    )
+    torch.manual_seed(seed)  # CPU initialization
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # GPU initialization (Megatron's RNG tracker)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
+                     vocab_size=p["vocab"], max_sequence_length=max_seq, position_embedding_type="rope",
+                     rotary_base=1_000_000)
+    finalize_gpt_model(model, recipe)
+    return model.to(device=device)
