@@ -1,21 +1,28 @@
-"""NVFP4 quantization in one Triton kernel, bitwise equal to ``nvfp4.quantize_reference``.
+"""NVFP4 quantization in Triton, bitwise equal to ``nvfp4.quantize_reference``.
 
 One read of the input writes the packed E2M1 codes, the E4M3 block scales (linear
 ``[R, K/16]`` or the 128x4 swizzled layout), the fp32 global decode scale(s) and, on request,
 the bf16 *image* ``e2m1(code) * fp32(scale)`` that the emulated (Hopper) GEMMs consume.
 
+Dispatch (``quantize_op``; every kernel gives the same bits):
+  * bf16 / fp16 rows with unit stride along K, 1x16 blocks: :mod:`.quantize_rows` (one
+    block per thread, word loads; the hot path of activations and dgrad operands);
+  * transposed sources (``x.t()`` / ``dy.t()``, read in place) and the MoE wgrad gather,
+    1x16 blocks: :mod:`.quantize_cols` (blocks along tokens, the RHT fused);
+  * everything else (fp32 rows, 16x16 weight tiles, odd strides): the generic kernel of this
+    module (``_quantize_kernel``).
+
 Supported (every option of the reference):
-  * global scale ``"row"`` (computed in the kernel, a second read of the row from L1/L2),
-    ``"tensor"`` / ``"group"`` (one cheap amax pass first, :mod:`.amax`), or an ``amax``
-    override of the global scale's shape;
+  * global scale ``"row"`` (computed in the kernel), ``"tensor"`` / ``"group"`` (one amax
+    pass first: :mod:`.amax`, or the column kernel's own pass when it transforms), or an
+    ``amax`` override of the global scale's shape;
   * ``(1, 16)`` blocks and ``(16, 16)`` tiles (weights);
   * round-to-nearest-even or seeded stochastic rounding with the contract's hash RNG;
-  * the 16x16 random Hadamard transform (applied with the contract's ``rht16`` first: it is
-    bitwise by construction);
-  * strided input (``x.t()`` is read in place, coalesced along its unit-stride dimension)
-    and an optional column gather (``col_index``: column c of the quantized matrix reads source
-    column ``col_index[c]``, or zero where it is -1; the MoE wgrad uses it to pad experts'
-    token ranges to multiples of 16 without a padded copy);
+  * the 16x16 random Hadamard transform along K (fused into the column kernel; elsewhere the
+    contract's ``rht16`` runs first: bitwise by construction);
+  * strided input and an optional column gather (``col_index``: column c of the quantized
+    matrix reads source column ``col_index[c]``, or zero where it is -1; the MoE wgrad uses it
+    to pad experts' token ranges to multiples of 16 without a padded copy);
   * non-finite input: ``"propagate"`` (NaN scales for the domain) or ``"raise"``.
 
 Input: bf16 / fp16 / fp32 ``[..., K]``, K a multiple of 16 (``(16, 16)`` tiles: rows a
@@ -247,6 +254,11 @@ def _quantize_t_kernel(
                  mask=hmask[None, :] & tmask[:, None])
 
 
+FAST_PATHS = True
+"""Dispatch bf16/fp16 rows to :mod:`.quantize_rows` and transposed sources to
+:mod:`.quantize_cols` (RHT fused). False: the generic kernels below for everything (the
+benchmark times both in one run; results are bitwise the same)."""
+
 GPU_QUANTIZE_TILE = (16, 256)
 """(BLOCK_R, BLOCK_K) of a looping row-major quantize program on the GPU (K > GPU_SINGLE_PASS_K)."""
 GPU_QUANTIZE_WARPS = 8
@@ -355,11 +367,11 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
-    if rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None):
+    if FAST_PATHS and rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
                              cols_padded)
         return codes, scales, sdec, image
-    if quantize_cols.supported(x2d, tile16):
+    if FAST_PATHS and quantize_cols.supported(x2d, tile16):
         if amax is None:
             amax = quantize_cols.amax_launch(x2d, col_index, 1, rht_mask)
         quantize_cols.launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key,
@@ -449,7 +461,7 @@ def quantize_forward(
     x2d = x.reshape(-1, k) if x.dim() != 2 else x
     tile16 = tuple(tile) == (BLOCK, BLOCK)
     rht = rht_mask_of(rht_seed)
-    if rht >= 0 and not quantize_cols.supported(x2d, tile16):  # the transform is fused only there
+    if rht >= 0 and not (FAST_PATHS and quantize_cols.supported(x2d, tile16)):  # fused only there
         x2d = rht16(x2d, _signs_of_mask(rht, x.device))
         rht = -1
     rows = x2d.shape[0]

@@ -41,7 +41,7 @@ from ._nvfp4_math import (
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU.
-GPU_COLS_TILE = (32, 16, 4)
+GPU_COLS_TILE = (64, 8, 8)
 #: At most this many token-block groups per program, and at least this many programs.
 GPU_GROUPS_PER_PROG = 8
 GPU_MIN_PROGRAMS = 1024
@@ -67,7 +67,10 @@ def _load_token(s_ptr, col_ptr, t, h2, hm2, K, stride_s, HAS_COL_INDEX: tl.const
     else:
         src = t
         m = hm2 & tmask
-    return tl.load(s_ptr + src.to(tl.int64) * stride_s + h2, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(s_ptr + src.to(tl.int64) * stride_s + h2, mask=m, other=0.0)
+    if x.dtype == tl.bfloat16:  # on the bits: exact for subnormals (the interpreter's cast flushes them)
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
 
 
 @triton.jit

@@ -51,6 +51,10 @@ def test_nan_wins_over_infinities(bad):
     assert torch.isnan(amax_forward(x.to(DEVICE), 40).cpu()).all()
 
 
-def test_zeros_and_empty():
+def test_zeros_subnormals_and_empty():
+    """Regression: the amax must not flush subnormal inputs to zero (no float op on |x|)."""
     assert amax_forward(torch.zeros(16, 32, device=DEVICE), 16).cpu().tolist() == [0.0]
+    tiny = torch.full((16, 32), 9.2e-41).to(torch.bfloat16)
+    tiny[3, 5] = -tiny[3, 5] * 2
+    assert_bitwise_equal(amax_forward(tiny.to(DEVICE), 16).cpu(), tiny.float().abs().amax().reshape(1), "subnormal")
     assert amax_forward(torch.zeros(0, 32, device=DEVICE), 1).cpu().tolist() == [0.0]

@@ -61,8 +61,11 @@ def test_every_bin_edge_tie_and_saturation(dtype):
     check_t(s, global_scale="tensor")
 
 
-def test_zeros_and_strided_source():
+def test_zeros_subnormals_and_strided_source():
     check_t(torch.zeros(32, 5, dtype=torch.bfloat16))
+    sub = torch.full((32, 5), 9.2e-41).to(torch.bfloat16)  # bf16 subnormals (a feature's whole amax)
+    sub[:, 1] = randn(32, seed=12, dtype=torch.bfloat16)
+    check_t(sub)
     check_t(torch.zeros(32, 5, dtype=torch.bfloat16), global_scale="tensor")
     wide = randn(64, 48, seed=3, dtype=torch.bfloat16)
     check_t(wide[:, :40])  # row stride 48 > 40 features

@@ -1,0 +1,214 @@
+"""NVFP4 quantize kernels on one GPU: the fast paths against the generic kernels, one run.
+
+    python -m benchmarks.quantize_kernels                  # cases + sweeps, table + JSON
+    python -m benchmarks.quantize_kernels --warm-only      # compile every variant, time nothing
+    TRITON_INTERPRET=1 python -m benchmarks.quantize_kernels --smoke   # the script itself, on a CPU
+
+Every case runs twice in the same process: the dispatch of :mod:`minite_kernels.triton.quantize`
+(row kernel, column kernel with the RHT fused, flat amax pass) and, with
+``quantize.FAST_PATHS = False``, the generic kernels the previous version used for everything
+(``old_us``). Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
+counts the minimum bytes: input read once, codes + scales + image + global scales written
+once; cases with a tensor scale also pay an amax read (at most 4.56 / 6.56 = 70% of copy).
+
+The sweeps time other tile configs of the two fast kernels and check that every config writes
+exactly the bits of the default one (``same_bits``). Results: one JSON line appended to
+``benchmarks/results/quantize_kernels.jsonl`` (and ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+
+ensure_minite_kernels()
+
+from minite_kernels.triton import quantize as tq  # noqa: E402
+from minite_kernels.triton import quantize_cols as tc  # noqa: E402
+from minite_kernels.triton import quantize_rows as tr  # noqa: E402
+from minite_kernels.triton.amax import amax_forward  # noqa: E402
+from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+T = 16384
+WARM_ONLY = False
+SMOKE = False
+
+SR = dict(rounding="stochastic", seed=7)
+IMG = dict(with_image=True)
+TENSOR = dict(global_scale="tensor")
+
+#: (name, (rows, K) of the source tensor, kwargs, transposed: quantize source.t())
+CASES = [
+    ("act row+image", (T, 2048), IMG, False),
+    ("act row+image", (T, 5120), IMG, False),
+    ("act row, codes only", (T, 2048), {}, False),
+    ("act row+image, SR", (T, 2048), {**IMG, **SR}, False),
+    ("act tensor+image (amax pass)", (T, 2048), {**IMG, **TENSOR}, False),
+    ("dy tensor+image+SR (dgrad, recipe)", (T, 5120), {**IMG, **TENSOR, **SR}, False),
+    ("x.t() tensor+image", (T, 2048), {**IMG, **TENSOR}, True),
+    ("x.t() tensor+image+RHT (wgrad, recipe)", (T, 2048), {**IMG, **TENSOR, "rht_seed": 0}, True),
+    ("dy.t() tensor+image+SR", (T, 5120), {**IMG, **TENSOR, **SR}, True),
+    ("dy.t() tensor+image+SR+RHT (wgrad, recipe)", (T, 5120), {**IMG, **TENSOR, **SR, "rht_seed": 0}, True),
+    ("weight 16x16 tensor+image", (12288, 2048), {**IMG, **TENSOR, "tile": (16, 16)}, False),
+    ("act row+image RHT (row-major: rht16 first)", (T, 2048), {**IMG, "rht_seed": 1}, False),
+]
+
+ROWS_SWEEP = [(32, 4, 4), (32, 8, 4), (32, 4, 2), (32, 4, 0), (16, 4, 4), (32, 2, 4), (32, 1, 4)]
+"""(GPU_ROWS_NB, GPU_ROWS_WARPS, MAX_CHUNKS) of the row kernel; the first is the default."""
+COLS_SWEEP = [((64, 8, 8), 8), ((32, 16, 4), 8), ((64, 4, 4), 8), ((32, 8, 4), 8), ((64, 8, 8), 4),
+              ((64, 8, 8), 16), ((128, 4, 4), 8), ((32, 16, 8), 8)]
+"""(GPU_COLS_TILE, GPU_GROUPS_PER_PROG) of the column kernel; the first is the default."""
+
+
+def timed(fn) -> float:
+    """Median ms of CUDA-graph replays of ``fn`` (or one call with --warm-only / --smoke)."""
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    if WARM_ONLY:
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
+    return bench(fn, graph=True, rep_ms=60)
+
+
+def qbytes(r: int, k: int, image: bool) -> int:
+    return r * k * 2 + r * k // 2 + r * k // 16 + (2 * r * k if image else 0) + 4 * r
+
+
+def source(shape, seed=0):
+    if SMOKE:  # tiny stand-ins with the same structure
+        shape = (min(shape[0], 64), min(shape[1], 96) if shape[1] % 96 == 0 or shape[1] < 96 else 64)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, device=DEV, generator=g) * 3.0).to(BF16)
+
+
+def sec_cases(res, copy_gbps):
+    rows = []
+    for name, shape, kw, transposed in CASES:
+        x = source(shape)
+        xin = x.t() if transposed else x
+        rr, kk = xin.shape
+        row = {"case": name, "rows": rr, "K": kk}
+        for label, fast in (("new", True), ("old", False)):
+            tq.FAST_PATHS = fast
+            try:
+                row[f"{label}_us"] = 1e3 * timed(lambda: quantize_forward(xin, **kw))
+            finally:
+                tq.FAST_PATHS = True
+        gbs = qbytes(rr, kk, kw.get("with_image", False)) / row["new_us"] / 1e3
+        row.update({"speedup": row["old_us"] / row["new_us"], "GBps": gbs,
+                    "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
+        rows.append(row)
+        del x, xin
+    x1 = source((1, 2048))
+    rows.append({"case": "act row+image, one token (decode)", "rows": 1, "K": 2048,
+                 "new_us": 1e3 * timed(lambda: quantize_forward(x1, with_image=True))})
+    x = source((T, 2048))
+    t_amax = timed(lambda: amax_forward(x, T))
+    rows.append({"case": "amax pass alone (flat kernel)", "rows": x.shape[0], "K": x.shape[1], "new_us": 1e3 * t_amax,
+                 "GBps": T * 2048 * 2 / t_amax / 1e6,
+                 "pct_copy": 100 * T * 2048 * 2 / t_amax / 1e6 / copy_gbps if copy_gbps else None})
+    res["quantize"] = rows
+    print_table("quantize: new dispatch vs the generic kernels (CUDA-graph replay, us)", rows,
+                ["case", "rows", "K", "new_us", "old_us", "speedup", "GBps", "pct_copy"])
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("codes", "block_scales", "global_decode")) and (
+        a.image is None or torch.equal(a.image.view(torch.int16), b.image.view(torch.int16)))
+
+
+def sec_sweeps(res, copy_gbps):
+    rows = []
+    base_rows = (tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS)
+    cases = [("act row+image", source((T, 2048)), IMG), ("act row+image", source((T, 5120), 1), IMG),
+             ("dy tensor+image+SR", source((T, 5120), 2), {**IMG, **TENSOR, **SR})]
+    refs = [quantize_forward(x, **kw) for _, x, kw in cases]
+    for cfg in ROWS_SWEEP:
+        tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS = cfg
+        try:
+            for (name, x, kw), ref in zip(cases, refs):
+                r, k = x.shape
+                t = timed(lambda: quantize_forward(x, **kw))
+                gbs = qbytes(r, k, True) / t / 1e6
+                rows.append({"kernel": "rows", "config": str(cfg), "case": f"{name} {r}x{k}", "us": 1e3 * t,
+                             "GBps": gbs, "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None,
+                             "same_bits": _same(quantize_forward(x, **kw), ref)})
+        except Exception as e:  # a config that does not compile: report, keep going
+            rows.append({"kernel": "rows", "config": str(cfg), "case": f"FAILED {type(e).__name__}: {str(e)[:80]}"})
+        finally:
+            tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS = base_rows
+    del cases, refs
+    base_cols = (tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG)
+    cases = [("x.t() tensor+image", source((T, 2048), 3).t(), {**IMG, **TENSOR}),
+             ("dy.t() tensor+image+SR+RHT", source((T, 5120), 4).t(), {**IMG, **TENSOR, **SR, "rht_seed": 0})]
+    refs = [quantize_forward(x, **kw) for _, x, kw in cases]
+    for tile, per in COLS_SWEEP:
+        tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG = tile, per
+        try:
+            for (name, x, kw), ref in zip(cases, refs):
+                r, k = x.shape
+                t = timed(lambda: quantize_forward(x, **kw))
+                gbs = qbytes(r, k, True) / t / 1e6
+                rows.append({"kernel": "cols", "config": f"{tile} x{per}", "case": f"{name} {r}x{k}", "us": 1e3 * t,
+                             "GBps": gbs, "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None,
+                             "same_bits": _same(quantize_forward(x, **kw), ref)})
+        except Exception as e:
+            rows.append({"kernel": "cols", "config": f"{tile} x{per}",
+                         "case": f"FAILED {type(e).__name__}: {str(e)[:80]}"})
+        finally:
+            tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG = base_cols
+    res["sweeps"] = rows
+    print_table("tile sweeps (first config = default; same_bits: equal to the default's output)", rows,
+                ["kernel", "config", "case", "us", "GBps", "pct_copy", "same_bits"])
+
+
+def main(argv=None):
+    global WARM_ONLY, SMOKE, DEV
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default="cases,sweeps")
+    p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
+    p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    args = p.parse_args(argv)
+    SMOKE = args.smoke
+    if SMOKE:
+        DEV = torch.device("cpu")
+        args.copy_gbps = args.copy_gbps or 1.0
+        globals()["ROWS_SWEEP"] = ROWS_SWEEP[:2]
+        globals()["COLS_SWEEP"] = COLS_SWEEP[:2]
+    elif not torch.cuda.is_available():
+        sys.exit("benchmarks.quantize_kernels needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    WARM_ONLY = args.warm_only
+    torch.manual_seed(0)
+    res = {"env": environment(), "argv": sys.argv[1:]}
+    copy = args.copy_gbps
+    if copy is None and not WARM_ONLY:
+        src = torch.randn(1 << 29, device=DEV)
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6
+        del src, dst
+    res["copy_GBps"] = copy
+    print(f"copy bandwidth (read + write): {copy} GB/s", flush=True)
+    for sec in args.sections.split(","):
+        t0 = time.time()
+        {"cases": sec_cases, "sweeps": sec_sweeps}[sec](res, copy)
+        print(f"[{sec}: {time.time() - t0:.1f} s]", flush=True)
+    if not WARM_ONLY and not SMOKE:
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        print("saved:", save(res, "quantize_kernels", [here, args.out]))
+
+
+if __name__ == "__main__":
+    main()
