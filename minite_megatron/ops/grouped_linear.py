@@ -21,11 +21,16 @@ from dataclasses import replace
 
 import torch
 
-from .. import nvfp4
-from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes, quantize_wgrad_operand
+from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
-from .seeds import next_sr_seed
-from .linear import LinearContext, _trace, add_wgrad, backend_for
+from .linear import (
+    LinearContext,
+    add_wgrad,
+    backend_for,
+    quantize_activation,
+    quantize_dgrad_operand,
+    quantize_wgrad_operand_for,
+)
 
 
 def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lctx=None) -> NVFP4Tensor:
@@ -80,15 +85,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
         qw = cache.get(weights, recipe, backend, lctx)
-        qx = backend.quantize(
-            x,
-            global_scale=recipe.activation_scale,
-            amax=lctx.amax(x, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
-            with_image=True,
-            nonfinite=recipe.nonfinite,
-        )
-        _trace(lctx, "input_codes", qx.codes)
-        _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
+        qx = quantize_activation(x, lctx, backend)
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
@@ -97,15 +94,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         ctx.needs_wgrad = any(ctx.needs_input_grad[5 : 5 + groups])
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
-            qx_t = quantize_wgrad_operand(
-                x,
-                tokens_per_expert,
-                global_scale=recipe.grad_scale,
-                rht_seed=recipe.wgrad_rht_seed,
-                nonfinite=recipe.nonfinite,
-                quantize=backend.quantize,
-                amax_fn=lambda t: lctx.amax(t, recipe.grad_scale, rows_sharded=lctx.row, k_sharded=False, rht_seed=recipe.wgrad_rht_seed),
-            )
+            qx_t = quantize_wgrad_operand_for(x, tokens_per_expert, lctx, backend, gradient=False)
             ctx.qx_t_meta = replace(qx_t, image=None)
             saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
         elif ctx.needs_wgrad:
@@ -126,32 +115,12 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         qw = ctx.cache.get(weights, recipe, backend, lctx)
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
-                qdy = backend.quantize(
-                    dy,
-                    global_scale=recipe.grad_scale,
-                    rounding=recipe.grad_rounding,
-                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-                    amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-                    with_image=True,
-                    nonfinite=recipe.nonfinite,
-                )
+                qdy = quantize_dgrad_operand(dy, lctx, backend)
                 dx = backend.grouped_gemm(qdy, ctx.cache.transposed(), sizes, None, grad_out.dtype, recipe.strict)
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
-                qdy_t = quantize_wgrad_operand(
-                    dy,
-                    sizes,
-                    global_scale=recipe.grad_scale,
-                    rounding=recipe.grad_rounding,
-                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-                    rht_seed=recipe.wgrad_rht_seed,
-                    nonfinite=recipe.nonfinite,
-                    quantize=backend.quantize,
-                    amax_fn=lambda t: lctx.amax(
-                        t, recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=recipe.wgrad_rht_seed
-                    ),
-                )
+                qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
                 dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), torch.float32, recipe.strict)
                 dws = [add_wgrad(w, dw[g], grad_out) for g, w in enumerate(weights)]
         else:

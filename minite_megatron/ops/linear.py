@@ -108,6 +108,57 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
     return dw.to(weight.dtype)
 
 
+# ---- the operands of the three GEMMs (shared with the grouped linear) --------------------------
+def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
+    """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism."""
+    recipe = lctx.recipe
+    qx = backend.quantize(
+        x2,
+        global_scale=recipe.activation_scale,
+        amax=lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
+        with_image=True,
+        nonfinite=recipe.nonfinite,
+    )
+    _trace(lctx, "input_codes", qx.codes)
+    _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
+    return qx
+
+
+def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
+    """dgrad's gradient ``[M, N]`` along N (split under column parallelism), SR if the recipe says."""
+    recipe = lctx.recipe
+    return backend.quantize(
+        dy,
+        global_scale=recipe.grad_scale,
+        rounding=recipe.grad_rounding,
+        seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
+        amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
+        with_image=True,
+        nonfinite=recipe.nonfinite,
+    )
+
+
+def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool) -> NVFP4Tensor:
+    """A wgrad operand along tokens: ``dy`` (``gradient``: SR) or ``x``, both with the RHT, each
+    group's tokens zero-padded to a multiple of 16 (dW unchanged). Its rows (features) are split
+    under column (dy) or row (x) parallelism."""
+    recipe = lctx.recipe
+    rht = recipe.wgrad_rht_seed
+    stochastic = gradient and recipe.grad_stochastic_rounding
+    rows_sharded = lctx.column if gradient else lctx.row
+    return quantize_wgrad_operand(
+        t,
+        group_sizes,
+        global_scale=recipe.grad_scale,
+        rounding=recipe.grad_rounding if gradient else "nearest",
+        seed=next_sr_seed(recipe.seed) if stochastic else None,
+        rht_seed=rht,
+        nonfinite=recipe.nonfinite,
+        quantize=backend.quantize,
+        amax_fn=lambda tt: lctx.amax(tt, recipe.grad_scale, rows_sharded=rows_sharded, k_sharded=False, rht_seed=rht),
+    )
+
+
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext):
@@ -116,15 +167,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx), extra=backend.name)
-        qx = backend.quantize(
-            x2,
-            global_scale=recipe.activation_scale,
-            amax=lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
-            with_image=True,
-            nonfinite=recipe.nonfinite,
-        )
-        _trace(lctx, "input_codes", qx.codes)
-        _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
+        qx = quantize_activation(x2, lctx, backend)
         y = backend.gemm(qx, qw, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
         ctx.lctx = lctx
@@ -133,17 +176,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         saved = [weight]
         ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
-            rht = recipe.wgrad_rht_seed
-            # along tokens: zero rows pad the token count to a multiple of 16 (dW unchanged)
-            qx_t = quantize_wgrad_operand(
-                x2,
-                [x2.shape[0]],
-                global_scale=recipe.grad_scale,
-                rht_seed=rht,
-                nonfinite=recipe.nonfinite,
-                quantize=backend.quantize,
-                amax_fn=lambda t: lctx.amax(t, recipe.grad_scale, rows_sharded=lctx.row, k_sharded=False, rht_seed=rht),
-            )
+            qx_t = quantize_wgrad_operand_for(x2, [x2.shape[0]], lctx, backend, gradient=False)
             ctx.qx_t_meta = _strip_image(qx_t)
             saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
         elif ctx.needs_wgrad:
@@ -166,33 +199,13 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
-                qdy = backend.quantize(
-                    dy,
-                    global_scale=recipe.grad_scale,
-                    rounding=recipe.grad_rounding,
-                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-                    amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-                    with_image=True,
-                    nonfinite=recipe.nonfinite,
-                )
+                qdy = quantize_dgrad_operand(dy, lctx, backend)
                 qwt = lctx.cache.transposed(lambda q: weight_transposed(q, weight, recipe, backend, lctx))
                 dx = backend.gemm(qdy, qwt, None, out_dtype=grad_out.dtype, batch_invariant=recipe.strict)
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
-                qdy_t = quantize_wgrad_operand(
-                    dy,
-                    [dy.shape[0]],
-                    global_scale=recipe.grad_scale,
-                    rounding=recipe.grad_rounding,
-                    seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-                    rht_seed=recipe.wgrad_rht_seed,
-                    nonfinite=recipe.nonfinite,
-                    quantize=backend.quantize,
-                    amax_fn=lambda t: lctx.amax(
-                        t, recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=recipe.wgrad_rht_seed
-                    ),
-                )
+                qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=torch.float32, batch_invariant=recipe.strict)
                 dw_out = add_wgrad(weight, dw, grad_out)
         else:
