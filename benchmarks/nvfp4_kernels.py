@@ -50,10 +50,16 @@ EXPERTS, HIDDEN, EXPERT_FFN, TOPK = 128, 2048, 768, 8
 
 BF16 = torch.bfloat16
 SMOKE = False
+WARM_ONLY = False
+NAIVE = True
 DEV = torch.device("cuda")
 
 
 def timed(fn, graph=False, rep_ms=100):
+    if WARM_ONLY:  # compile and run once (parallel warm-up of Triton's cache), time nothing
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
     if SMOKE:
         t = time.perf_counter()
         fn()
@@ -241,7 +247,8 @@ def sec_gemm(res, tokens):
 
 # ---- Linear fwd+bwd ---------------------------------------------------------------------------
 def nvfp4_linear_fwd_bwd(x, w, dy, strict=False):
-    """The NVFP4 full-update Linear on the Triton ops (what ops.linear does, without autograd)."""
+    """The NVFP4 full-update Linear on the Triton ops (what ops.linear does, without autograd):
+    x row scale, dy row scale, x.t() tensor scale, dy.t() tensor scale + SR (runs 1-3's step)."""
     qw = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
     qx = quantize_forward(x, with_image=True)
     y = gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, strict, False)
@@ -251,6 +258,31 @@ def nvfp4_linear_fwd_bwd(x, w, dy, strict=False):
     qdy_t = quantize_forward(dy.t(), global_scale="tensor", with_image=True, rounding="stochastic", seed=1)
     dw = gemm_op(qdy_t.image, qx_t.image, qdy_t.global_decode, qx_t.global_decode, None, torch.float32, strict, False)
     return y, dx, dw
+
+
+def recipe_linear_fwd_bwd(x, w, dy):
+    """The default recipe's step (minite_megatron.recipe.Recipe()): x row scale; dy tensor
+    scale + SR (dgrad); x.t() and dy.t() tensor scale + the RHT (wgrad; dy.t() with SR)."""
+    qw = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
+    qx = quantize_forward(x, with_image=True)
+    y = gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, False, False)
+    qx_t = quantize_forward(x.t(), global_scale="tensor", with_image=True, rht_seed=0)
+    qdy = quantize_forward(dy, global_scale="tensor", with_image=True, rounding="stochastic", seed=2)
+    dx = gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, False, False)
+    qdy_t = quantize_forward(dy.t(), global_scale="tensor", with_image=True, rounding="stochastic", seed=1, rht_seed=0)
+    dw = gemm_op(qdy_t.image, qx_t.image, qdy_t.global_decode, qx_t.global_decode, None, torch.float32, False, False)
+    return y, dx, dw
+
+
+def _generic(fn):
+    """``fn`` with the previous version's kernels (``quantize.FAST_PATHS = False``)."""
+    def run():
+        tq.FAST_PATHS = False
+        try:
+            return fn()
+        finally:
+            tq.FAST_PATHS = True
+    return run
 
 
 def naive_linear_fwd_bwd(x, w, dy):
@@ -272,11 +304,17 @@ def sec_linear(res, tokens):
             x, w, dy = rnd(t_tok, k), rnd(n, k, scale=0.02), rnd(t_tok, n)
             t_bf16 = timed(lambda: (torch.mm(x, w.t()), torch.mm(dy, w), torch.mm(dy.t(), x)))
             t_fp4 = timed(lambda: nvfp4_linear_fwd_bwd(x, w, dy))
-            row = {"shape": name, "T": t_tok, "bf16_ms": t_bf16, "nvfp4_ms": t_fp4, "nvfp4_over_bf16": t_fp4 / t_bf16}
+            t_old = timed(_generic(lambda: nvfp4_linear_fwd_bwd(x, w, dy)))
+            t_rec = timed(lambda: recipe_linear_fwd_bwd(x, w, dy))
+            t_rec_old = timed(_generic(lambda: recipe_linear_fwd_bwd(x, w, dy)))
+            row = {"shape": name, "T": t_tok, "bf16_ms": t_bf16, "nvfp4_ms": t_fp4, "nvfp4_over_bf16": t_fp4 / t_bf16,
+                   "old_ms": t_old, "old_over_bf16": t_old / t_bf16, "recipe_ms": t_rec,
+                   "recipe_over_bf16": t_rec / t_bf16, "recipe_old_ms": t_rec_old}
             if t_tok == tokens[0]:
-                t_naive = timed(lambda: naive_linear_fwd_bwd(x, w, dy), rep_ms=200)
-                row["naive_ms"] = t_naive
-                row["speedup_vs_naive"] = t_naive / t_fp4
+                if NAIVE:
+                    t_naive = timed(lambda: naive_linear_fwd_bwd(x, w, dy), rep_ms=200)
+                    row["naive_ms"] = t_naive
+                    row["speedup_vs_naive"] = t_naive / t_fp4
                 # where the time goes: the quantize passes vs the three GEMMs
                 qx = quantize_forward(x, with_image=True)
                 qw = quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True)
@@ -289,6 +327,12 @@ def sec_linear(res, tokens):
                 row["q_dyt_sr"] = timed(lambda: quantize_forward(dy.t(), global_scale="tensor", with_image=True,
                                                                  rounding="stochastic", seed=1))
                 row["q_w"] = timed(lambda: quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True))
+                row["q_xt_rht"] = timed(lambda: quantize_forward(x.t(), global_scale="tensor", with_image=True,
+                                                                 rht_seed=0))
+                row["q_dy_tensor_sr"] = timed(lambda: quantize_forward(dy, global_scale="tensor", with_image=True,
+                                                                       rounding="stochastic", seed=2))
+                row["q_dyt_sr_rht"] = timed(lambda: quantize_forward(dy.t(), global_scale="tensor", with_image=True,
+                                                                     rounding="stochastic", seed=1, rht_seed=0))
                 row["gemms_only_ms"] = timed(lambda: (
                     gemm_op(qx.image, qw.image, qx.global_decode, qw.global_decode, None, BF16, False, False),
                     gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, False, False),
@@ -296,10 +340,14 @@ def sec_linear(res, tokens):
                             torch.float32, False, False)))
             rows.append(row)
     res["linear"] = rows
-    print_table("Linear fwd+bwd (NVFP4 = 4 activation quantize passes + weight + 3 GEMMs)", rows,
-                ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16", "gemms_only_ms", "naive_ms", "speedup_vs_naive"])
+    print_table("Linear fwd+bwd (NVFP4 = 4 activation quantize passes + weight + 3 GEMMs; old = previous kernels)",
+                rows, ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16", "old_ms", "old_over_bf16", "gemms_only_ms",
+                       "naive_ms", "speedup_vs_naive"])
+    print_table("Linear fwd+bwd, the default recipe (dy tensor+SR, wgrad operands RHT)", rows,
+                ["shape", "T", "bf16_ms", "recipe_ms", "recipe_over_bf16", "recipe_old_ms"])
     print_table("Linear: the quantize passes (ms)", [r for r in rows if "q_x" in r],
-                ["shape", "T", "q_x", "q_xt", "q_dy", "q_dyt_sr", "q_w", "gemms_only_ms"])
+                ["shape", "T", "q_x", "q_xt", "q_dy", "q_dyt_sr", "q_w", "q_xt_rht", "q_dy_tensor_sr", "q_dyt_sr_rht",
+                 "gemms_only_ms"])
 
 
 # ---- grouped (MoE) ---------------------------------------------------------------------------
@@ -369,15 +417,18 @@ def sec_grouped(res, tokens_list):
                 t_g = None
             t_l = timed(bf16_loop)
             t_f = timed(fp4_grouped)
+            row["nvfp4_old_ms"] = timed(_generic(fp4_grouped))
+            row["t_wgrad_all_old"] = timed(_generic(lambda: grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic",
+                                                                                 grad_seed=3)))
             row.update({"bf16_loop_ms": t_l, "nvfp4_ms": t_f, "nvfp4_TFLOPs": flops / t_f / 1e9,
                         "throughput_vs_grouped_mm": (t_g / t_f) if t_g else None, "speedup_vs_loop": t_l / t_f})
             rows.append(row)
     res["grouped"] = rows
     print_table("MoE grouped fwd+bwd (NVFP4 includes every quantization)", rows,
-                ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms",
+                ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms", "nvfp4_old_ms",
                  "throughput_vs_grouped_mm", "speedup_vs_loop", "nvfp4_TFLOPs"])
     print_table("MoE grouped: where the NVFP4 time goes (ms)", rows,
-                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all"])
+                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_old"])
 
 
 # ---- decode -------------------------------------------------------------------------------------
@@ -467,7 +518,7 @@ SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "
 
 
 def main(argv=None):
-    global SMOKE, DEV
+    global SMOKE, DEV, WARM_ONLY, NAIVE
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
@@ -476,8 +527,12 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="also sweep quantize tile configs")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--warm-only", action="store_true", help="run every timed function once (fill Triton's cache)")
+    p.add_argument("--no-naive", action="store_true", help="skip the plain-torch emulation in the linear section")
     args = p.parse_args(argv)
     SMOKE = args.smoke
+    WARM_ONLY = args.warm_only
+    NAIVE = not args.no_naive
     if SMOKE:
         DEV = torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -510,7 +565,7 @@ def main(argv=None):
         else:
             raise SystemExit(f"unknown section {sec!r}; known: {', '.join(SECTIONS)}")
         print(f"[{sec}: {time.time() - t0:.1f} s]", flush=True)
-    if not SMOKE:
+    if not SMOKE and not WARM_ONLY:
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
         print("saved:", save(res, "nvfp4_kernels", [here, args.out]))
 

@@ -179,6 +179,7 @@ def main(argv=None):
     p.add_argument("--sections", default="cases,sweeps")
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")
+    p.add_argument("--shard", default="0/1", help="i/N: with --warm-only, only every N-th case and config")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     args = p.parse_args(argv)
@@ -191,6 +192,10 @@ def main(argv=None):
     elif not torch.cuda.is_available():
         sys.exit("benchmarks.quantize_kernels needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
     WARM_ONLY = args.warm_only
+    if WARM_ONLY:  # parallel compile: N processes, each takes every N-th case and sweep config
+        i, n = (int(v) for v in args.shard.split("/"))
+        for name in ("CASES", "ROWS_SWEEP", "COLS_SWEEP"):
+            globals()[name] = globals()[name][i::n]
     torch.manual_seed(0)
     res = {"env": environment(), "argv": sys.argv[1:]}
     copy = args.copy_gbps
