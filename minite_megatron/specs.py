@@ -122,12 +122,13 @@ class MiniteSpecProvider(BackendSpecProvider):
         return None
 
 
-def get_moe_module_spec_minite(backend: MiniteSpecProvider, shared_backend: MiniteSpecProvider):
-    """MoE layer: router (FP32; batch invariant in strict mode), grouped experts, shared experts."""
+def moe_module_spec(experts_backend, shared_backend):
+    """MoE layer from two providers: ``experts_backend`` gives the MoE layer class, the router and
+    the grouped experts; ``shared_backend`` the shared experts' linears."""
     return partial(
-        backend.moe_layer(),
+        experts_backend.moe_layer(),
         submodules=MoESubmodules(
-            experts=backend.grouped_mlp_modules(True),
+            experts=experts_backend.grouped_mlp_modules(True),
             shared_experts=partial(
                 _build_shared_experts,
                 submodules=MLPSubmodules(
@@ -135,7 +136,46 @@ def get_moe_module_spec_minite(backend: MiniteSpecProvider, shared_backend: Mini
                     linear_fc2=shared_backend.row_parallel_linear(),
                 ),
             ),
-            router=backend.router(),
+            router=experts_backend.router(),
+        ),
+    )
+
+
+def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, experts=None, shared=None) -> ModuleSpec:
+    """One GPT layer from providers: ``attn`` (norms, qkv/proj linears, core attention), ``mlp``
+    (dense MLP linears) and, for an MoE layer, ``experts`` and ``shared`` (default: ``mlp``)."""
+    norm = attn.layer_norm(rms_norm=True)
+    if num_experts is None:
+        mlp_spec = partial(
+            MLP.as_mlp_submodule,
+            submodules=MLPSubmodules(linear_fc1=mlp.column_parallel_linear(), linear_fc2=mlp.row_parallel_linear()),
+        )
+    else:
+        mlp_spec = moe_module_spec(experts or mlp, shared or mlp)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=attn.column_parallel_linear(),
+                    core_attention=attn.core_attention(),
+                    linear_proj=attn.row_parallel_linear(),
+                    q_layernorm=norm if qk_layernorm else IdentityOp,
+                    k_layernorm=norm if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp_spec,
+            mlp_bda=get_bias_dropout_add,
+            # the same checkpoint keys as Megatron's local and TE specs
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
         ),
     )
 
@@ -155,45 +195,13 @@ def get_gpt_layer_minite_spec(
         layer_in_bf16: keep every linear of this layer in BF16 (a recipe's first/last layers).
     """
     recipe = recipe if recipe is not None else Recipe()
-    attn = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_attention, layer_in_bf16))
-    norm = attn.layer_norm(rms_norm=True)
-    if num_experts is None:
-        mlp_backend = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_dense_mlp, layer_in_bf16))
-        mlp = partial(
-            MLP.as_mlp_submodule,
-            submodules=MLPSubmodules(
-                linear_fc1=mlp_backend.column_parallel_linear(), linear_fc2=mlp_backend.row_parallel_linear()
-            ),
-        )
-    else:
-        experts = MiniteSpecProvider(recipe, expert_precision=_precision(recipe.quantize_experts, layer_in_bf16))
-        shared = MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_shared_experts, layer_in_bf16))
-        mlp = get_moe_module_spec_minite(experts, shared)
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=attn.column_parallel_linear(),
-                    core_attention=attn.core_attention(),
-                    linear_proj=attn.row_parallel_linear(),
-                    q_layernorm=norm if qk_layernorm else IdentityOp,
-                    k_layernorm=norm if qk_layernorm else IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-            # the same checkpoint keys as Megatron's local and TE specs
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
+    return build_layer_spec(
+        attn=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_attention, layer_in_bf16)),
+        mlp=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_dense_mlp, layer_in_bf16)),
+        num_experts=num_experts,
+        qk_layernorm=qk_layernorm,
+        experts=MiniteSpecProvider(recipe, expert_precision=_precision(recipe.quantize_experts, layer_in_bf16)),
+        shared=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_shared_experts, layer_in_bf16)),
     )
 
 

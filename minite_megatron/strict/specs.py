@@ -23,19 +23,13 @@ from __future__ import annotations
 from functools import partial
 
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.moe_module_specs import _build_shared_experts
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from ..modules.norm import MiniteNorm
+from ..specs import build_layer_spec, moe_layer_pattern, moe_module_spec
 from .core_attention import StrictDotProductAttention
 from .parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
 from .moe import StrictMoELayer
@@ -81,75 +75,20 @@ def get_strict_moe_module_spec(backend: StrictSpecProvider | None = None):
     """MoE layer builder: strict router, ``SequentialMLP`` experts and shared experts, and the
     deterministic combine."""
     backend = backend if backend is not None else StrictSpecProvider()
-    return partial(
-        backend.moe_layer(),
-        submodules=MoESubmodules(
-            router=backend.router(),
-            experts=backend.grouped_mlp_modules(False),
-            shared_experts=partial(
-                _build_shared_experts,
-                submodules=MLPSubmodules(
-                    linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()
-                ),
-            ),
-        ),
-    )
+    return moe_module_spec(backend, backend)
 
 
 def get_gpt_layer_strict_local_spec(num_experts: int | None = None, qk_layernorm: bool = False) -> ModuleSpec:
     """One strict GPT layer: dense (``num_experts=None``) or MoE, optional qk-layernorm."""
     backend = StrictSpecProvider()
-    norm = backend.layer_norm(rms_norm=True)
-    if num_experts is None:
-        mlp = partial(
-            MLP.as_mlp_submodule,
-            submodules=MLPSubmodules(
-                linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear()
-            ),
-        )
-    else:
-        mlp = get_strict_moe_module_spec(backend)
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=norm if qk_layernorm else IdentityOp,
-                    k_layernorm=norm if qk_layernorm else IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
-    )
+    return build_layer_spec(backend, backend, num_experts, qk_layernorm)
 
 
 def get_gpt_decoder_block_strict_spec(config) -> TransformerBlockSubmodules:
     """The strict decoder block for ``config`` (all layers; MoE where ``moe_layer_freq`` says)."""
     if config.pipeline_model_parallel_size > 1:
         raise NotImplementedError("get_gpt_decoder_block_strict_spec builds single-stage blocks (no pipeline parallelism)")
-    if config.num_moe_experts:
-        freq = config.moe_layer_freq
-        if isinstance(freq, int):
-            pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-        elif isinstance(freq, list) and len(freq) == config.num_layers:
-            pattern = list(freq)
-        else:
-            raise ValueError(f"moe_layer_freq must be an int or a list of {config.num_layers} entries, got {freq!r}")
-    else:
-        pattern = [0] * config.num_layers
+    pattern = moe_layer_pattern(config)
     layers = [
         get_gpt_layer_strict_local_spec(config.num_moe_experts if moe else None, qk_layernorm=config.qk_layernorm)
         for moe in pattern
