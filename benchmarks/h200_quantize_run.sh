@@ -13,12 +13,13 @@ PY=${PY:-python3}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv >"$OUT/smi.txt" 2>&1
 t0=$(date +%s)
 for i in 0 1 2 3 4 5; do
-  $PY -m benchmarks.quantize_kernels --warm-only --shard "$i/6" >"$OUT/warm_q$i.log" 2>&1 &
+  timeout "${WARM_TIMEOUT:-100}" $PY -m benchmarks.quantize_kernels --warm-only --shard "$i/6" >"$OUT/warm_q$i.log" 2>&1 &
 done
-$PY -m benchmarks.nvfp4_kernels --warm-only --sections linear --tokens 16384 --no-naive >"$OUT/warm_lin.log" 2>&1 &
-$PY -m benchmarks.nvfp4_kernels --warm-only --sections grouped >"$OUT/warm_grp.log" 2>&1 &
+timeout "${WARM_TIMEOUT:-100}" $PY -m benchmarks.nvfp4_kernels --warm-only --sections linear --tokens 16384 --no-naive \
+  >"$OUT/warm_lin.log" 2>&1 &
+timeout "${WARM_TIMEOUT:-100}" $PY -m benchmarks.nvfp4_kernels --warm-only --sections grouped >"$OUT/warm_grp.log" 2>&1 &
 T=tests/kernels/triton
-timeout "${TEST_TIMEOUT:-170}" $PY -m pytest -q -n 8 -p no:cacheprovider \
+timeout "${TEST_TIMEOUT:-100}" $PY -m pytest -q -n 8 -p no:cacheprovider \
   $T/test_triton_quantize.py $T/test_triton_quantize_rows.py $T/test_triton_quantize_cols.py \
   $T/test_triton_quantize_amax.py "$T/test_triton_gpu.py::test_quantize_bitwise_at_real_shapes" \
   "$T/test_triton_gpu.py::test_quantize_weights_16x16_at_real_shape" \
