@@ -10,6 +10,8 @@ OUT=${OUT:-/tmp/quantize_run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
+# minite_kernels is kernels/ installed under another name: without the editable install, a link
+$PY -c "import minite_kernels" 2>/dev/null || { ln -sfn kernels minite_kernels; export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv >"$OUT/smi.txt" 2>&1
 t0=$(date +%s)
 for i in 0 1 2 3 4 5; do

@@ -94,33 +94,59 @@ def source(shape, seed=0):
 
 def sec_cases(res, copy_gbps):
     rows = []
+    cols = ["case", "rows", "K", "new_us", "old_us", "speedup", "GBps", "pct_copy"]
+    print("case | rows | K | new_us | old_us | speedup | GBps | pct_copy", flush=True)
+
+    def done(row):
+        rows.append(row)
+        print(" | ".join(f"{row.get(c):.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols),
+              flush=True)
+
     for name, shape, kw, transposed in CASES:
         x = source(shape)
         xin = x.t() if transposed else x
         rr, kk = xin.shape
         row = {"case": name, "rows": rr, "K": kk}
-        for label, fast in (("new", True), ("old", False)):
-            tq.FAST_PATHS = fast
-            try:
-                row[f"{label}_us"] = 1e3 * timed(lambda: quantize_forward(xin, **kw))
-            finally:
-                tq.FAST_PATHS = True
-        gbs = qbytes(rr, kk, kw.get("with_image", False)) / row["new_us"] / 1e3
-        row.update({"speedup": row["old_us"] / row["new_us"], "GBps": gbs,
-                    "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
-        rows.append(row)
+        try:
+            for label, fast in (("new", True), ("old", False)):
+                tq.FAST_PATHS = fast
+                try:
+                    row[f"{label}_us"] = 1e3 * timed(lambda: quantize_forward(xin, **kw))
+                finally:
+                    tq.FAST_PATHS = True
+            gbs = qbytes(rr, kk, kw.get("with_image", False)) / row["new_us"] / 1e3
+            row.update({"speedup": row["old_us"] / row["new_us"], "GBps": gbs,
+                        "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
+        except Exception as e:  # report, keep going
+            row["case"] = f"{name} FAILED {type(e).__name__}: {str(e)[:80]}"
+        done(row)
         del x, xin
     x1 = source((1, 2048))
-    rows.append({"case": "act row+image, one token (decode)", "rows": 1, "K": 2048,
-                 "new_us": 1e3 * timed(lambda: quantize_forward(x1, with_image=True))})
+    done({"case": "act row+image, one token (decode)", "rows": 1, "K": 2048,
+          "new_us": 1e3 * timed(lambda: quantize_forward(x1, with_image=True))})
     x = source((T, 2048))
-    t_amax = timed(lambda: amax_forward(x, T))
-    rows.append({"case": "amax pass alone (flat kernel)", "rows": x.shape[0], "K": x.shape[1], "new_us": 1e3 * t_amax,
-                 "GBps": T * 2048 * 2 / t_amax / 1e6,
-                 "pct_copy": 100 * T * 2048 * 2 / t_amax / 1e6 / copy_gbps if copy_gbps else None})
+    r, k = x.shape
+    t = timed(lambda: amax_forward(x, r))
+    done({"case": "amax pass alone (flat kernel)", "rows": r, "K": k, "new_us": 1e3 * t, "GBps": r * k * 2 / t / 1e6,
+          "pct_copy": 100 * r * k * 2 / t / 1e6 / copy_gbps if copy_gbps else None})
+    mask = tq.rht_mask_of(0)
+    t = timed(lambda: tc.amax_launch(x.t(), None, k, mask))
+    done({"case": "x.t() RHT amax pass alone (column kernel)", "rows": k, "K": r, "new_us": 1e3 * t,
+          "GBps": r * k * 2 / t / 1e6, "pct_copy": 100 * r * k * 2 / t / 1e6 / copy_gbps if copy_gbps else None})
+    amax = amax_forward(x, r)
+    for name, kw in (("x.t() image, amax given (column kernel alone)", {}),
+                     ("x.t() image+SR+RHT, amax given (column kernel alone)", {**SR, "rht_seed": 0})):
+        t = timed(lambda: quantize_forward(x.t(), global_scale="tensor", amax=amax, with_image=True, **kw))
+        gbs = qbytes(k, r, True) / t / 1e6
+        done({"case": name, "rows": k, "K": r, "new_us": 1e3 * t, "GBps": gbs,
+              "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
+    for name, kw in (("act row image, amax given (row kernel alone)", {}),):
+        t = timed(lambda: quantize_forward(x, global_scale="tensor", amax=amax, with_image=True, **kw))
+        gbs = qbytes(r, k, True) / t / 1e6
+        done({"case": name, "rows": r, "K": k, "new_us": 1e3 * t, "GBps": gbs,
+              "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
     res["quantize"] = rows
-    print_table("quantize: new dispatch vs the generic kernels (CUDA-graph replay, us)", rows,
-                ["case", "rows", "K", "new_us", "old_us", "speedup", "GBps", "pct_copy"])
+    print_table("quantize: new dispatch vs the generic kernels (CUDA-graph replay, us)", rows, cols)
 
 
 def _same(a, b) -> bool:

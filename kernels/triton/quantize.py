@@ -319,7 +319,10 @@ def rht_mask_of(rht_seed: int | None) -> int:
     return int(sum(1 << j for j in range(BLOCK) if float(signs[j]) < 0))
 
 
-def _signs_of_mask(mask: int, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _signs_of_mask(mask: int, device: torch.device) -> torch.Tensor:
+    """fp32 [16] sign vector of ``mask`` on ``device`` (cached: no host-to-device copy per call,
+    so a quantize call can be captured in a CUDA graph after its first run)."""
     return torch.tensor([-1.0 if (mask >> j) & 1 else 1.0 for j in range(BLOCK)], dtype=torch.float32, device=device)
 
 
@@ -381,7 +384,7 @@ def quantize_op(
         if col_index is not None:
             x2d = torch.where((col_index >= 0)[None, :], x2d[:, col_index.clamp(min=0).long()], 0)
             col_index = None
-        x2d = rht16(x2d, _signs_of_mask(rht_mask, x2d.device))
+        x2d = rht16(x2d, _signs_of_mask(rht_mask, torch.device(x2d.device)))
     if _transposed_source(x2d) and not tile16:
         if amax is None:
             amax = amax_forward(x2d, 1)
@@ -462,7 +465,7 @@ def quantize_forward(
     tile16 = tuple(tile) == (BLOCK, BLOCK)
     rht = rht_mask_of(rht_seed)
     if rht >= 0 and not (FAST_PATHS and quantize_cols.supported(x2d, tile16)):  # fused only there
-        x2d = rht16(x2d, _signs_of_mask(rht, x.device))
+        x2d = rht16(x2d, _signs_of_mask(rht, torch.device(x.device)))
         rht = -1
     rows = x2d.shape[0]
     if global_scale == "row":
