@@ -61,10 +61,10 @@ CASES = [
     ("act row+image RHT (row-major: rht16 first)", (T, 2048), {**IMG, "rht_seed": 1}, False),
 ]
 
-ROWS_SWEEP = [(32, 4, 4), (32, 8, 4), (32, 4, 2), (32, 4, 0), (16, 4, 4), (32, 2, 4), (32, 1, 4)]
+ROWS_SWEEP = [(32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (32, 4, 0), (16, 4, 4), (32, 1, 0)]
 """(GPU_ROWS_NB, GPU_ROWS_WARPS, MAX_CHUNKS) of the row kernel; the first is the default."""
-COLS_SWEEP = [((64, 8, 8), 8), ((32, 16, 4), 8), ((64, 4, 4), 8), ((32, 8, 4), 8), ((64, 8, 8), 4),
-              ((64, 8, 8), 16), ((128, 4, 4), 8), ((32, 16, 8), 8)]
+COLS_SWEEP = [((64, 4, 4), 8), ((64, 8, 8), 8), ((32, 16, 4), 8), ((32, 8, 4), 8), ((64, 4, 4), 4),
+              ((64, 4, 4), 16), ((64, 2, 2), 8), ((128, 4, 4), 8)]
 """(GPU_COLS_TILE, GPU_GROUPS_PER_PROG) of the column kernel; the first is the default."""
 
 

@@ -40,8 +40,10 @@ from ._nvfp4_math import (
 
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
-#: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU.
-GPU_COLS_TILE = (64, 8, 8)
+#: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU. H200, 2026-11-30 sweep
+#: (x.t() 2048 x 16384 / dy.t() 5120 x 16384 with SR + RHT, us): (64, 4, 4) 83.7 / 256;
+#: (64, 8, 8) 82.2 / 314; (32, 8, 4) 85.8 / 271; (32, 16, 4) 88.3 / 305; (128, 4, 4) 85.2 / 291.
+GPU_COLS_TILE = (64, 4, 4)
 #: At most this many token-block groups per program, and at least this many programs.
 GPU_GROUPS_PER_PROG = 8
 GPU_MIN_PROGRAMS = 1024

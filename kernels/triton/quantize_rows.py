@@ -48,7 +48,10 @@ from ._nvfp4_math import (
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: num_warps of the row kernel on the GPU (each warp walks rows; one block per thread per chunk).
-GPU_ROWS_WARPS = 4
+#: H200, 2026-11-30 (benchmarks.quantize_kernels sweep, 16384 x 2048 bf16, row scale + image):
+#: 1 warp 41.3 us (87% of copy), 2 warps 49.1, 4 warps 51.8, 8 warps 62.0 -- the register-held
+#: chunks take ~180 registers, so small programs pack more warps per SM.
+GPU_ROWS_WARPS = 1
 #: Threads (blocks per chunk) per row on the GPU: one warp per row.
 GPU_ROWS_NB = 32
 #: Rows of at most this many chunks are held in registers (one read); longer rows are read twice.

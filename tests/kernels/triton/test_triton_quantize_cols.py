@@ -118,7 +118,8 @@ def test_rht_mask_bits_are_the_sign_vector():
 @pytest.mark.parametrize("rht_seed", [None, 2])
 def test_amax_pass_equals_the_reference_amax(rht_seed):
     """``amax_launch`` (the tensor / per-row amax of the transformed operand) == the contract's
-    amax, NaN winning."""
+    amax, NaN winning. NaN payloads are not part of the contract (regression, H200 2026-11-30:
+    the GPU's add of a NaN gives 0x7FFFFFFF where torch writes 0x7FC00000)."""
     s = heavy_tailed(80, 33, seed=8, dtype=torch.bfloat16)
     s[3, 30] = float("nan")
     st = s.t()
@@ -127,7 +128,7 @@ def test_amax_pass_equals_the_reference_amax(rht_seed):
         ref = nvfp4.rht16(st, nvfp4.rht_signs(rht_seed))
     per_row = torch.where(ref.isnan().any(1), float("nan"), ref.abs().amax(1))
     got = quantize_cols.amax_launch(st.to(DEVICE), None, 1, rht_mask_of(rht_seed)).cpu()
-    assert_bitwise_equal(got, per_row, "per-row amax")
+    assert_bitwise_equal(got, per_row, "per-row amax", nan_equal=True)
     got = quantize_cols.amax_launch(st.to(DEVICE), None, 33, rht_mask_of(rht_seed)).cpu()
     assert torch.isnan(got).all() and got.shape == (1,)
     s[3, 30] = 1.0

@@ -161,8 +161,11 @@ def test_strided_rows_and_leading_dims():
 
 
 def test_inputs_the_row_kernel_does_not_take_fall_back():
-    """Rows starting off a 4-byte boundary, fp32 input, and 16x16 tiles go to the generic kernel."""
-    x = randn(8, 64, seed=12, dtype=torch.bfloat16)
+    """Rows starting off a 4-byte boundary, fp32 input, and 16x16 tiles go to the generic kernel.
+
+    Regression (H200, 2026-11-30): the misaligned view was built on the CPU and copied to the
+    GPU, which realigned it; it is now built on the device under test."""
+    x = randn(8, 64, seed=12, dtype=torch.bfloat16).to(DEVICE)  # the view is made where it runs
     odd = x.reshape(-1)[1:1 + 7 * 64].reshape(7, 64)
     check(odd, fast=False)
     check(randn(5, 32, seed=13), fast=False)
