@@ -175,3 +175,23 @@ def test_empty_and_without_image():
     check_t(randn(32, 5, seed=11, dtype=torch.bfloat16), with_image=False)
     got = quantize_forward(torch.zeros(0, 8, dtype=torch.bfloat16, device=DEVICE).t(), global_scale="tensor")
     assert got.codes.shape == (8, 0) and got.global_decode.tolist() == [1.0]
+
+
+def test_rht_and_gather_on_layouts_the_column_kernel_does_not_take():
+    """``quantize_op`` with an RHT mask and a gather on a row-major ``[R, K_src]`` operand
+    (not a transposed source): gathered and transformed first, then the generic kernel; the
+    same bits as the contract on the padded, transformed operand."""
+    from minite_kernels.triton.grouped_wgrad import pad_index
+
+    sizes = [5, 0, 16, 3]
+    xt = randn(24, sum(sizes), seed=13, dtype=torch.bfloat16)  # [R, tokens], row-major
+    col, _, t_pad = pad_index(sizes, sum(sizes), DEVICE)
+    padded = pad_groups(xt.t().contiguous(), sizes).t()  # [R, T_pad]
+    ref = nvfp4.quantize_reference(padded, with_image=True, rht_seed=6)
+    xd = xt.to(DEVICE)
+    assert not quantize_cols.supported(xd, False)
+    codes, scales, sdec, image = quantize_op(xd, None, col, 1, False, False, 0, True, False, rht_mask_of(6))
+    assert_bitwise_equal(codes.cpu(), ref.codes, "codes")
+    assert_bitwise_equal(scales.cpu().view(torch.float8_e4m3fn), ref.block_scales, "scales")
+    assert_bitwise_equal(sdec.cpu(), ref.global_decode, "global decode")
+    assert_bitwise_equal(image.cpu(), ref.image, "image")
