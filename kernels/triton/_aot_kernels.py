@@ -115,3 +115,6 @@ def all_kernels():
     bt, bh, warps = quantize.GPU_TRANSPOSED_TILE
     yield "quantize x.t()", _quantize_t(bt, bh, warps)
     yield "quantize x.t() SR gather", _quantize_t(bt, bh, warps, stochastic=True, col_index=True)
+    from . import _aot_quantize
+
+    yield from _aot_quantize.all_kernels()  # the fast row/column kernels the dispatch prefers
