@@ -186,13 +186,23 @@ def validate_minite_args(args: argparse.Namespace) -> None:
 _EXTENSION_DEFAULTS = (
     ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion", "apex's fused_weight_gradient_mlp_cuda"),
     ("apply_rope_fusion", "--no-rope-fusion", "Transformer Engine"),
+    ("masked_softmax_fusion", "--no-masked-softmax-fusion", "Megatron's scaled_masked_softmax_cuda (apex-built)"),
 )
+
+
+def _fused_softmax_available() -> bool:
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _turn_off_missing_extensions(args: argparse.Namespace) -> None:
     available = {
         "gradient_accumulation_fusion": _apex_fused_wgrad_available,
         "apply_rope_fusion": _transformer_engine_available,
+        "masked_softmax_fusion": _fused_softmax_available,
     }
     for dest, flag, needs in _EXTENSION_DEFAULTS:
         if getattr(args, dest, False) and not available[dest]():
