@@ -8,7 +8,6 @@ RMSNorm, SwiGLU, RoPE 1e6) with 4 layers and a 32k vocabulary, for one GPU.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -30,12 +29,13 @@ def init_single_process(seed: int = 1) -> torch.device:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+        # a fresh local port: an inherited MASTER_PORT may belong to a parent process's store
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
