@@ -29,6 +29,7 @@ import torch
 from minite_megatron.nvfp4.backends import BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
+from minite_megatron.nvfp4.gemm import check_gemm_operands
 
 from ._nvfp4_math import interpreting
 from .decode_gemm import MAX_M, decode_gemm_forward
@@ -105,7 +106,7 @@ class TritonBackend:
         batch_invariant: bool = False,
     ) -> torch.Tensor:
         """``a @ b.T``: ``a`` [..., K], ``b`` [N, K] (any global scale) -> ``[..., N]``."""
-        _check_pair(a, b)
+        check_gemm_operands(a, b)
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
@@ -190,15 +191,6 @@ class TritonBackend:
         a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
         return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
                                 batch_invariant and STRICT_CANONICAL)
-
-
-def _check_pair(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
-    if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
-        raise TypeError("nvfp4.gemm takes two NVFP4Tensor operands (quantize them first)")
-    if a.k != b.k:
-        raise ValueError(f"nvfp4.gemm: K mismatch, a has K={a.k} and b has K={b.k}")
-    if a.device != b.device:
-        raise ValueError(f"nvfp4.gemm: operands on {a.device} and {b.device}")
 
 
 BACKEND = TritonBackend()

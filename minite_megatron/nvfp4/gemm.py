@@ -25,7 +25,8 @@ from .formats import BLOCK
 from .tensor import NVFP4Tensor
 
 
-def _check_pair(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+def check_gemm_operands(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+    """The errors every backend's GEMM raises for operands it cannot multiply."""
     if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
         raise TypeError("nvfp4.gemm takes two NVFP4Tensor operands (quantize them first)")
     if a.k != b.k:
@@ -75,7 +76,7 @@ def gemm_reference(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``a @ b.T`` for NVFP4 ``a`` [..., K] and ``b`` [N, K]: returns ``[..., N]``."""
-    _check_pair(a, b)
+    check_gemm_operands(a, b)
     bm = b.matrix()
     acc = block_partials_accumulate(a.image_fp32(), bm.image_fp32())
     out = epilogue(acc, a.row_global_decode(), bm.row_global_decode(), bias, out_dtype)
