@@ -19,9 +19,10 @@ PRESETS = {
 }
 
 
-def init_single_process(seed: int = 1) -> torch.device:
+def init_single_process(seed: int | None = 1) -> torch.device:
     """torch.distributed (NCCL on a GPU, gloo on CPU, world size 1) and Megatron's parallel
-    state; the CPU compatibility layer when there is no GPU. Returns the device to use."""
+    state (each once per process); the CPU compatibility layer when there is no GPU. Seeds torch
+    and Megatron's RNG tracker with ``seed`` unless it is None. Returns the device to use."""
     from .. import cpu_compat
 
     cpu_compat.activate()  # a no-op with a GPU
@@ -38,8 +39,9 @@ def init_single_process(seed: int = 1) -> torch.device:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 

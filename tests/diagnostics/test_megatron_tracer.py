@@ -10,8 +10,6 @@ change; the tracer must name exactly the planted point as the first divergence:
     fc2 until the NVFP4 modules carry quantizer capture points).
 """
 
-import os
-import socket
 
 import pytest
 import torch
@@ -21,12 +19,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only test
 B, S, VOCAB = 3, 16, 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron():
     from minite_megatron import cpu_compat
@@ -34,14 +26,10 @@ def megatron():
     was_active = cpu_compat.is_active()
     cpu_compat.activate()
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    from minite_megatron.training.presets import init_single_process
+
+    init_single_process(seed=None)
     assert dist.get_world_size() == 1
     yield
     if not was_active:  # leave the process as we found it for the tests that follow

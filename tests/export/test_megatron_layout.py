@@ -9,19 +9,10 @@ different shapes, hence a tolerance (1e-5 relative): a layout error is O(1). The
 state dict (quantized linears, real ``TransformerConfig``) goes through export and load bitwise.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only test (gloo, cpu_compat)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +21,14 @@ def model_and_config():
 
     was_active = cpu_compat.is_active()
     cpu_compat.activate()
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    from minite_megatron.training.presets import init_single_process
+
+    init_single_process(seed=None)
     cfg = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
         ffn_hidden_size=128, moe_ffn_hidden_size=32, num_moe_experts=4, moe_router_topk=2,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -15,19 +14,10 @@ def free_port() -> int:
 
 
 def init_single_process() -> None:
-    """torch.distributed (gloo, world 1) + Megatron model-parallel state, once per process."""
-    from minite_megatron import cpu_compat
+    """torch.distributed (world 1) + Megatron model-parallel state, once per process."""
+    from minite_megatron.training.presets import init_single_process as init
 
-    cpu_compat.activate()
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    init(seed=None)
 
 
 def tiny_config(**overrides):

@@ -3,8 +3,6 @@ alignment and rollout tests. Loaded by tests/strict/conftest.py and tests/rollou
 
 from __future__ import annotations
 
-import os
-import socket
 
 import torch
 
@@ -13,25 +11,13 @@ EOD = 0
 
 
 def init_single_process() -> None:
-    """cpu_compat + torch.distributed (gloo, world 1) + Megatron model-parallel state, once."""
-    from minite_megatron import cpu_compat
-
-    cpu_compat.activate()
-    import torch.distributed as dist
+    """cpu_compat + torch.distributed (world 1) + Megatron model-parallel state, once."""
     from megatron.core import parallel_state
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-        from megatron.core import tensor_parallel
+    from minite_megatron.training.presets import init_single_process as init
 
-        tensor_parallel.model_parallel_cuda_manual_seed(1)
+    first = not parallel_state.model_parallel_is_initialized()
+    init(seed=1 if first else None)
 
 
 def tiny_config(strict: bool, dtype=torch.float32, **overrides):
