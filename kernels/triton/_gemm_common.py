@@ -36,6 +36,20 @@ def add_rn(x, y, INLINE_ASM: tl.constexpr):
 
 
 @triton.jit
+def mma_tile(acc, a, b, DOT_FP32: tl.constexpr, CANONICAL: tl.constexpr):
+    """``acc + a @ b`` for one K step of a tile. ``CANONICAL`` (a 16-wide step): the exact block
+    partial is added with one round-to-nearest add; else the MMA accumulates in place.
+    ``DOT_FP32`` (the interpreter): fp32 operands, IEEE products."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if CANONICAL:
+        return add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+
+
+@triton.jit
 def mma_k_loop(
     a_base, b_base, a_rmask, b_cmask, k_start, k_end, s_ak, s_bk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

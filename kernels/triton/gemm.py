@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_common import add_rn, epilogue, mma_k_loop
+from ._gemm_common import epilogue, mma_k_loop, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -106,14 +106,7 @@ def _gemm_tma_kernel(
             b = b_desc.load([k0, n0])
         else:
             b = b_desc.load([n0, k0]).T
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if CANONICAL:
-            # BLOCK_K == 16: one exact block partial, then one round-to-nearest add.
-            acc = add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+        acc = mma_tile(acc, a, b, DOT_FP32, CANONICAL)
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     if SA_ROWS:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm_common import add_rn, epilogue
+from ._gemm_common import epilogue, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 
@@ -65,13 +65,7 @@ def _grouped_gemm_kernel(
                 b = tl.reshape(b_desc.load([g, k0, n0]), (BLOCK_K, BLOCK_N))
             else:
                 b = tl.reshape(b_desc.load([g, n0, k0]), (BLOCK_N, BLOCK_K)).T
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if CANONICAL:
-                acc = add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
-            else:
-                acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+            acc = mma_tile(acc, a, b, DOT_FP32, CANONICAL)
         rm = m0 + tl.arange(0, BLOCK_M)
         rn = n0 + tl.arange(0, BLOCK_N)
         rmask = rm < row_end

@@ -26,7 +26,7 @@ import triton.language as tl
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.hadamard import rht16, rht_signs
 
-from ._gemm_common import add_rn
+from ._gemm_common import mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .amax import amax_forward
 from .grouped_gemm import group_offsets
@@ -55,13 +55,7 @@ def _grouped_wgrad_kernel(
     for t0 in range(p0, full_end, BLOCK_T):
         a = a_desc.load([m0, t0])
         b = b_desc.load([n0, t0]).T
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if CANONICAL:
-            acc = add_rn(acc, tl.dot(a, b, input_precision="ieee" if DOT_FP32 else None), not DOT_FP32)
-        else:
-            acc = tl.dot(a, b, acc, input_precision="ieee" if DOT_FP32 else None)
+        acc = mma_tile(acc, a, b, DOT_FP32, CANONICAL)
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = n0 + tl.arange(0, BLOCK_N)
     if full_end < p1:  # the tail: fewer than BLOCK_T tokens (a multiple of 16), masked loads
