@@ -28,7 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from ..ops.grouped_linear import _ExpertWeightsCache, nvfp4_grouped_linear
+from ..ops.grouped_linear import expert_weights, nvfp4_grouped_linear
+from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
 from .linear import check_multiple_of_16
@@ -114,7 +115,7 @@ class NVFP4GroupedLinear(MegatronModule):
                 setattr(b, "allreduce", not use_expert_pgs)
                 self.register_parameter(f"bias{i}", b)
         self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
-        self._weights_cache = _ExpertWeightsCache()
+        self._weights_cache = QuantizedWeightCache()
 
     # ---- forward ------------------------------------------------------------------------------
     @property
@@ -163,7 +164,7 @@ class NVFP4GroupedLinear(MegatronModule):
 
         if self.precision != "nvfp4":
             return None
-        return self._weights_cache.get(self.weights, self.recipe, backend_for(self.recipe, self.weight0.device), self.minite_ctx)
+        return expert_weights(self._weights_cache, self.weights, self.recipe, backend_for(self.recipe, self.weight0.device), self.minite_ctx)
 
     def backward_dw(self) -> None:
         """Delayed wgrad is not used: weight gradients are computed in backward."""

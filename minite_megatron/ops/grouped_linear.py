@@ -23,6 +23,7 @@ import torch
 
 from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
+from .weight_cache import QuantizedWeightCache
 from .linear import (
     LinearContext,
     add_wgrad,
@@ -52,39 +53,23 @@ def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
     return fn(a, b, padded, out_dtype, strict)
 
 
-class _ExpertWeightsCache:
-    """Quantized ``[G, N, K]`` expert weights (and their transpose), once per optimizer step."""
+def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None) -> NVFP4Tensor:
+    """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per optimizer step)."""
+    return cache.get(weights, lambda ws: quantize_expert_weights(ws, recipe, backend, lctx), extra=backend.name)
 
-    def __init__(self):
-        from .weight_cache import _GENERATION
 
-        self._gen = _GENERATION
-        self._key = None
-        self._q = self._qt = None
-
-    def get(self, weights, recipe, backend, lctx=None) -> NVFP4Tensor:
-        key = (self._gen[0], backend.name) + tuple((w._version, w.data_ptr()) for w in weights)
-        if key != self._key:
-            with torch.no_grad():
-                self._q = quantize_expert_weights(weights, recipe, backend, lctx)
-            self._qt = None
-            self._key = key
-        return self._q
-
-    def transposed(self) -> NVFP4Tensor:
-        if self._qt is None:
-            self._qt = self._q.transpose()
-        return self._qt
+def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
+    return q.transpose()
 
 
 class NVFP4GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: _ExpertWeightsCache, has_bias, *params):
+    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: QuantizedWeightCache, has_bias, *params):
         recipe = lctx.recipe
         backend = backend_for(recipe, x.device)
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        qw = cache.get(weights, recipe, backend, lctx)
+        qw = expert_weights(cache, weights, recipe, backend, lctx)
         qx = quantize_activation(x, lctx, backend)
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
@@ -112,11 +97,11 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dy = grad_out
         dx = None
         dws: list[torch.Tensor | None] = [None] * ctx.groups
-        qw = ctx.cache.get(weights, recipe, backend, lctx)
+        qw = expert_weights(ctx.cache, weights, recipe, backend, lctx)
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
                 qdy = quantize_dgrad_operand(dy, lctx, backend)
-                dx = backend.grouped_gemm(qdy, ctx.cache.transposed(), sizes, None, grad_out.dtype, recipe.strict)
+                dx = backend.grouped_gemm(qdy, ctx.cache.transposed(_transpose), sizes, None, grad_out.dtype, recipe.strict)
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
@@ -143,7 +128,7 @@ def nvfp4_grouped_linear(
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor] | None,
     lctx: LinearContext,
-    cache: _ExpertWeightsCache,
+    cache: QuantizedWeightCache,
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``."""
     sizes = [int(s) for s in tokens_per_expert]

@@ -31,7 +31,8 @@ register_optimizer_step_post_hook(_on_optimizer_step)
 
 
 class QuantizedWeightCache:
-    """Holds one weight's NVFP4 form (and, lazily, its transpose for dgrad)."""
+    """Holds one weight's NVFP4 form -- or the stacked form of a list of expert weights -- and,
+    lazily, its transpose for dgrad."""
 
     def __init__(self):
         self._key = None
@@ -39,15 +40,17 @@ class QuantizedWeightCache:
         self._qt: NVFP4Tensor | None = None
 
     @staticmethod
-    def _key_of(weight: torch.Tensor, extra) -> tuple:
-        return (_GENERATION[0], weight._version, weight.data_ptr(), weight.dtype, weight.shape, extra)
+    def _key_of(weights, extra) -> tuple:
+        ws = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+        return (_GENERATION[0], extra) + tuple((w._version, w.data_ptr(), w.dtype, w.shape) for w in ws)
 
-    def get(self, weight: torch.Tensor, quantize, extra=None) -> NVFP4Tensor:
-        """The quantized weight; ``quantize(weight)`` runs only when the key changed."""
-        key = self._key_of(weight, extra)
+    def get(self, weights, quantize, extra=None) -> NVFP4Tensor:
+        """The quantized weight(s); ``quantize(weights)`` (a detached tensor, or the list as
+        given) runs only when the key changed."""
+        key = self._key_of(weights, extra)
         if key != self._key:
             with torch.no_grad():
-                self._q = quantize(weight.detach())
+                self._q = quantize(weights.detach() if isinstance(weights, torch.Tensor) else weights)
             self._qt = None
             self._key = key
         return self._q

@@ -5,7 +5,7 @@ import torch
 
 from minite_megatron import nvfp4
 from minite_megatron.nvfp4.backends import ReferenceBackend, register_backend
-from minite_megatron.ops.grouped_linear import _ExpertWeightsCache, nvfp4_grouped_linear
+from minite_megatron.ops.grouped_linear import nvfp4_grouped_linear
 from minite_megatron.ops.linear import LinearContext, nvfp4_linear
 from minite_megatron.ops.weight_cache import QuantizedWeightCache
 from minite_megatron.recipe import Recipe
@@ -138,7 +138,7 @@ def test_grouped_linear_equals_the_contract(sizes):
     ws = [torch.randn(n, k, generator=g).requires_grad_() for _ in sizes]
     dy = torch.randn(t, n, generator=g)
     torch.manual_seed(5)
-    y = nvfp4_grouped_linear(x, sizes, ws, None, LinearContext(recipe, None), _ExpertWeightsCache())
+    y = nvfp4_grouped_linear(x, sizes, ws, None, LinearContext(recipe, None), QuantizedWeightCache())
     y.backward(dy)
 
     qw = nvfp4.quantize(torch.stack([w.detach() for w in ws]), "group", (16, 16))
@@ -156,9 +156,9 @@ def test_grouped_linear_checks_sizes():
     x = torch.randn(10, 32)
     ws = [torch.randn(16, 32) for _ in range(2)]
     with pytest.raises(ValueError, match="sums to"):
-        nvfp4_grouped_linear(x, [3, 3], ws, None, LinearContext(Recipe(), None), _ExpertWeightsCache())
+        nvfp4_grouped_linear(x, [3, 3], ws, None, LinearContext(Recipe(), None), QuantizedWeightCache())
     with pytest.raises(ValueError, match="token counts"):
-        nvfp4_grouped_linear(x, [10], ws, None, LinearContext(Recipe(), None), _ExpertWeightsCache())
+        nvfp4_grouped_linear(x, [10], ws, None, LinearContext(Recipe(), None), QuantizedWeightCache())
 
 
 def test_token_count_not_a_multiple_of_16():

@@ -43,7 +43,8 @@ def test_dense_linear_ops_on_triton_equal_reference():
 
 
 def _grouped(backend, x, ws, sizes, dy):
-    from minite_megatron.ops.grouped_linear import _ExpertWeightsCache, nvfp4_grouped_linear
+    from minite_megatron.ops.grouped_linear import nvfp4_grouped_linear
+    from minite_megatron.ops.weight_cache import QuantizedWeightCache
     from minite_megatron.ops.linear import LinearContext
     from minite_megatron.ops.weight_cache import QuantizedWeightCache
     from minite_megatron.recipe import Recipe
@@ -52,7 +53,7 @@ def _grouped(backend, x, ws, sizes, dy):
     ws = [w.detach().clone().to(DEVICE).requires_grad_() for w in ws]
     torch.manual_seed(9)
     lctx = LinearContext(Recipe(backend=backend, rht_seed=3), QuantizedWeightCache())
-    y = nvfp4_grouped_linear(x, sizes, ws, None, lctx, _ExpertWeightsCache())
+    y = nvfp4_grouped_linear(x, sizes, ws, None, lctx, QuantizedWeightCache())
     y.backward(dy.to(DEVICE))
     return [y, x.grad] + [w.grad for w in ws]
 
