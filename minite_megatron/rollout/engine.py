@@ -26,10 +26,8 @@ plugged in), and returns log-probs of the processed (temperature-scaled, filtere
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 
 import torch
@@ -72,45 +70,6 @@ class Rollout:
     def log_probs(self) -> torch.Tensor:
         """fp32 ``[len(tokens) - 1]``: the log-prob of every token after the first."""
         return torch.cat([self.prompt_log_probs, self.generated_log_probs])
-
-
-class _WallClockEvent:
-    """A ``torch.cuda.Event`` stand-in with ``elapsed_time`` (ms of wall clock) for CPU runs."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self._t = None
-
-    def record(self, stream=None):
-        self._t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, stream=None):
-        pass
-
-    def elapsed_time(self, end: "_WallClockEvent") -> float:
-        return (end._t - self._t) * 1e3
-
-
-@contextlib.contextmanager
-def _timing_events_on_cpu():
-    """Megatron's static generation loop times every step with ``torch.cuda.Event.elapsed_time``.
-    On a CPU-only machine the CPU compatibility layer's event has no ``elapsed_time``; for the
-    duration of one generation only, and only when that is the case, use wall-clock events.
-    (Stopgap: becomes a no-op once the compatibility layer's event supports timing.)"""
-    if torch.cuda.is_available() or hasattr(torch.cuda.Event(enable_timing=True), "elapsed_time"):
-        yield
-        return
-    original = torch.cuda.Event
-    torch.cuda.Event = _WallClockEvent
-    try:
-        yield
-    finally:
-        torch.cuda.Event = original
 
 
 class _TokenIdTokenizer:
@@ -312,7 +271,7 @@ class RolloutEngine:
                              sampling_params=params)
             for p in prompts
         ]
-        with InferenceMode.active(), _timing_events_on_cpu():
+        with InferenceMode.active():
             done = self.engine.generate(inference_requests=requests)
         lp = self.wrapper.log_probs()
         grid = self.wrapper.tokens
