@@ -59,10 +59,6 @@ class LinearContext:
     def row(self) -> bool:
         return self.parallel_mode == "row"
 
-    @property
-    def backend(self):
-        return self.recipe.backend
-
 
 def backend_for(recipe: Recipe, device: torch.device):
     return nvfp4.get_backend(recipe.backend, device)
@@ -84,10 +80,6 @@ def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, back
         return q.transpose()
     amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
     return backend.quantize(weight.t(), global_scale="tensor", amax=amax, with_image=True, nonfinite=recipe.nonfinite)
-
-
-def _strip_image(q: NVFP4Tensor) -> NVFP4Tensor:
-    return replace(q, image=None)
 
 
 def _trace(ctx: LinearContext, point: str, tensor: torch.Tensor) -> None:
@@ -177,7 +169,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x2, [x2.shape[0]], lctx, backend, gradient=False)
-            ctx.qx_t_meta = _strip_image(qx_t)
+            ctx.qx_t_meta = replace(qx_t, image=None)  # codes and scales only
             saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
         elif ctx.needs_wgrad:
             saved.append(x2)
