@@ -7,8 +7,8 @@ operands are quantized as whole ``[N, T_pad]`` / ``[K, T_pad]`` matrices (global
 kernel reads ``dY.t()`` / ``X.t()`` in place through a column gather (``col_index``: padded
 token -> source token, -1 for padding), in the same pass that writes codes, scales and the
 bf16 image. Stochastic rounding draws its bits at the padded (row, column), like the
-reference. With the random Hadamard transform the padded, transposed operands are built in
-torch first (``rht16`` is bitwise by construction).
+reference. The random Hadamard transform runs fused in the same kernel (the contract's
+butterfly order on the gathered, zero-padded blocks).
 
 The GEMM: one program per (expert, N tile, K tile) runs over its expert's padded token range,
 TMA tiles of ``BLOCK_T`` tokens then one masked tail (a multiple of 16 tokens), in token
@@ -24,13 +24,13 @@ import triton
 import triton.language as tl
 
 from minite_megatron.nvfp4.formats import BLOCK
-from minite_megatron.nvfp4.hadamard import rht16, rht_signs
 
 from ._gemm_common import mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .amax import amax_forward
 from .grouped_gemm import group_offsets
-from .quantize import quantize_op, sr_key
+from . import quantize_cols
+from .quantize import quantize_op, rht_mask_of, sr_key
 
 
 @triton.jit
@@ -115,21 +115,21 @@ def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, 
 
 
 def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed):
-    """Quantize ``pad_groups(x).t()`` ([H, T_pad]) with its image: (image, global decode)."""
-    h = x.shape[1]
-    if rht_seed is not None:
-        gathered = torch.where((col_index >= 0)[:, None], x[col_index.clamp(min=0).long()], 0)
-        xt = rht16(gathered.t(), rht_signs(None if rht_seed < 0 else rht_seed, device=x.device))
-        src, cols = xt, None
-    else:
-        src, cols = x.t(), col_index
+    """Quantize ``pad_groups(x).t()`` ([H, T_pad]) with its image: (image, global decode).
+
+    One kernel reads ``x.t()`` in place: the gather pads each expert's tokens and the RHT (if
+    any) runs fused in the column kernel; a tensor scale takes one read-only amax pass first
+    (of the transformed, padded blocks when there is an RHT: the zero padding changes them)."""
+    x = x.contiguous()
+    src, h = x.t(), x.shape[1]
+    rht = rht_mask_of(rht_seed)
     if global_scale == "tensor":
-        amax = amax_forward(src if cols is None else x, max(src.shape[0] if cols is None else x.shape[0], 1))
         rpg = max(h, 1)
+        amax = quantize_cols.amax_launch(src, col_index, rpg, rht) if rht >= 0 else amax_forward(x, max(x.shape[0], 1))
     else:
         amax, rpg = None, 1
-    _, _, sdec, image = quantize_op(src, amax, cols, rpg, False, stochastic,
-                                    sr_key(seed) if stochastic else 0, True, False)
+    _, _, sdec, image = quantize_op(src, amax, col_index, rpg, False, stochastic,
+                                    sr_key(seed) if stochastic else 0, True, False, rht)
     return image, sdec
 
 

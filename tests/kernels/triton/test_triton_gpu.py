@@ -153,14 +153,16 @@ def test_decode_gemm_within_bound_at_real_shape():
         assert_within(out, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"backend M={m}")
 
 
-def test_grouped_wgrad_at_real_shape():
+@pytest.mark.parametrize("rht_seed", [None, 11])
+def test_grouped_wgrad_at_real_shape(rht_seed):
     sizes = [0, 700, 13, 300] + [0] * 4
     t = sum(sizes)
     dy = randn(t, 512, seed=12, dtype=torch.bfloat16)
     x = randn(t, 256, seed=13, dtype=torch.bfloat16)
-    out = _backend().grouped_wgrad(dy.to(CUDA), x.to(CUDA), sizes, grad_rounding="stochastic", grad_seed=5).cpu()
-    qa = nvfp4.quantize_wgrad_operand(dy, sizes, rounding="stochastic", seed=5)
-    qb = nvfp4.quantize_wgrad_operand(x, sizes)
+    out = _backend().grouped_wgrad(dy.to(CUDA), x.to(CUDA), sizes, grad_rounding="stochastic", grad_seed=5,
+                                   rht_seed=rht_seed).cpu()
+    qa = nvfp4.quantize_wgrad_operand(dy, sizes, rounding="stochastic", seed=5, rht_seed=rht_seed)
+    qb = nvfp4.quantize_wgrad_operand(x, sizes, rht_seed=rht_seed)
     padded, col = nvfp4.padded_group_sizes(sizes), 0
     for e, p in enumerate(padded):
         if p:
