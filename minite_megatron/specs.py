@@ -96,6 +96,12 @@ class MiniteSpecProvider(BackendSpecProvider):
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         return partial(MiniteNorm, batch_invariant=self.recipe.strict)
 
+    def input_norm(self):
+        """The norm in front of this provider's column-parallel linear (qkv, dense fc1): it hands
+        an NVFP4 linear its quantized output (fused on the GPU: ``ops.producers``)."""
+        offer = self.recipe if self.linear_precision == "nvfp4" else None
+        return partial(MiniteNorm, batch_invariant=self.recipe.strict, offer_to=offer)
+
     def core_attention(self):
         if self.recipe.strict:
             from .strict.megatron import StrictDotProductAttention
@@ -155,7 +161,7 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
+            input_layernorm=attn.input_norm() if hasattr(attn, "input_norm") else norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -168,7 +174,7 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm,
+            pre_mlp_layernorm=mlp.input_norm() if num_experts is None and hasattr(mlp, "input_norm") else norm,
             mlp=mlp_spec,
             mlp_bda=get_bias_dropout_add,
             # the same checkpoint keys as Megatron's local and TE specs

@@ -4,7 +4,9 @@ Megatron's torch fallback norm refuses sequence parallelism (its SP gradient all
 on the ``sequence_parallel`` attribute that apex's fused norm sets on its parameters); this norm
 sets it, so Megatron's ``finalize_model_grads`` all-reduces the norm weights across TP ranks as
 it does for apex/TE norms. In strict mode RMSNorm uses the batch-invariant formulation of
-:mod:`minite_megatron.strict.rmsnorm`.
+:mod:`minite_megatron.strict.rmsnorm`. A norm that feeds an NVFP4 linear (``offer_to=recipe``,
+set by the spec) hands that linear its quantized output (:mod:`minite_megatron.ops.producers`:
+one fused kernel on the GPU).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 class MiniteNorm(torch.nn.Module):
     """Megatron's ``LayerNormBuilder`` interface: ``MiniteNorm(config=, hidden_size=, eps=)``."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, batch_invariant: bool = False, **_):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, batch_invariant: bool = False,
+                 offer_to=None, **_):
         super().__init__()
         self.normalization = getattr(config, "normalization", "LayerNorm")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -34,8 +37,19 @@ class MiniteNorm(torch.nn.Module):
         sp = bool(getattr(config, "sequence_parallel", False))
         for p in self.parameters():
             setattr(p, "sequence_parallel", sp)
+        # The recipe of the NVFP4 linear this norm feeds (spec): offer it the quantized output
+        # (ops.producers). Not under sequence parallelism, where the linear gathers its input first.
+        tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        self.offer_to = offer_to if self.normalization == "RMSNorm" and not (sp and tp > 1) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offer_to is not None:
+            from ..ops.producers import rms_norm_offering
+
+            return rms_norm_offering(x, self.weight, self.eps, self.zero_centered_gamma, self.offer_to, self._norm)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.normalization == "RMSNorm":
             if self.batch_invariant:
                 from ..strict.rmsnorm import rms_norm

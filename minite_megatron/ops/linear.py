@@ -28,6 +28,7 @@ from .. import nvfp4
 from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
+from . import handoff
 from .amax_sync import synced_amax
 from .seeds import next_sr_seed
 from .weight_cache import QuantizedWeightCache
@@ -102,15 +103,16 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
 
 # ---- the operands of the three GEMMs (shared with the grouped linear) --------------------------
 def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
-    """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism."""
+    """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism.
+    Taken from a fused producer's handoff (:mod:`.handoff`) when it quantized this very tensor."""
     recipe = lctx.recipe
-    qx = backend.quantize(
-        x2,
-        global_scale=recipe.activation_scale,
-        amax=lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row),
-        with_image=True,
-        nonfinite=recipe.nonfinite,
-    )
+    amax = lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row)
+    qx = None
+    if amax is None and recipe.activation_scale == "row":  # a fused producer's output (ops.producers)
+        qx = handoff.take(x2, handoff.activation_key(recipe, backend))
+    if qx is None:
+        qx = backend.quantize(x2, global_scale=recipe.activation_scale, amax=amax, with_image=True,
+                              nonfinite=recipe.nonfinite)
     _trace(lctx, "input_codes", qx.codes)
     _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
     return qx

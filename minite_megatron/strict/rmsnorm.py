@@ -44,15 +44,21 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x2d, weight = ctx.saved_tensors
-        xf = x2d.to(torch.float32)
-        g = gy.to(torch.float32)
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        n = xf * r
-        w = weight.to(torch.float32) + (1.0 if ctx.zc else 0.0)
-        gn = g * w
-        gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
-        gw = (g * n).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return gx.to(x2d.dtype), gw, None, None, None
+        gx, gw = rms_norm_backward(gy, x2d, weight, ctx.eps, ctx.zc, ctx.needs_input_grad[1])
+        return gx, gw, None, None, None
+
+
+def rms_norm_backward(gy, x2d, weight, eps: float, zero_centered_gamma: bool, weight_grad: bool = True):
+    """The ordinary RMSNorm gradients (fp32 math): ``(dx in x2d.dtype, dweight or None)``."""
+    xf = x2d.to(torch.float32)
+    g = gy.to(torch.float32)
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    n = xf * r
+    w = weight.to(torch.float32) + (1.0 if zero_centered_gamma else 0.0)
+    gn = g * w
+    gx = r * (gn - n * (gn * n).mean(-1, keepdim=True))
+    gw = (g * n).sum(0).to(weight.dtype) if weight_grad else None
+    return gx.to(x2d.dtype), gw
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False) -> torch.Tensor:

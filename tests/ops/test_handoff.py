@@ -1,0 +1,97 @@
+"""The producer -> linear handoff: the norm's quantized output is taken by the qkv / fc1 linear
+only when it is provably the same tensor and the same quantization, and a model computes the
+same numbers with it as without it."""
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.nvfp4.backends import ReferenceBackend
+from minite_megatron.ops import handoff
+from minite_megatron.recipe import Recipe
+
+KEY = ("row", "propagate", "reference")
+
+
+def _q(t):
+    return nvfp4.quantize_reference(t, global_scale="row", with_image=True)
+
+
+def test_take_matches_the_offered_storage_only():
+    y = torch.randn(4, 8, 32)
+    q = _q(y.reshape(-1, 32))
+    handoff.offer(y, q, KEY)
+    assert handoff.take(torch.randn(32, 32), KEY) is None  # another tensor: no match, offer kept
+    assert handoff.take(y.reshape(-1, 32), KEY) is q  # a view of the same [M, K] matrix
+    assert handoff.take(y.reshape(-1, 32), KEY) is None  # taken once
+
+
+def test_take_refuses_a_changed_tensor_or_another_quantization():
+    y = torch.randn(16, 32)
+    handoff.offer(y, _q(y), KEY)
+    y.mul_(2)  # in-place change after the offer
+    assert handoff.take(y, KEY) is None
+    handoff.offer(y, _q(y), KEY)
+    assert handoff.take(y, ("row", "raise", "reference")) is None
+    handoff.offer(y, _q(y), KEY)
+    assert handoff.take(y[:, :16].contiguous(), KEY) is None
+    assert handoff.take(y.t(), KEY) is None  # not contiguous
+    handoff.clear()
+
+
+def test_the_norm_feeding_qkv_hands_over_its_quantization_and_nothing_changes(monkeypatch):
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
+
+    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    init_single_process()
+    taken = []
+    real_take = handoff.take
+
+    def spy(t, key):
+        q = real_take(t, key)
+        taken.append(q is not None)
+        return q
+
+    monkeypatch.setattr(handoff, "take", spy)
+    cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None)  # dense: both norms feed NVFP4 linears
+    recipe = Recipe()
+    tokens, labels = lm_batch(0)
+    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
+
+    def run(offer: bool):
+        if not offer:
+            monkeypatch.setattr("minite_megatron.modules.norm.MiniteNorm.forward", lambda self, x: self._norm(x))
+        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe)
+        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_with, grads_with = run(True)
+    # 2 layers x (input norm -> qkv, pre-MLP norm -> fc1): every one taken
+    assert taken.count(True) == 4, taken
+    taken.clear()
+    loss_without, grads_without = run(False)
+    assert not any(taken)
+    assert torch.equal(loss_with, loss_without)
+    for n in grads_with:
+        assert torch.equal(grads_with[n], grads_without[n]), n
+
+
+def test_norm_offers_nothing_under_sequence_parallelism():
+    from minite_megatron.modules.norm import MiniteNorm
+
+    from tests.megatron.minite_tiny import tiny_config
+
+    cfg = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+    assert MiniteNorm(cfg, 64, offer_to=Recipe()).offer_to is None
+    assert MiniteNorm(tiny_config(), 64, offer_to=Recipe()).offer_to is not None
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
+def test_fused_norm_falls_back_to_the_module_norm_on_the_reference_backend(nonfinite):
+    from minite_megatron.ops.producers import fused_norm_supported
+
+    assert not fused_norm_supported(torch.randn(2, 32, dtype=torch.bfloat16), Recipe(nonfinite=nonfinite), ReferenceBackend())
