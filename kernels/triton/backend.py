@@ -4,6 +4,8 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad``), each op equal to its reference:
 
 * ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
+* ``quantize_row_col`` / ``amax_row_col`` (optional ops): :mod:`.quantize_dual`, one read of a
+  ``[T, N]`` matrix for its row-wise and column-wise quantizations, bitwise.
 * ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows outside
   strict mode (``DECODE_MAX_M`` / ``DECODE_MAX_N``) the decode GEMM on packed weights
   (:mod:`.decode_gemm`). Operands quantized without an image get one from :mod:`.image`.
@@ -38,6 +40,7 @@ from .grouped_gemm import group_offsets, grouped_gemm_forward
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op
 from .image import image_2d, image_op
 from .quantize import quantize_forward
+from .quantize_dual import amax_row_col_forward, quantize_row_col_forward
 
 #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
 #: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
@@ -95,6 +98,18 @@ class TritonBackend:
         if isinstance(x, torch.Tensor):
             self._require(x.device)
         return quantize_forward(x, **kwargs)
+
+    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        """``nvfp4.row_col.quantize_row_col`` in one read of ``x`` (:mod:`.quantize_dual`), bit for bit."""
+        if isinstance(x, torch.Tensor):
+            self._require(x.device)
+        return quantize_row_col_forward(x, **kwargs)
+
+    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``nvfp4.row_col.amax_row_col`` in one read-only pass (:mod:`.quantize_dual`)."""
+        if isinstance(x, torch.Tensor):
+            self._require(x.device)
+        return amax_row_col_forward(x, **kwargs)
 
     # ---- dense GEMM -----------------------------------------------------------------------
     def gemm(

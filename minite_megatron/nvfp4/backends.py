@@ -22,6 +22,7 @@ import torch
 from .gemm import gemm_reference
 from .grouped import grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
+from .row_col import amax_row_col, quantize_row_col
 from .tensor import NVFP4Tensor
 
 
@@ -68,6 +69,10 @@ class Backend(Protocol):
     # optional: the GEMM half of grouped_wgrad on pre-quantized operands (the reference's is
     # used on the backend's device when a backend does not provide it)
     # def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype, batch_invariant) -> Tensor
+    # optional: row-wise + column-wise quantization of one [T, N] matrix in one read, and its
+    # amax pass (:mod:`.row_col`; callers fall back to two ``quantize`` calls without them)
+    # def quantize_row_col(self, x, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]
+    # def amax_row_col(self, x, **kwargs) -> tuple[Tensor, Tensor]
 
 
 class ReferenceBackend:
@@ -83,6 +88,12 @@ class ReferenceBackend:
 
     def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
         return quantize_reference(x, **kwargs)
+
+    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+        return quantize_row_col(x, **kwargs)
+
+    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return amax_row_col(x, **kwargs)
 
     def gemm(self, a, b, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
         return gemm_reference(a, b, bias, out_dtype)
