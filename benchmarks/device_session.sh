@@ -2,14 +2,15 @@
 # Everything this repository runs on a lent GPU machine, in one command (the machine has torch,
 # triton and CUDA but not megatron-core: its wheel travels in .whl/, see BENCHMARKS.md).
 #
-#   benchmarks/device_session.sh [STEP ...]      steps: tests alignment kernels multigpu (default: all)
+#   benchmarks/device_session.sh [STEP ...]      steps: tests alignment kernels fused profile multigpu
+#                                                (default: all)
 #
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/minite_out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/minite_out}
 mkdir -p "$OUT"
-STEPS=${*:-tests alignment kernels multigpu}
+STEPS=${*:-tests alignment kernels fused profile multigpu}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "device_session: megatron-core wheel missing in .whl/" >&2; exit 1; }
@@ -40,6 +41,16 @@ for s in $STEPS; do
     kernels)  # BENCHMARKS.md: the kernel benchmark (quantize, linear, grouped sections)
       step kernels python3 -m benchmarks.nvfp4_kernels --sections ceilings,quantize,linear,grouped --tokens 16384 \
         --out "$OUT" ;;
+    fused)  # the fused producers (norm/SwiGLU -> quantize) and the one-pass row + column quantize
+      step producers python3 -m benchmarks.producers --out "$OUT"
+      step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
+    profile)  # Nsight Compute counters of single kernels (benchmarks/profile_kernels.py), reports kept
+      for c in decode_qkv_m1 decode_fc2_m1 cols_dy_sr_rht dual_dy; do
+        step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|dual|amax' --launch-skip 4 \
+          --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          --section WarpStateStats --section LaunchStats --section SchedulerStats \
+          python3 -m benchmarks.profile_kernels "$c" --reps 6
+      done ;;
     multigpu)  # the main job's model on 2 GPUs: TP=2 + SP, and EP=2 (NCCL), through the launcher
       if [ "$NGPU" -lt 2 ]; then echo "=== multigpu: skipped ($NGPU GPU)"; continue; fi
       COMMON=(--transformer-impl minite --num-layers 4 --hidden-size 256 --ffn-hidden-size 768
@@ -59,3 +70,8 @@ for s in $STEPS; do
     *) echo "unknown step $s" >&2 ;;
   esac
 done
+
+# The device tool returns at most 8 files: with BUNDLE=1 everything is packed into one archive.
+if [ "${BUNDLE:-0}" = 1 ]; then
+  tar czf /tmp/minite_results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/minite_results.tgz "$OUT/results.tgz"
+fi

@@ -286,6 +286,41 @@ def recipe_linear_fwd_bwd(x, w, dy):
     return y, dx, dw
 
 
+def ops_linear_step(k, n):
+    """The real op (``minite_megatron.ops.linear``, default recipe, autograd) as a closure
+    ``(x, w, dy) -> (dx, dw)``; the weight's quantization is cached as in training."""
+    from minite_megatron.ops.linear import LinearContext, nvfp4_linear
+    from minite_megatron.ops.weight_cache import QuantizedWeightCache
+    from minite_megatron.recipe import Recipe
+
+    lctx = LinearContext(Recipe(), QuantizedWeightCache())
+
+    def step(x, w, dy):
+        y = nvfp4_linear(x, w, None, lctx)
+        return torch.autograd.grad(y, (x, w), dy)
+    return step
+
+
+def _one_pass(fn, on: bool):
+    """``fn`` with ``ops.linear``'s one-pass dy quantization on or off."""
+    from minite_megatron.ops import linear as ops_linear
+
+    def run():
+        ops_linear.ONE_PASS_GRAD_QUANTIZE = on
+        try:
+            return fn()
+        finally:
+            ops_linear.ONE_PASS_GRAD_QUANTIZE = True
+    return run
+
+
+def linear_floor_bytes(t, k, n):
+    """The fewest HBM bytes the quantize passes of the default recipe's step can move with
+    image GEMMs: x read twice (the x.t() RHT amax, then one pass writing row codes + scales +
+    image and column codes + scales), dy likewise (amax, then both operands with images)."""
+    return t * k * (2 + 2 + 2.5625 + 0.5625) + t * n * (2 + 2 + 2 * 2.5625)
+
+
 def _generic(fn):
     """``fn`` with the previous version's kernels (``quantize.FAST_PATHS = False``)."""
     def run():
@@ -324,6 +359,15 @@ def sec_linear(res, tokens):
                    "old_ms": t_old, "old_over_bf16": t_old / t_bf16, "recipe_ms": t_rec,
                    "recipe_over_bf16": t_rec / t_bf16, "recipe_old_ms": t_rec_old,
                    "recipe_old_over_bf16": t_rec_old / t_bf16}
+            xg = x.detach().clone().requires_grad_(True)
+            wg = torch.nn.Parameter(w.detach().clone())
+            op = ops_linear_step(k, n)
+            t_ops = timed_graph(_one_pass(lambda: op(xg, wg, dy), True))
+            t_ops_two = timed_graph(_one_pass(lambda: op(xg, wg, dy), False))
+            copy = res.get("ceilings", {}).get("copy_GBps", float("nan"))
+            row.update({"ops_ms": t_ops, "ops_over_bf16": t_ops / t_bf16, "ops_two_pass_ms": t_ops_two,
+                        "ops_two_pass_over_bf16": t_ops_two / t_bf16,
+                        "quantize_floor_ms": linear_floor_bytes(t_tok, k, n) / copy / 1e6})
             e_bf16, e_fp4, e_rec = timed(bf16), timed(fp4), timed(rec)
             row.update({"eager_bf16_ms": e_bf16, "eager_nvfp4_over_bf16": e_fp4 / e_bf16,
                         "eager_recipe_over_bf16": e_rec / e_bf16})
@@ -355,6 +399,7 @@ def sec_linear(res, tokens):
                     gemm_op(qdy.image, qw.image.t(), qdy.global_decode, qw.global_decode, None, BF16, False, False),
                     gemm_op(qdy_t.image, qx_t.image, qdy_t.global_decode, qx_t.global_decode, None,
                             torch.float32, False, False)))
+                row["floor_over_bf16"] = (row["gemms_only_ms"] + row["quantize_floor_ms"]) / t_bf16
             rows.append(row)
     res["linear"] = rows
     print_table("Linear fwd+bwd, GPU time (graph replays; old = previous kernels; weight + 4 activation quantizations "
@@ -364,6 +409,10 @@ def sec_linear(res, tokens):
     print_table("Linear fwd+bwd, the default recipe (dy tensor+SR, wgrad operands RHT), GPU time", rows,
                 ["shape", "T", "bf16_ms", "recipe_ms", "recipe_over_bf16", "recipe_old_ms", "recipe_old_over_bf16",
                  "eager_recipe_over_bf16"])
+    print_table("Linear fwd+bwd through the real op (ops.linear, default recipe, autograd, weight cached), GPU time; "
+                "one-pass dy quantize vs two passes; floor = 3 GEMMs + the quantize bytes at copy bandwidth", rows,
+                ["shape", "T", "bf16_ms", "ops_ms", "ops_over_bf16", "ops_two_pass_ms", "ops_two_pass_over_bf16",
+                 "quantize_floor_ms", "floor_over_bf16"])
     print_table("Linear: the quantize passes and the 3 GEMMs alone (ms, graph replays)", [r for r in rows if "q_x" in r],
                 ["shape", "T", "q_x", "q_xt", "q_dy", "q_dyt_sr", "q_w", "q_xt_rht", "q_dy_tensor_sr", "q_dyt_sr_rht",
                  "gemms_only_ms"])

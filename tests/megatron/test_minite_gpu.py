@@ -126,3 +126,40 @@ def test_training_on_the_gpu_decreases_the_loss(megatron_gpu):
 
     losses = train(_OnGpu(model), 30)
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_fused_norm_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict):
+    """The norms in front of qkv / fc1 run the fused RMSNorm -> NVFP4 kernel and the linears
+    take its quantization (4 handoffs in 2 dense layers). In strict mode the fused norm is the
+    batch-invariant norm bit for bit, so the model's loss and gradients equal those of the
+    unfused modules exactly."""
+    from minite_megatron.modules.norm import MiniteNorm
+    from minite_megatron.ops import handoff
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    from .minite_tiny import build_gpt, causal_mask, lm_batch, tiny_config
+
+    taken = []
+    real_take = handoff.take
+    monkeypatch.setattr(handoff, "take", lambda t, key: taken.append(q := real_take(t, key)) or q)
+    cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
+                      params_dtype=torch.bfloat16, bf16=True)
+    recipe = Recipe(strict=strict)
+    tokens, labels = (t.cuda() for t in lm_batch(2))
+    pos = torch.arange(32, device="cuda").unsqueeze(0).expand(4, -1)
+
+    def run():
+        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe).cuda()
+        loss = model(tokens, pos, causal_mask(32).cuda(), labels=labels).float().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_fused, grads_fused = run()
+    assert sum(q is not None for q in taken) == 4, taken
+    if strict:
+        monkeypatch.setattr(MiniteNorm, "forward", lambda self, x: self._norm(x))
+        loss_plain, grads_plain = run()
+        assert torch.equal(loss_fused, loss_plain)
+        for n in grads_fused:
+            assert torch.equal(grads_fused[n], grads_plain[n]), n
