@@ -44,6 +44,8 @@ for s in $STEPS; do
     fused)  # the fused producers (norm/SwiGLU -> quantize) and the one-pass row + column quantize
       step producers python3 -m benchmarks.producers --out "$OUT"
       step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
+    producers) step producers python3 -m benchmarks.producers --out "$OUT" ;;
+    dual) step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
     profile)  # Nsight Compute counters of single kernels (benchmarks/profile_kernels.py), reports kept
       for c in decode_qkv_m1 decode_fc2_m1 cols_dy_sr_rht dual_dy; do
         step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|dual|amax' --launch-skip 4 \

@@ -39,7 +39,9 @@ from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op
 from .image import image_2d, image_op
+from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
+from .swiglu_quantize import swiglu_quantize
 from .quantize_dual import amax_row_col_forward, quantize_row_col_forward
 
 #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
@@ -110,6 +112,20 @@ class TritonBackend:
         if isinstance(x, torch.Tensor):
             self._require(x.device)
         return amax_row_col_forward(x, **kwargs)
+
+    # ---- fused producers ------------------------------------------------------------------
+    def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                         zero_centered_gamma: bool = False, **kwargs) -> tuple[torch.Tensor, NVFP4Tensor]:
+        """RMSNorm (``bi_rmsnorm``'s arithmetic, bitwise) and the per-token NVFP4 of its output from
+        one kernel (:mod:`.norm_quantize`; ``nvfp4.producers.rmsnorm_quantize_reference``)."""
+        self._require(x.device)
+        return rmsnorm_quantize(x, weight, eps, zero_centered_gamma, **kwargs)
+
+    def swiglu_quantize(self, h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, NVFP4Tensor]:
+        """Megatron's SwiGLU of ``h`` [M, 2F] and the per-token NVFP4 of it, one kernel
+        (:mod:`.swiglu_quantize`; ``nvfp4.producers.swiglu_quantize_reference``)."""
+        self._require(h.device)
+        return swiglu_quantize(h, **kwargs)
 
     # ---- dense GEMM -----------------------------------------------------------------------
     def gemm(
