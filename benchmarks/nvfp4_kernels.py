@@ -310,7 +310,7 @@ def _one_pass(fn, on: bool):
         try:
             return fn()
         finally:
-            ops_linear.ONE_PASS_GRAD_QUANTIZE = True
+            ops_linear.ONE_PASS_GRAD_QUANTIZE = False
     return run
 
 

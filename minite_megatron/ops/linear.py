@@ -153,8 +153,12 @@ def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext
     )
 
 
-#: Quantize dy for dgrad and wgrad in one pass where the backend can (benchmarks turn it off).
-ONE_PASS_GRAD_QUANTIZE = True
+#: Quantize dy for dgrad and wgrad in one pass where the backend can. Off: on the H200
+#: (2026-11-30, ``python -m benchmarks.quantize_dual``) the one-pass Triton kernel took
+#: 0.64 ms for dy 16384 x 5120 with SR + RHT against 0.45 ms for the two separate kernels
+#: (it is instruction bound at ~108 instructions per element and 255 registers), and the
+#: Linear fwd+bwd ran 1.556x BF16 with it vs 1.480x without (qkv). Same bits either way.
+ONE_PASS_GRAD_QUANTIZE = False
 
 
 def quantize_grad_both(dy: torch.Tensor, lctx: LinearContext, backend):
