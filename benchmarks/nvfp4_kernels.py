@@ -500,8 +500,9 @@ def sec_grouped(res, tokens_list):
 
 
 # ---- decode -------------------------------------------------------------------------------------
-DECODE_SWEEP = [dict(block_n=64, warps=4, programs_per_sm=4), dict(block_n=128, warps=8, programs_per_sm=2),
-                dict(block_n=128, warps=4, programs_per_sm=2), dict(block_n=64, warps=4, programs_per_sm=8)]
+DECODE_SWEEP = [dict(nibble_dots=True), dict(nibble_dots=True, programs_per_sm=4),
+                dict(nibble_dots=True, block_n=128, warps=8), dict(nibble_dots=True, programs_per_sm=8),
+                dict(block_n=64, warps=4, programs_per_sm=4)]
 
 
 def sec_decode_sweep(res):
@@ -529,7 +530,7 @@ def sec_decode_sweep(res):
         rows.append(row)
     res["decode_sweep"] = {"configs": [base] + DECODE_SWEEP, "rows": rows}
     print("decode configs:", [base] + DECODE_SWEEP)
-    print_table("decode config sweep, qkv 5120x2048 (us per GEMM)", rows, ["M"] + [f"cfg{i}_us" for i in range(5)])
+    print_table("decode config sweep, qkv 5120x2048 (us per GEMM)", rows, ["M"] + [f"cfg{i}_us" for i in range(len(DECODE_SWEEP) + 1)])
 
 
 def sec_decode(res, ms):
