@@ -500,9 +500,8 @@ def sec_grouped(res, tokens_list):
 
 
 # ---- decode -------------------------------------------------------------------------------------
-DECODE_SWEEP = [dict(nibble_dots=True), dict(nibble_dots=True, programs_per_sm=4),
-                dict(nibble_dots=True, block_n=128, warps=8), dict(nibble_dots=True, programs_per_sm=8),
-                dict(block_n=64, warps=4, programs_per_sm=4)]
+DECODE_SWEEP = [dict(block_n=64, warps=4, programs_per_sm=4), dict(block_n=128, warps=8, programs_per_sm=2),
+                dict(block_n=128, warps=4, programs_per_sm=2), dict(block_n=64, warps=4, programs_per_sm=8)]
 
 
 def sec_decode_sweep(res):

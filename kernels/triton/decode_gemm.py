@@ -34,42 +34,13 @@ MAX_M = 64
 MAX_SPLIT = 16
 
 
-@triton.jit
-def _nibble_dots(acc, a_ptr, codes_ptr, scales_ptr, rn_safe, rm, M, K, k0, k_hi, s_am,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One K step without interleaving the two codes of a byte: the low nibbles (even k) and the
-    high nibbles (odd k) are two ``[BLOCK_N, BLOCK_K/2]`` operands, each multiplied with the
-    matching rows of x (two MMAs), so no register shuffle rebuilds the K order."""
-    half: tl.constexpr = BLOCK_K // 2
-    pk = k0 // 2 + tl.arange(0, half)
-    sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    packed = tl.load(codes_ptr + rn_safe[:, None].to(tl.int64) * (K // 2) + pk[None, :],
-                     mask=(pk < k_hi // 2)[None, :], other=0).to(tl.int32)
-    sf = e4m3_value(tl.load(scales_ptr + rn_safe[:, None].to(tl.int64) * (K // 16) + sk[None, :],
-                            mask=(sk < k_hi // 16)[None, :], other=0).to(tl.int32))
-    sfb = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, half))
-    lo = e2m1_value(packed) * sfb  # e2m1_value reads bits 0..3 only
-    hi = e2m1_value(packed >> 4) * sfb
-    ke = k0 + 2 * tl.arange(0, half)
-    xmask = (rm < M)[None, :] & (ke < k_hi)[:, None]
-    xe = tl.load(a_ptr + rm[None, :] * s_am + ke[:, None], mask=xmask, other=0.0)
-    xo = tl.load(a_ptr + rm[None, :] * s_am + (ke + 1)[:, None], mask=xmask, other=0.0)
-    if DOT_FP32:
-        acc = tl.dot(lo, xe.to(tl.float32), acc, input_precision="ieee")
-        acc = tl.dot(hi, xo.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
-        acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
 def _decode_gemm_kernel(
     a_ptr, codes_ptr, scales_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, K_PER_SPLIT, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    DOT_FP32: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -80,10 +51,6 @@ def _decode_gemm_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if NIBBLE_DOTS:
-            acc = _nibble_dots(acc, a_ptr, codes_ptr, scales_ptr, rn_safe, rm, M, K, k0, k_hi, s_am,
-                               BLOCK_N, BLOCK_K, DOT_FP32)
-            continue
         pk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -131,8 +98,7 @@ def _decode_gemm_kernel(
                  mask=(rm < M)[None, :] & (rn < N)[:, None])
 
 
-GPU_DECODE = {"block_n": 64, "warps": 4, "block_k": {16: 128, 32: 64, 64: 64}, "programs_per_sm": 2,
-              "nibble_dots": False}
+GPU_DECODE = {"block_n": 64, "warps": 4, "block_k": {16: 128, 32: 64, 64: 64}, "programs_per_sm": 2}
 """Decode launch parameters on the GPU (BLOCK_K by padded M; K is split until the grid has
 ``programs_per_sm`` programs per SM)."""
 
@@ -179,7 +145,7 @@ def decode_gemm_op(
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad,
         SPLIT_MAX=triton.next_power_of_2(split),
-        DOT_FP32=interpreting(), NIBBLE_DOTS=bool(GPU_DECODE["nibble_dots"]), num_warps=warps, **exact_launch(),
+        DOT_FP32=interpreting(), num_warps=warps, **exact_launch(),
     )
     return out
 

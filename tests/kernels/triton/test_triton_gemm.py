@@ -82,12 +82,8 @@ def test_pointer_path_for_operands_tma_cannot_describe():
     check_bound_and_maybe_bits(out, qa, qb, None, torch.bfloat16, bitwise=INTERPRETING)
 
 
-@pytest.mark.parametrize("nibble_dots", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 64])
-def test_decode_gemm_on_packed_weights(m, nibble_dots, monkeypatch):
-    from minite_kernels.triton import decode_gemm
-
-    monkeypatch.setitem(decode_gemm.GPU_DECODE, "nibble_dots", nibble_dots)
+def test_decode_gemm_on_packed_weights(m):
     qa = q(randn(m, 128, seed=m), with_image=True)
     qb = q(randn(48, 128, seed=8), global_scale="tensor", tile=(16, 16))
     bias = randn(48, seed=9)
