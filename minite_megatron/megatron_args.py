@@ -180,6 +180,20 @@ def validate_minite_args(args: argparse.Namespace) -> None:
     if errors:
         raise MiniteArgumentError("; ".join(errors))
     _turn_off_missing_extensions(args)
+    _use_minite_activation(args)
+
+
+def _use_minite_activation(args: argparse.Namespace) -> None:
+    """SwiGLU through the minite activation module (``modules.activation``: Megatron's formula,
+    fused with the NVFP4 quantization of ``linear_fc2``'s input on the GPU): Megatron builds it
+    only under ``use_te_activation_func``, which excludes its own bias-SwiGLU fusion."""
+    if not getattr(args, "swiglu", False) or getattr(args, "use_te_activation_func", False):
+        return
+    if getattr(args, "bias_swiglu_fusion", False):
+        logger.info("minite: SwiGLU runs in the minite activation module (fused with fc2's NVFP4 quantization); "
+                    "Megatron's bias-SwiGLU fusion is turned off")
+        args.bias_swiglu_fusion = False
+    args.use_te_activation_func = True
 
 
 # Megatron defaults that need an extension minite does not require: (dest, flag, available?).

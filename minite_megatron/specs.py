@@ -39,6 +39,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .modules.grouped_linear import NVFP4GroupedLinear
 from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
+from .modules.activation import MiniteActivation
 from .modules.norm import MiniteNorm
 from .recipe import Recipe
 
@@ -89,6 +90,8 @@ class MiniteSpecProvider(BackendSpecProvider):
             submodules=GroupedMLPSubmodules(
                 linear_fc1=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="column", precision=self.expert_precision),
                 linear_fc2=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="row", precision=self.expert_precision),
+                # no handoff: Megatron multiplies the router probabilities before linear_fc2
+                activation_func=MiniteActivation,
             ),
         )
 
@@ -125,7 +128,10 @@ class MiniteSpecProvider(BackendSpecProvider):
         return MoELayer
 
     def activation_func(self):
-        return None
+        """The MLP activation module (used where ``config.use_te_activation_func``): it hands an
+        NVFP4 ``linear_fc2`` its quantized output (fused SwiGLU -> NVFP4 on the GPU)."""
+        offer = self.recipe if self.linear_precision == "nvfp4" else None
+        return partial(MiniteActivation, offer_to=offer)
 
 
 def moe_module_spec(experts_backend, shared_backend):
@@ -140,6 +146,7 @@ def moe_module_spec(experts_backend, shared_backend):
                 submodules=MLPSubmodules(
                     linear_fc1=shared_backend.column_parallel_linear(),
                     linear_fc2=shared_backend.row_parallel_linear(),
+                    activation_func=shared_backend.activation_func(),
                 ),
             ),
             router=experts_backend.router(),
@@ -154,7 +161,8 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
     if num_experts is None:
         mlp_spec = partial(
             MLP.as_mlp_submodule,
-            submodules=MLPSubmodules(linear_fc1=mlp.column_parallel_linear(), linear_fc2=mlp.row_parallel_linear()),
+            submodules=MLPSubmodules(linear_fc1=mlp.column_parallel_linear(), linear_fc2=mlp.row_parallel_linear(),
+                                     activation_func=mlp.activation_func()),
         )
     else:
         mlp_spec = moe_module_spec(experts or mlp, shared or mlp)

@@ -1,4 +1,4 @@
-"""Fused producers: RMSNorm that also writes the next NVFP4 linear's fprop operand.
+"""Fused producers: RMSNorm and SwiGLU that also write the next NVFP4 linear's fprop operand.
 
 ``rms_norm_offering(x, weight, eps, zero_centered_gamma, recipe, batch_invariant)`` returns the
 RMSNorm of ``x`` and offers the per-token NVFP4 quantization of that output to the linear that
@@ -12,6 +12,10 @@ consumes it (:mod:`.handoff`), so the linear does not read the activation again:
   same numbers as without the handoff, and the same code path through the consumer.
 
 The backward is the ordinary RMSNorm gradient (:func:`minite_megatron.strict.rmsnorm.rms_norm_backward`).
+
+``swiglu_offering(h, recipe, act_fn)`` does the same for SwiGLU (``h`` [..., 2F] -> [..., F]) in
+front of ``linear_fc2``: ``backend.swiglu_quantize`` (Megatron's ``silu(gate) * up`` with its bf16
+roundings, bitwise equal to torch on the GPU), backward by Megatron's own ``swiglu_back``.
 """
 
 from __future__ import annotations
@@ -66,3 +70,46 @@ def rms_norm_offering(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_ce
             q = backend.quantize(y2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
         handoff.offer(y2, q, handoff.activation_key(recipe, backend))
     return y
+
+
+def fused_swiglu_supported(h: torch.Tensor, recipe: Recipe, backend) -> bool:
+    return (
+        hasattr(backend, "swiglu_quantize")
+        and recipe.activation_scale == "row"
+        and h.dtype in (torch.bfloat16, torch.float16)
+        and h.shape[-1] % 32 == 0
+    )
+
+
+class _FusedSwiGLUQuantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h2d, recipe, backend):
+        a, q = backend.swiglu_quantize(h2d, with_image=True, nonfinite=recipe.nonfinite)
+        handoff.offer(a, q, handoff.activation_key(recipe, backend))
+        ctx.save_for_backward(h2d)
+        return a
+
+    @staticmethod
+    def backward(ctx, ga):
+        from megatron.core.fusions.fused_bias_swiglu import swiglu_back
+
+        (h2d,) = ctx.saved_tensors
+        return swiglu_back(ga, h2d), None, None
+
+
+def swiglu_offering(h: torch.Tensor, recipe: Recipe, act_fn) -> torch.Tensor:
+    """SwiGLU of ``h`` [..., 2F] (``act_fn(h)`` where no fused kernel runs), offering the
+    per-token NVFP4 quantization of the output to the consuming ``linear_fc2``."""
+    backend = backend_for(recipe, h.device)
+    if fused_swiglu_supported(h, recipe, backend):
+        two_f = h.shape[-1]
+        a = _FusedSwiGLUQuantize.apply(h.reshape(-1, two_f), recipe, backend)
+        return a.reshape(*h.shape[:-1], two_f // 2)
+    a = act_fn(h)
+    f = a.shape[-1]
+    if a.dtype in (torch.bfloat16, torch.float16, torch.float32) and f % 16 == 0 and recipe.activation_scale == "row":
+        a2 = a.reshape(-1, f)
+        with torch.no_grad():
+            q = backend.quantize(a2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
+        handoff.offer(a2, q, handoff.activation_key(recipe, backend))
+    return a

@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from ..modules.activation import MiniteActivation
 from ..modules.norm import MiniteNorm
 from ..specs import build_layer_spec, moe_layer_pattern, moe_module_spec
 from .core_attention import StrictDotProductAttention
@@ -61,8 +62,12 @@ class StrictSpecProvider(LocalSpecProvider):
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = False):
         return partial(
             SequentialMLP,
-            submodules=MLPSubmodules(linear_fc1=StrictColumnParallelLinear, linear_fc2=StrictRowParallelLinear),
+            submodules=MLPSubmodules(linear_fc1=StrictColumnParallelLinear, linear_fc2=StrictRowParallelLinear,
+                                     activation_func=MiniteActivation),
         )
+
+    def activation_func(self):
+        return MiniteActivation  # elementwise: batch invariant as it is
 
     def router(self):
         return StrictTopKRouter

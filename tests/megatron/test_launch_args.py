@@ -148,3 +148,16 @@ def test_qwen3_30b_a3b_config_parses_and_validates(monkeypatch):
     assert (args.kv_channels, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (128, 128, 8, 768)
     assert (args.expert_model_parallel_size, args.vocab_size, args.vocab_size % 128) == (8, 151936, 0)
     assert args.qk_layernorm and args.rotary_base == 1000000 and args.transformer_impl == "minite"
+
+
+def test_swiglu_runs_in_the_minite_activation_module(monkeypatch):
+    """``--swiglu`` under minite: the MLP activation is the minite module (Megatron builds it only
+    under ``use_te_activation_func``, which excludes Megatron's bias-SwiGLU fusion)."""
+    from megatron.training import argument_utils
+
+    args = _parse(BASE + ["--swiglu"], monkeypatch)
+    assert args.use_te_activation_func is True and args.bias_swiglu_fusion is False
+    config = argument_utils.core_transformer_config_from_args(args)
+    assert config.use_te_activation_func and not config.bias_activation_fusion and config.gated_linear_unit
+    plain = _parse(BASE, monkeypatch)  # no GLU: Megatron's own activation path, untouched
+    assert not getattr(plain, "use_te_activation_func", False)

@@ -39,7 +39,10 @@ def test_take_refuses_a_changed_tensor_or_another_quantization():
     handoff.clear()
 
 
-def test_the_norm_feeding_qkv_hands_over_its_quantization_and_nothing_changes(monkeypatch):
+def test_producers_hand_over_their_quantization_and_nothing_changes(monkeypatch):
+    """The norms in front of qkv / fc1 and the SwiGLU in front of fc2 (the minite activation
+    module: ``use_te_activation_func``) hand their quantization to the NVFP4 linear: 6 handoffs
+    in 2 dense layers, and the same loss and gradients as without the handoff."""
     from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
 
     from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
@@ -56,7 +59,8 @@ def test_the_norm_feeding_qkv_hands_over_its_quantization_and_nothing_changes(mo
         return q
 
     monkeypatch.setattr(handoff, "take", spy)
-    cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None)  # dense: both norms feed NVFP4 linears
+    cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,  # dense MLPs
+                      use_te_activation_func=True)
     recipe = Recipe()
     tokens, labels = lm_batch(0)
     pos = torch.arange(32).unsqueeze(0).expand(4, -1)
@@ -64,14 +68,16 @@ def test_the_norm_feeding_qkv_hands_over_its_quantization_and_nothing_changes(mo
     def run(offer: bool):
         if not offer:
             monkeypatch.setattr("minite_megatron.modules.norm.MiniteNorm.forward", lambda self, x: self._norm(x))
+            monkeypatch.setattr("minite_megatron.modules.activation.MiniteActivation.forward",
+                                lambda self, x: self.activation(x))
         model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe)
         loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss_with, grads_with = run(True)
-    # 2 layers x (input norm -> qkv, pre-MLP norm -> fc1): every one taken
-    assert taken.count(True) == 4, taken
+    # 2 layers x (input norm -> qkv, pre-MLP norm -> fc1, SwiGLU -> fc2): every one taken
+    assert taken.count(True) == 6, taken
     taken.clear()
     loss_without, grads_without = run(False)
     assert not any(taken)
@@ -95,3 +101,31 @@ def test_fused_norm_falls_back_to_the_module_norm_on_the_reference_backend(nonfi
     from minite_megatron.ops.producers import fused_norm_supported
 
     assert not fused_norm_supported(torch.randn(2, 32, dtype=torch.bfloat16), Recipe(nonfinite=nonfinite), ReferenceBackend())
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_minite_activation_module_computes_megatrons_activation(moe):
+    """The same model with Megatron's inline activation (``use_te_activation_func=False``) and with
+    the minite module in every MLP (dense, shared experts, grouped experts): identical loss and
+    gradients."""
+    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    init_single_process()
+    extra = dict(moe_shared_expert_intermediate_size=32) if moe else dict(
+        num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None)
+    tokens, labels = lm_batch(1)
+    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
+    results = []
+    for module in (False, True):
+        cfg = tiny_config(use_te_activation_func=module, **extra)
+        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, Recipe()), finalize_recipe=Recipe())
+        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n

@@ -484,3 +484,37 @@ def test_gpu_swiglu_every_bf16_gate():
     h = torch.cat([gates, torch.ones_like(gates)], dim=1).to(CUDA)
     a, _ = swiglu_quantize(h)
     assert_bitwise_equal(a, torch.nn.functional.silu(gates.to(CUDA)), "silu of every bf16", nan_equal=True)
+
+
+@pytest.mark.parametrize("which", ["norm", "swiglu"])
+def test_the_ops_producers_on_triton_hand_the_linear_the_fused_quantization(which):
+    """``ops.producers`` on the Triton backend: the fused kernel's output goes on through autograd,
+    its quantization is offered to the consuming linear (bitwise the quantization of that
+    output), and the backward is the ordinary gradient (RMSNorm formula / Megatron's
+    ``swiglu_back``)."""
+    from minite_megatron.nvfp4 import get_backend
+    from minite_megatron.ops import handoff, producers
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.strict.rmsnorm import rms_norm_backward
+
+    recipe = Recipe(backend="triton")
+    backend = get_backend("triton", DEVICE)
+    h = randn(3, 8, 64, seed=21).bfloat16().to(DEVICE).requires_grad_()
+    w = (1 + 0.1 * randn(64, seed=22)).to(DEVICE)
+    if which == "norm":
+        out = producers.rms_norm_offering(h, w, 1e-5, False, recipe, norm_fn=None)  # fused: never calls it
+    else:
+        out = producers.swiglu_offering(h, recipe, act_fn=None)
+    q = handoff.take(out.reshape(-1, out.shape[-1]), handoff.activation_key(recipe, backend))
+    assert q is not None
+    ref = nvfp4.quantize_reference(out.detach().reshape(-1, out.shape[-1]).cpu(), global_scale="row", with_image=True)
+    assert_quantized_equal(_cpu_q(q), ref)
+    g = randn(*out.shape, seed=23).bfloat16().to(DEVICE)
+    out.backward(g)
+    if which == "norm":
+        want, _ = rms_norm_backward(g.reshape(-1, 64), h.detach().reshape(-1, 64), w, 1e-5, False, False)
+    else:
+        from megatron.core.fusions.fused_bias_swiglu import swiglu_back
+
+        want = swiglu_back(g.reshape(-1, 32), h.detach().reshape(-1, 64))
+    assert_bitwise_equal(h.grad.reshape(-1, 64).cpu(), want.cpu(), "input gradient")
