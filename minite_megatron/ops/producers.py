@@ -63,13 +63,18 @@ def rms_norm_offering(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_ce
     if fused_norm_supported(x, recipe, backend):
         x2d = x.reshape(-1, h)
         return _FusedRMSNormQuantize.apply(x2d, weight, float(eps), bool(zero_centered_gamma), recipe, backend).reshape(x.shape)
-    y = norm_fn(x)
-    if y.dtype in (torch.bfloat16, torch.float16, torch.float32) and h % 16 == 0 and recipe.activation_scale == "row":
-        y2 = y.reshape(-1, h)
+    return _offer_unfused(norm_fn(x), recipe, backend)
+
+
+def _offer_unfused(out: torch.Tensor, recipe: Recipe, backend) -> torch.Tensor:
+    """No fused kernel: quantize the producer's output as the consumer would, and offer it."""
+    k = out.shape[-1]
+    if out.dtype in (torch.bfloat16, torch.float16, torch.float32) and k % 16 == 0 and recipe.activation_scale == "row":
+        out2 = out.reshape(-1, k)
         with torch.no_grad():
-            q = backend.quantize(y2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
-        handoff.offer(y2, q, handoff.activation_key(recipe, backend))
-    return y
+            q = backend.quantize(out2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
+        handoff.offer(out2, q, handoff.activation_key(recipe, backend))
+    return out
 
 
 def fused_swiglu_supported(h: torch.Tensor, recipe: Recipe, backend) -> bool:
@@ -105,11 +110,4 @@ def swiglu_offering(h: torch.Tensor, recipe: Recipe, act_fn) -> torch.Tensor:
         two_f = h.shape[-1]
         a = _FusedSwiGLUQuantize.apply(h.reshape(-1, two_f), recipe, backend)
         return a.reshape(*h.shape[:-1], two_f // 2)
-    a = act_fn(h)
-    f = a.shape[-1]
-    if a.dtype in (torch.bfloat16, torch.float16, torch.float32) and f % 16 == 0 and recipe.activation_scale == "row":
-        a2 = a.reshape(-1, f)
-        with torch.no_grad():
-            q = backend.quantize(a2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
-        handoff.offer(a2, q, handoff.activation_key(recipe, backend))
-    return a
+    return _offer_unfused(act_fn(h), recipe, backend)
