@@ -52,7 +52,7 @@ for s in $STEPS; do
     dual) step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
     profile)  # Nsight Compute counters of single kernels (benchmarks/profile_kernels.py), reports kept
       for c in decode_qkv_m1 decode_fc2_m1 cols_dy_sr_rht dual_dy; do
-        step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|dual|amax' --launch-skip 4 \
+        step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|row_col|amax' --launch-skip 4 \
           --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section LaunchStats --section SchedulerStats \
           python3 -m benchmarks.profile_kernels "$c" --reps 6

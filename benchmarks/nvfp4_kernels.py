@@ -476,6 +476,9 @@ def sec_grouped(res, tokens_list):
             row["t_dgrad"] = timed(lambda: grouped_gemm_op(qdy0.image, qw0.image.transpose(1, 2), offsets,
                                                            qdy0.global_decode, qw0.global_decode, None, BF16, False, False))
             row["t_wgrad_all"] = timed(lambda: grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic", grad_seed=3))
+            # the default recipe's wgrad: the RHT fused into the gather-quantize of both operands
+            row["t_wgrad_all_rht"] = timed(lambda: grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic",
+                                                                         grad_seed=3, rht_seed=0))
             try:
                 t_g = timed(bf16_grouped)
                 row["bf16_grouped_ms"] = t_g
@@ -496,7 +499,7 @@ def sec_grouped(res, tokens_list):
                 ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms", "nvfp4_old_ms",
                  "throughput_vs_grouped_mm", "speedup_vs_loop", "nvfp4_TFLOPs"])
     print_table("MoE grouped: where the NVFP4 time goes (ms)", rows,
-                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_old"])
+                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_rht", "t_wgrad_all_old"])
 
 
 # ---- decode -------------------------------------------------------------------------------------
