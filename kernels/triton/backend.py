@@ -10,7 +10,8 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
   strict mode (``DECODE_MAX_M`` / ``DECODE_MAX_N``) the decode GEMM on packed weights
   (:mod:`.decode_gemm`). Operands quantized without an image get one from :mod:`.image`.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
-  already quantized along padded tokens): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
+  already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
+  through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
 
 ``batch_invariant=True`` (strict mode) always takes the image GEMM with its one fixed config
 (``STRICT_CONFIG``; with :data:`STRICT_CANONICAL` the contract's own accumulation order, so
@@ -37,7 +38,7 @@ from ._nvfp4_math import interpreting
 from .decode_gemm import MAX_M, decode_gemm_forward
 from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward
-from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op
+from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
 from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
@@ -194,6 +195,12 @@ class TritonBackend:
         """MoE wgrad ``dW[g] = dY_g^T @ X_g`` -> ``[G, N, K]`` (kwargs of the reference)."""
         self._require(x.device)
         return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs)
+
+    def quantize_wgrad_operand(self, t: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> NVFP4Tensor:
+        """``nvfp4.quantize_wgrad_operand`` (each group's tokens padded to 16, along tokens) read in
+        place through a gather, no padded copy (:func:`.grouped_wgrad.quantize_wgrad_operand_forward`)."""
+        self._require(t.device)
+        return quantize_wgrad_operand_forward(t, group_sizes, **kwargs)
 
     def grouped_wgrad_gemm(
         self,

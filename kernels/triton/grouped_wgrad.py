@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from minite_megatron.nvfp4.formats import BLOCK
+from minite_megatron.nvfp4.quantize import check_finite
+from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._gemm_common import mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
@@ -114,8 +116,8 @@ def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, 
     return src.to(torch.int32), poffs.to(torch.int32), t_pad
 
 
-def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed):
-    """Quantize ``pad_groups(x).t()`` ([H, T_pad]) with its image: (image, global decode).
+def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed, with_image=True):
+    """Quantize ``pad_groups(x).t()`` ([H, T_pad]): ``(codes, scales, global decode, image)``.
 
     One kernel reads ``x.t()`` in place: the gather pads each expert's tokens and the RHT (if
     any) runs fused in the column kernel; a tensor scale takes one read-only amax pass first
@@ -128,9 +130,51 @@ def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_
         amax = quantize_cols.amax_launch(src, col_index, rpg, rht) if rht >= 0 else amax_forward(x, max(x.shape[0], 1))
     else:
         amax, rpg = None, 1
-    _, _, sdec, image = quantize_op(src, amax, col_index, rpg, False, stochastic,
-                                    sr_key(seed) if stochastic else 0, True, False, rht)
-    return image, sdec
+    return quantize_op(src, amax, col_index, rpg, False, stochastic, sr_key(seed) if stochastic else 0, with_image,
+                       False, rht)
+
+
+def quantize_wgrad_operand_forward(
+    t: torch.Tensor,
+    group_sizes,
+    *,
+    global_scale: str = "tensor",
+    rounding: str = "nearest",
+    seed: int | None = None,
+    rht_seed: int | None = None,
+    nonfinite: str = "propagate",
+    with_image: bool = False,
+) -> NVFP4Tensor:
+    """``nvfp4.quantize_wgrad_operand``, bit for bit, without the padded copy: ``t`` [T, H] rows
+    sorted by group (list of ints) -> NVFP4 ``[H, T_pad]`` along tokens, each group zero-padded
+    to a multiple of 16, read in place through the gather of the column kernel (RHT fused)."""
+    if t.dim() != 2 or sum(int(s) for s in group_sizes) != t.shape[0]:
+        raise ValueError(f"quantize_wgrad_operand: t {tuple(t.shape)} and group sizes summing to "
+                         f"{sum(int(s) for s in group_sizes)} disagree")
+    if global_scale not in ("tensor", "row"):
+        raise ValueError(f"quantize_wgrad_operand: global_scale must be 'tensor' or 'row', got {global_scale!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and seed is None:
+        raise ValueError("stochastic rounding needs a seed")
+    if nonfinite == "raise":
+        check_finite(t)
+    elif nonfinite != "propagate":
+        raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+    h = t.shape[1]
+    col_index, _, t_pad = pad_index([int(s) for s in group_sizes], t.shape[0], t.device)
+    if t_pad == 0 or h == 0:  # nothing to quantize: the contract's empty result (S_dec = 1 for empty domains)
+        from minite_megatron.nvfp4.grouped import quantize_wgrad_operand
+
+        return quantize_wgrad_operand(t, group_sizes, global_scale=global_scale, rounding=rounding, seed=seed,
+                                      rht_seed=rht_seed, nonfinite=nonfinite)
+    codes, scales, sdec, image = _quantize_padded_t(t, col_index, t_pad, global_scale, rounding == "stochastic", seed,
+                                                    rht_seed, with_image)
+    return NVFP4Tensor(
+        codes=codes, block_scales=scales.view(torch.float8_e4m3fn), global_decode=sdec, shape=torch.Size((h, t_pad)),
+        global_scale=global_scale, tile=(1, BLOCK), layout="linear", rht_seed=rht_seed,
+        image=image if with_image else None,
+    )
 
 
 def grouped_wgrad_forward(
@@ -174,9 +218,9 @@ def grouped_wgrad_forward(
     col_index, poffs, t_pad = pad_index(group_sizes, t, x.device)
     if t_pad == 0:
         return torch.zeros(groups, n, kx, dtype=out_dtype, device=x.device)
-    a_img, sa = _quantize_padded_t(grad_out, col_index, t_pad, global_scale, grad_rounding == "stochastic",
-                                   grad_seed, rht_seed)
-    b_img, sb = _quantize_padded_t(x, col_index, t_pad, global_scale, False, None, rht_seed)
+    _, _, sa, a_img = _quantize_padded_t(grad_out, col_index, t_pad, global_scale, grad_rounding == "stochastic",
+                                         grad_seed, rht_seed)
+    _, _, sb, b_img = _quantize_padded_t(x, col_index, t_pad, global_scale, False, None, rht_seed)
     return grouped_wgrad_op(a_img, b_img, poffs, sa, sb, groups, out_dtype, canonical)
 
 

@@ -29,7 +29,7 @@ from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
 from . import handoff
-from .amax_sync import synced_amax
+from .amax_sync import needs_sync, synced_amax
 from .seeds import next_sr_seed
 from .weight_cache import QuantizedWeightCache
 
@@ -140,6 +140,17 @@ def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext
     rht = recipe.wgrad_rht_seed
     stochastic = gradient and recipe.grad_stochastic_rounding
     rows_sharded = lctx.column if gradient else lctx.row
+    padded_in_place = getattr(backend, "quantize_wgrad_operand", None)
+    needs_padding = any(int(s) % 16 for s in group_sizes)
+    if needs_padding and padded_in_place is not None and not needs_sync(
+        recipe.grad_scale, lctx.tp_group, rows_sharded=rows_sharded, k_sharded=False
+    ):
+        # the backend pads each group's tokens through a gather (no padded copy); same bits
+        return padded_in_place(
+            t, [int(s) for s in group_sizes], global_scale=recipe.grad_scale,
+            rounding=recipe.grad_rounding if gradient else "nearest",
+            seed=next_sr_seed(recipe.seed) if stochastic else None, rht_seed=rht, nonfinite=recipe.nonfinite,
+        )
     return quantize_wgrad_operand(
         t,
         group_sizes,

@@ -126,3 +126,33 @@ def test_grouped_errors():
         BACKEND.grouped_wgrad(randn(4, 16).to(DEVICE), randn(4, 16).to(DEVICE), [4], grad_rounding="stochastic")
     with pytest.raises(ValueError, match="multiples of 16"):
         BACKEND.grouped_wgrad_gemm(dev(qa), dev(qa), [8, 24])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(global_scale="row", rounding="stochastic", seed=4),
+        dict(rht_seed=5, rounding="stochastic", seed=6),
+        dict(rht_seed=-1, global_scale="row"),
+    ],
+)
+def test_wgrad_operand_padded_through_the_gather_equals_the_padded_copy(kwargs):
+    """``quantize_wgrad_operand`` on the Triton backend (groups padded to 16 tokens by the column
+    kernel's gather, no copy) is bitwise the contract's (``pad_groups`` then quantize)."""
+    from minite_megatron.testing import assert_nvfp4_equal
+
+    sizes = [5, 0, 17, 1, 32, 3]
+    t = randn(sum(sizes), 48, seed=31, dtype=torch.bfloat16)
+    got = BACKEND.quantize_wgrad_operand(t.to(DEVICE), sizes, **kwargs)
+    want = nvfp4.quantize_wgrad_operand(t, sizes, **kwargs)
+    assert got.shape == want.shape
+    assert_nvfp4_equal(_to_cpu(got), want)
+    empty = BACKEND.quantize_wgrad_operand(t[:0].to(DEVICE), [0, 0], **kwargs)
+    assert_nvfp4_equal(_to_cpu(empty), nvfp4.quantize_wgrad_operand(t[:0], [0, 0], **kwargs))
+
+
+def _to_cpu(q):
+    from dataclasses import replace
+
+    return replace(q, codes=q.codes.cpu(), block_scales=q.block_scales.cpu(), global_decode=q.global_decode.cpu())
