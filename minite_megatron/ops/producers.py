@@ -28,12 +28,13 @@ from . import handoff
 from .linear import backend_for
 
 
-def fused_norm_supported(x: torch.Tensor, recipe: Recipe, backend) -> bool:
+def fused_supported(op: str, t: torch.Tensor, recipe: Recipe, backend, width_multiple: int = 16) -> bool:
+    """Can ``backend.<op>`` (``rmsnorm_quantize`` / ``swiglu_quantize``) produce ``t``'s consumer operand?"""
     return (
-        hasattr(backend, "rmsnorm_quantize")
+        hasattr(backend, op)
         and recipe.activation_scale == "row"
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.shape[-1] % 16 == 0
+        and t.dtype in (torch.bfloat16, torch.float16)
+        and t.shape[-1] % width_multiple == 0
     )
 
 
@@ -60,7 +61,7 @@ def rms_norm_offering(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_ce
     per-token NVFP4 quantization of the output to the consuming linear."""
     backend = backend_for(recipe, x.device)
     h = x.shape[-1]
-    if fused_norm_supported(x, recipe, backend):
+    if fused_supported("rmsnorm_quantize", x, recipe, backend):
         x2d = x.reshape(-1, h)
         return _FusedRMSNormQuantize.apply(x2d, weight, float(eps), bool(zero_centered_gamma), recipe, backend).reshape(x.shape)
     return _offer_unfused(norm_fn(x), recipe, backend)
@@ -75,15 +76,6 @@ def _offer_unfused(out: torch.Tensor, recipe: Recipe, backend) -> torch.Tensor:
             q = backend.quantize(out2.detach(), global_scale="row", with_image=True, nonfinite=recipe.nonfinite)
         handoff.offer(out2, q, handoff.activation_key(recipe, backend))
     return out
-
-
-def fused_swiglu_supported(h: torch.Tensor, recipe: Recipe, backend) -> bool:
-    return (
-        hasattr(backend, "swiglu_quantize")
-        and recipe.activation_scale == "row"
-        and h.dtype in (torch.bfloat16, torch.float16)
-        and h.shape[-1] % 32 == 0
-    )
 
 
 class _FusedSwiGLUQuantize(torch.autograd.Function):
@@ -106,7 +98,7 @@ def swiglu_offering(h: torch.Tensor, recipe: Recipe, act_fn) -> torch.Tensor:
     """SwiGLU of ``h`` [..., 2F] (``act_fn(h)`` where no fused kernel runs), offering the
     per-token NVFP4 quantization of the output to the consuming ``linear_fc2``."""
     backend = backend_for(recipe, h.device)
-    if fused_swiglu_supported(h, recipe, backend):
+    if fused_supported("swiglu_quantize", h, recipe, backend, width_multiple=32):  # F = 2F / 2, a multiple of 16
         two_f = h.shape[-1]
         a = _FusedSwiGLUQuantize.apply(h.reshape(-1, two_f), recipe, backend)
         return a.reshape(*h.shape[:-1], two_f // 2)

@@ -98,9 +98,11 @@ def test_norm_offers_nothing_under_sequence_parallelism():
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
 def test_fused_norm_falls_back_to_the_module_norm_on_the_reference_backend(nonfinite):
-    from minite_megatron.ops.producers import fused_norm_supported
+    from minite_megatron.ops.producers import fused_supported
 
-    assert not fused_norm_supported(torch.randn(2, 32, dtype=torch.bfloat16), Recipe(nonfinite=nonfinite), ReferenceBackend())
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    for op in ("rmsnorm_quantize", "swiglu_quantize"):
+        assert not fused_supported(op, x, Recipe(nonfinite=nonfinite), ReferenceBackend())
 
 
 @pytest.mark.parametrize("moe", [False, True])
