@@ -128,12 +128,16 @@ def test_training_on_the_gpu_decreases_the_loss(megatron_gpu):
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
 
 
+@pytest.mark.parametrize("activation_module", [False, True])
 @pytest.mark.parametrize("strict", [True, False])
-def test_fused_norm_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict):
-    """The norms in front of qkv / fc1 run the fused RMSNorm -> NVFP4 kernel and the linears
-    take its quantization (4 handoffs in 2 dense layers). In strict mode the fused norm is the
-    batch-invariant norm bit for bit, so the model's loss and gradients equal those of the
-    unfused modules exactly."""
+def test_fused_producer_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict, activation_module):
+    """The norms in front of qkv / fc1 (and, with the minite activation module, the SwiGLU in
+    front of fc2) run the fused producer kernels and the linears take their quantization: 4
+    (6) handoffs in 2 dense layers. In strict mode the fused norm is the batch-invariant norm
+    and the fused SwiGLU is torch's, bit for bit, so the loss equals that of the unfused
+    modules exactly; so do the gradients with the norm alone (the fused SwiGLU's backward is
+    Megatron's ``swiglu_back``, which rounds differently from autograd's)."""
+    from minite_megatron.modules.activation import MiniteActivation
     from minite_megatron.modules.norm import MiniteNorm
     from minite_megatron.ops import handoff
     from minite_megatron.specs import get_gpt_decoder_block_minite_spec
@@ -144,7 +148,7 @@ def test_fused_norm_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict):
     real_take = handoff.take
     monkeypatch.setattr(handoff, "take", lambda t, key: taken.append(q := real_take(t, key)) or q)
     cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
-                      params_dtype=torch.bfloat16, bf16=True)
+                      params_dtype=torch.bfloat16, bf16=True, use_te_activation_func=activation_module)
     recipe = Recipe(strict=strict)
     tokens, labels = (t.cuda() for t in lm_batch(2))
     pos = torch.arange(32, device="cuda").unsqueeze(0).expand(4, -1)
@@ -156,10 +160,12 @@ def test_fused_norm_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss_fused, grads_fused = run()
-    assert sum(q is not None for q in taken) == 4, taken
+    assert sum(q is not None for q in taken) == (6 if activation_module else 4), taken
     if strict:
         monkeypatch.setattr(MiniteNorm, "forward", lambda self, x: self._norm(x))
+        monkeypatch.setattr(MiniteActivation, "forward", lambda self, x: self.activation(x))
         loss_plain, grads_plain = run()
         assert torch.equal(loss_fused, loss_plain)
-        for n in grads_fused:
-            assert torch.equal(grads_fused[n], grads_plain[n]), n
+        if not activation_module:
+            for n in grads_fused:
+                assert torch.equal(grads_fused[n], grads_plain[n]), n
