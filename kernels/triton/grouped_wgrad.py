@@ -134,6 +134,15 @@ def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_
                        False, rht)
 
 
+def _check_scale_and_rounding(op: str, global_scale: str, rounding: str, seed) -> None:
+    if global_scale not in ("tensor", "row"):
+        raise ValueError(f"{op}: global_scale must be 'tensor' or 'row', got {global_scale!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"{op}: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and seed is None:
+        raise ValueError(f"{op}: stochastic rounding needs a seed")
+
+
 def quantize_wgrad_operand_forward(
     t: torch.Tensor,
     group_sizes,
@@ -151,12 +160,7 @@ def quantize_wgrad_operand_forward(
     if t.dim() != 2 or sum(int(s) for s in group_sizes) != t.shape[0]:
         raise ValueError(f"quantize_wgrad_operand: t {tuple(t.shape)} and group sizes summing to "
                          f"{sum(int(s) for s in group_sizes)} disagree")
-    if global_scale not in ("tensor", "row"):
-        raise ValueError(f"quantize_wgrad_operand: global_scale must be 'tensor' or 'row', got {global_scale!r}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if rounding == "stochastic" and seed is None:
-        raise ValueError("stochastic rounding needs a seed")
+    _check_scale_and_rounding("quantize_wgrad_operand", global_scale, rounding, seed)
     if nonfinite == "raise":
         check_finite(t)
     elif nonfinite != "propagate":
@@ -202,12 +206,7 @@ def grouped_wgrad_forward(
             f"grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)} and group sizes "
             f"summing to {sum(group_sizes)} disagree"
         )
-    if global_scale not in ("tensor", "row"):
-        raise ValueError(f"grouped_wgrad: global_scale must be 'tensor' or 'row', got {global_scale!r}")
-    if grad_rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"grad_rounding must be 'nearest' or 'stochastic', got {grad_rounding!r}")
-    if grad_rounding == "stochastic" and grad_seed is None:
-        raise ValueError("stochastic rounding needs a seed (grad_seed)")
+    _check_scale_and_rounding("grouped_wgrad", global_scale, grad_rounding, grad_seed)
     for name, tns in (("grad_out", grad_out), ("x", x)):
         if tns.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"grouped_wgrad: {name} must be bf16/fp16/fp32, got {tns.dtype}")
