@@ -131,3 +131,34 @@ def test_the_minite_activation_module_computes_megatrons_activation(moe):
     assert g0.keys() == g1.keys()
     for n in g0:
         assert torch.equal(g0[n], g1[n]), n
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     dict(recompute_granularity="selective", recompute_modules=["mlp"])],
+)
+def test_handoff_under_activation_recompute(recompute):
+    """Recomputed layers offer and take again in the backward; the loss and the gradients are
+    those of the run without recompute, bit for bit. (Megatron 0.19.2's selective "layernorm"
+    recompute needs Transformer Engine whatever the spec: its CheckpointWithoutOutput always
+    takes the FP8 path.)"""
+    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    init_single_process()
+    tokens, labels = lm_batch(0)
+    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
+    results = []
+    for kw in ({}, recompute):
+        cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
+                          use_te_activation_func=True, **kw)
+        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, Recipe()), finalize_recipe=Recipe())
+        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
