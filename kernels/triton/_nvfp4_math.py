@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), the contract's 1/6 (exactly representable)
 NAN_F32_BITS = tl.constexpr(0x7FC00000)
 NAN_BF16_BITS = tl.constexpr(0x7FC0)
 

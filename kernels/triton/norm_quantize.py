@@ -62,17 +62,15 @@ from minite_megatron.nvfp4.producers import (
 from minite_megatron.nvfp4.quantize import check_finite
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
-from ._nvfp4_math import canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
+from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
 from .bi_rmsnorm import MAX_BLOCK
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: bi_rmsnorm's num_warps (part of the reduction layout: do not change one without the other).
 NORM_WARPS = 4
 #: Rows of at most this many chunks (of BLOCK_NB blocks) keep y in registers.
 MAX_CHUNKS = 4
-
 
 
 def config(h: int) -> tuple[int, int, int]:

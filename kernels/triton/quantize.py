@@ -47,7 +47,7 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import (
     FLT_MAX,
-    interpreting,
+    ONE_SIXTH,
     bf16_image_bits,
     canonical_nan_f32,
     e2m1_nearest,
@@ -56,12 +56,11 @@ from ._nvfp4_math import (
     e4m3_rne_satfinite,
     exact_launch,
     global_scales_from_amax,
+    interpreting,
     sr_uniform,
 )
 from . import quantize_cols, quantize_rows
 from .amax import amax_forward
-
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), exactly representable
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._nvfp4_math import (
+    ONE_SIXTH,
     block_encode_scales,
     canonical_nan_f32,
     e2m1_round_nearest,
@@ -38,7 +39,6 @@ from ._nvfp4_math import (
     interpreting,
 )
 
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU. H200, 2026-11-30 sweep
 #: (x.t() 2048 x 16384 / dy.t() 5120 x 16384 with SR + RHT, us): (64, 4, 4) 83.7 / 256;

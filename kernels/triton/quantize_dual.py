@@ -61,6 +61,7 @@ from minite_megatron.nvfp4.row_col import validate_row_col
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import (
+    ONE_SIXTH,
     block_encode_scales,
     canonical_nan_f32,
     e2m1_round_nearest,
@@ -74,7 +75,6 @@ from .quantize import rht_mask_of, sr_key
 from .quantize_cols import _block_amax_bits, _pair, _rht16
 from .quantize_rows import _sr_uniform, _unpack
 
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 INF_BITS = tl.constexpr(0x7F800000)
 
 #: (BLOCK_HB, BLOCK_NB, num_warps) on the GPU: BLOCK_HB * BLOCK_NB * 8 words per token load

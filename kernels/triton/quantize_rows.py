@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._nvfp4_math import (
+    ONE_SIXTH,
     block_encode_scales,
     canonical_nan_f32,
     e2m1_round_nearest,
@@ -47,7 +48,6 @@ from ._nvfp4_math import (
     max_propagate_nan,
 )
 
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: num_warps of the row kernel on the GPU (each warp walks rows; one block per thread per chunk).
 #: H200, 2026-11-30 (benchmarks.quantize_kernels sweep, 16384 x 2048 bf16, row scale + image):

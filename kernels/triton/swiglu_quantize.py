@@ -48,11 +48,10 @@ from minite_megatron.nvfp4.producers import checked_output, swiglu_quantize_refe
 from minite_megatron.nvfp4.quantize import check_finite
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
-from ._nvfp4_math import canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
+from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
 from .norm_quantize import as_nvfp4, round_half
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 
-ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6)
 
 #: Warps per program when a row takes at most 32 threads (quantize_rows' measured best: 1).
 GPU_SWIGLU_WARPS = 1
@@ -62,7 +61,6 @@ MAX_NB = 128
 MAX_CHUNKS = 4
 #: Launch options: contraction as nvcc's default (on), libdevice without flush-to-zero.
 LAUNCH = {"enable_reflect_ftz": False}
-
 
 
 def config(r: int, f: int) -> tuple[int, int, int, int]:
