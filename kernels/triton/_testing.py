@@ -79,3 +79,21 @@ def assert_quantized_equal(actual, expected, name: str = "q") -> None:
     assert_nvfp4_equal(actual, expected, name, image=False)
     if actual.image is not None:
         assert_same_bits_or_both_nan(actual.bf16_image(), expected.image_fp32().to(torch.bfloat16), f"{name}.image")
+
+
+def run_aot_script(script: str) -> dict:
+    """Run ``script`` (sm_90a AOT compiles through :mod:`._aot`) in a fresh Python without
+    ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit``) and return the JSON it prints
+    on its last ``JSON...`` line; a failed compile fails the calling test with its stderr."""
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1][4:])
+

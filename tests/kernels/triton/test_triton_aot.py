@@ -9,12 +9,9 @@ merge two roundings; nothing is flushed to zero (``.ftz``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from minite_kernels.triton._testing import run_aot_script
 
 SCRIPT = r"""
 import json, re
@@ -35,12 +32,7 @@ print("JSON" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1]
-    return json.loads(line[4:])
+    return run_aot_script(SCRIPT)
 
 
 def test_image_gemm_uses_wgmma_without_spills(compiled):

@@ -25,11 +25,6 @@ TRITON_INTERPRET=1; references on the CPU):
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -50,6 +45,7 @@ from minite_kernels.triton._testing import (
     heavy_tailed,
     kernels_runnable,
     randn,
+    run_aot_script,
     tie_matrix,
 )
 
@@ -391,11 +387,7 @@ print("JSON" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def aot():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
-    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1][4:])
+    return run_aot_script(AOT_SCRIPT)
 
 
 def test_sm90_norm_reduction_is_bi_rmsnorms(aot):

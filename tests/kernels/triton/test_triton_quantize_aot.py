@@ -8,12 +8,9 @@ division or reciprocal), no FMA that could merge two roundings, nothing flushed 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from minite_kernels.triton._testing import run_aot_script
 
 SCRIPT = r"""
 import json, re
@@ -31,12 +28,7 @@ print("JSON" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1]
-    return json.loads(line[4:])
+    return run_aot_script(SCRIPT)
 
 
 def test_no_spills_at_the_launch_configs(compiled):
