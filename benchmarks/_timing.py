@@ -47,6 +47,15 @@ def bench(fn, *, rep_ms: int = 100, warmup_ms: int = 25, graph: bool = False) ->
     return float(tt.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def copy_bandwidth_gbps(device, numel: int = 1 << 29) -> float:
+    """The device's copy bandwidth in GB/s, bytes read + written (``numel`` fp32: 2 GiB)."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    gbps = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    return gbps
+
+
 class Rotating:
     """Call ``make()`` ``n`` times and hand the results out in turn (defeats L2 reuse)."""
 

@@ -286,7 +286,7 @@ def recipe_linear_fwd_bwd(x, w, dy):
     return y, dx, dw
 
 
-def ops_linear_step(k, n):
+def ops_linear_step():
     """The real op (``minite_megatron.ops.linear``, default recipe, autograd) as a closure
     ``(x, w, dy) -> (dx, dw)``; the weight's quantization is cached as in training."""
     from minite_megatron.ops.linear import LinearContext, nvfp4_linear
@@ -301,17 +301,23 @@ def ops_linear_step(k, n):
     return step
 
 
+def _with_setting(module, name: str, value, fn):
+    """``fn`` run with ``module.<name> = value``, the setting put back afterwards."""
+    def run():
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, saved)
+    return run
+
+
 def _one_pass(fn, on: bool):
     """``fn`` with ``ops.linear``'s one-pass dy quantization on or off."""
     from minite_megatron.ops import linear as ops_linear
 
-    def run():
-        ops_linear.ONE_PASS_GRAD_QUANTIZE = on
-        try:
-            return fn()
-        finally:
-            ops_linear.ONE_PASS_GRAD_QUANTIZE = False
-    return run
+    return _with_setting(ops_linear, "ONE_PASS_GRAD_QUANTIZE", on, fn)
 
 
 def linear_floor_bytes(t, k, n):
@@ -323,13 +329,7 @@ def linear_floor_bytes(t, k, n):
 
 def _generic(fn):
     """``fn`` with the previous version's kernels (``quantize.FAST_PATHS = False``)."""
-    def run():
-        tq.FAST_PATHS = False
-        try:
-            return fn()
-        finally:
-            tq.FAST_PATHS = True
-    return run
+    return _with_setting(tq, "FAST_PATHS", False, fn)
 
 
 def naive_linear_fwd_bwd(x, w, dy):
@@ -361,7 +361,7 @@ def sec_linear(res, tokens):
                    "recipe_old_over_bf16": t_rec_old / t_bf16}
             xg = x.detach().clone().requires_grad_(True)
             wg = torch.nn.Parameter(w.detach().clone())
-            op = ops_linear_step(k, n)
+            op = ops_linear_step()
             t_ops = timed_graph(_one_pass(lambda: op(xg, wg, dy), True))
             t_ops_two = timed_graph(_one_pass(lambda: op(xg, wg, dy), False))
             copy = res.get("ceilings", {}).get("copy_GBps", float("nan"))

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -173,10 +173,7 @@ def main(argv=None):
     res = {"env": environment(), "argv": sys.argv[1:]}
     copy = args.copy_gbps
     if copy is None:
-        src = torch.randn(1 << 29, device=DEV)
-        dst = torch.empty_like(src)
-        copy = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6
-        del src, dst
+        copy = copy_bandwidth_gbps(DEV)
     res["copy_GBps"] = copy
     print(f"copy bandwidth (read + write): {copy} GB/s", flush=True)
     for sec in args.sections.split(","):
