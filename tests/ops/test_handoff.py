@@ -39,17 +39,39 @@ def test_take_refuses_a_changed_tensor_or_another_quantization():
     handoff.clear()
 
 
-def test_producers_hand_over_their_quantization_and_nothing_changes(monkeypatch):
-    """The norms in front of qkv / fc1 and the SwiGLU in front of fc2 (the minite activation
-    module: ``use_te_activation_func``) hand their quantization to the NVFP4 linear: 6 handoffs
-    in 2 dense layers, and the same loss and gradients as without the handoff."""
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401
+#: a dense tiny model (every MLP feeds NVFP4 linears)
+DENSE = dict(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None)
 
-    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+
+def _loss_and_grads(cfg, step: int = 0):
+    """One forward + backward of a tiny minite GPT (default recipe): ``(loss, {name: grad})``."""
+    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch
 
     from minite_megatron.specs import get_gpt_decoder_block_minite_spec
 
     init_single_process()
+    tokens, labels = lm_batch(step)
+    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
+    model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, Recipe()), finalize_recipe=Recipe())
+    loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_run(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+def test_producers_hand_over_their_quantization_and_nothing_changes(monkeypatch):
+    """The norms in front of qkv / fc1 and the SwiGLU in front of fc2 (the minite activation
+    module: ``use_te_activation_func``) hand their quantization to the NVFP4 linear: 6 handoffs
+    in 2 dense layers, and the same loss and gradients as without the handoff."""
+    from tests.megatron.minite_tiny import tiny_config
+
     taken = []
     real_take = handoff.take
 
@@ -59,31 +81,17 @@ def test_producers_hand_over_their_quantization_and_nothing_changes(monkeypatch)
         return q
 
     monkeypatch.setattr(handoff, "take", spy)
-    cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,  # dense MLPs
-                      use_te_activation_func=True)
-    recipe = Recipe()
-    tokens, labels = lm_batch(0)
-    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
-
-    def run(offer: bool):
-        if not offer:
-            monkeypatch.setattr("minite_megatron.modules.norm.MiniteNorm.forward", lambda self, x: self._norm(x))
-            monkeypatch.setattr("minite_megatron.modules.activation.MiniteActivation.forward",
-                                lambda self, x: self.activation(x))
-        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe)
-        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    loss_with, grads_with = run(True)
+    cfg = tiny_config(use_te_activation_func=True, **DENSE)
+    with_handoff = _loss_and_grads(cfg)
     # 2 layers x (input norm -> qkv, pre-MLP norm -> fc1, SwiGLU -> fc2): every one taken
     assert taken.count(True) == 6, taken
     taken.clear()
-    loss_without, grads_without = run(False)
+    monkeypatch.setattr("minite_megatron.modules.norm.MiniteNorm.forward", lambda self, x: self._norm(x))
+    monkeypatch.setattr("minite_megatron.modules.activation.MiniteActivation.forward",
+                        lambda self, x: self.activation(x))
+    without = _loss_and_grads(cfg)
     assert not any(taken)
-    assert torch.equal(loss_with, loss_without)
-    for n in grads_with:
-        assert torch.equal(grads_with[n], grads_without[n]), n
+    _assert_same_run(with_handoff, without)
 
 
 def test_norm_offers_nothing_under_sequence_parallelism():
@@ -110,27 +118,11 @@ def test_the_minite_activation_module_computes_megatrons_activation(moe):
     """The same model with Megatron's inline activation (``use_te_activation_func=False``) and with
     the minite module in every MLP (dense, shared experts, grouped experts): identical loss and
     gradients."""
-    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+    from tests.megatron.minite_tiny import tiny_config
 
-    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
-
-    init_single_process()
-    extra = dict(moe_shared_expert_intermediate_size=32) if moe else dict(
-        num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None)
-    tokens, labels = lm_batch(1)
-    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
-    results = []
-    for module in (False, True):
-        cfg = tiny_config(use_te_activation_func=module, **extra)
-        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, Recipe()), finalize_recipe=Recipe())
-        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (l0, g0), (l1, g1) = results
-    assert torch.equal(l0, l1)
-    assert g0.keys() == g1.keys()
-    for n in g0:
-        assert torch.equal(g0[n], g1[n]), n
+    extra = dict(moe_shared_expert_intermediate_size=32) if moe else DENSE
+    inline, module = (_loss_and_grads(tiny_config(use_te_activation_func=m, **extra), step=1) for m in (False, True))
+    _assert_same_run(inline, module)
 
 
 @pytest.mark.parametrize(
@@ -143,22 +135,8 @@ def test_handoff_under_activation_recompute(recompute):
     those of the run without recompute, bit for bit. (Megatron 0.19.2's selective "layernorm"
     recompute needs Transformer Engine whatever the spec: its CheckpointWithoutOutput always
     takes the FP8 path.)"""
-    from tests.megatron.minite_tiny import build_gpt, causal_mask, init_single_process, lm_batch, tiny_config
+    from tests.megatron.minite_tiny import tiny_config
 
-    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
-
-    init_single_process()
-    tokens, labels = lm_batch(0)
-    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
-    results = []
-    for kw in ({}, recompute):
-        cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
-                          use_te_activation_func=True, **kw)
-        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, Recipe()), finalize_recipe=Recipe())
-        loss = model(tokens, pos, causal_mask(32), labels=labels).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (l0, g0), (l1, g1) = results
-    assert torch.equal(l0, l1)
-    for n in g0:
-        assert torch.equal(g0[n], g1[n]), n
+    plain, recomputed = (_loss_and_grads(tiny_config(use_te_activation_func=True, **DENSE, **kw))
+                         for kw in ({}, recompute))
+    _assert_same_run(plain, recomputed)
