@@ -16,8 +16,12 @@ instead uses a thin subclass of ``GPTInferenceWrapper`` that sees every forward 
 (the next step's input, or the final tokens), scores it with
 :func:`minite_megatron.rollout.logprobs.token_logprobs` -- the very function the learner's
 :func:`~minite_megatron.rollout.logprobs.teacher_forced_logprobs` uses. Only one step's logits
-are held at a time. The log-probs are *raw*: log-softmax of the model's (FP32 in strict mode)
-logits before temperature, top-k or top-p.
+are held at a time. By default the log-probs are *raw*: log-softmax of the model's (FP32 in
+strict mode) logits before temperature, top-k or top-p. ``generate(..., logprobs="sampled")``
+gives the log-probs of the distribution the tokens were drawn from at the sampling temperature,
+``log_softmax(logits / temperature)`` (what RL's importance ratio compares, with the learner's
+:func:`~minite_megatron.rollout.logprobs.teacher_forced_logprobs` at the same temperature); top-k
+/ top-p filtering is not part of either.
 
 The dynamic engine (``DynamicInferenceEngine``) is not used: it needs CUDA, calls flash
 attention directly instead of the layer's ``core_attention`` (so strict attention cannot be
@@ -107,6 +111,7 @@ class LogProbGPTInferenceWrapper(GPTInferenceWrapper):
     def __init__(self, model, inference_context, *, strict: bool):
         super().__init__(model, inference_context)
         self.strict = strict
+        self.logprob_temperature = 1.0  # set per generate() call by the engine
         self._reset()
 
     def _reset(self):
@@ -167,7 +172,9 @@ class LogProbGPTInferenceWrapper(GPTInferenceWrapper):
         if stop <= first:
             return
         targets = self.tokens[:b, first + 1 : stop + 1]
-        self._lp[:b, first:stop] = token_logprobs(logits[:, : stop - first], targets, self.strict)
+        self._lp[:b, first:stop] = token_logprobs(
+            logits[:, : stop - first], targets, self.strict, self.logprob_temperature
+        )
         self.scored[:b, first:stop] = True
 
     def log_probs(self) -> torch.Tensor:
@@ -238,18 +245,24 @@ class RolloutEngine:
         top_p: float = 0.0,
         seed: int = 0,
         stop_at_eod: bool = True,
+        logprobs: str = "raw",
     ) -> list[Rollout]:
         """Sample continuations of ``prompts`` (token ids; mixed lengths in one batch).
 
         ``temperature=0`` means greedy (argmax). ``top_k`` and ``top_p`` filter the sampling
         distribution (not both). ``seed`` seeds the sampling generator: the same call gives the
-        same rollouts. Returns one :class:`Rollout` per prompt, in order.
+        same rollouts. ``logprobs``: ``"raw"`` (log-softmax of the logits) or ``"sampled"``
+        (log-softmax of ``logits / temperature``; greedy counts as temperature 1). Returns one
+        :class:`Rollout` per prompt, in order.
 
         Raises ValueError for bad sampling parameters, empty or out-of-vocabulary prompts, or
         sequences longer than ``max_sequence_length``.
         """
         prompts = [list(map(int, p)) for p in prompts]
         self._check(prompts, max_new_tokens, temperature, top_k, top_p)
+        if logprobs not in ("raw", "sampled"):
+            raise ValueError(f"logprobs must be 'raw' or 'sampled', got {logprobs!r}")
+        self.wrapper.logprob_temperature = float(temperature) if logprobs == "sampled" and temperature > 0 else 1.0
         if temperature == 0:
             temperature, top_k, top_p = 1.0, 1, 0.0
         params = SamplingParams(

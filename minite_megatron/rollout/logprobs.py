@@ -1,9 +1,11 @@
 """Per-token log-probs, the same code for the learner and the rollout engine.
 
-:func:`token_logprobs` turns logits into the *raw* log-probability of given tokens (log-softmax
-of the FP32 logits, before any temperature / top-k / top-p: the quantity RL's importance ratios
-need). In strict mode it is the batch-invariant :func:`minite_megatron.strict.token_log_probs`;
-otherwise ``torch.log_softmax`` in fp32.
+:func:`token_logprobs` turns logits into the log-probability of given tokens: log-softmax of
+the FP32 logits divided by ``temperature`` (1: the *raw* model distribution; the sampling
+temperature: the distribution the sampler actually drew from, which is what RL's importance
+ratios compare; top-k / top-p filtering is never applied). In strict mode it is the
+batch-invariant :func:`minite_megatron.strict.token_log_probs`; otherwise ``torch.log_softmax``
+in fp32. The division is one elementwise fp32 op, so it is batch invariant too.
 
 :func:`teacher_forced_logprobs` is the learner side: one full forward of Megatron's
 ``GPTModel`` over the (padded) sequences, then :func:`token_logprobs`. The rollout engine
@@ -12,6 +14,7 @@ otherwise ``torch.log_softmax`` in fp32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,15 +26,27 @@ def model_is_strict(model: torch.nn.Module) -> bool:
     return any(getattr(m, "minite_strict", False) for m in model.modules())
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool) -> torch.Tensor:
-    """fp32 ``log_softmax(logits)[..., tokens]`` for ``logits`` ``[..., V]`` and ``tokens`` ``[...]``.
+def check_temperature(temperature: float) -> float:
+    """The log-prob temperature as a float; raises ValueError unless finite and > 0."""
+    t = float(temperature)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"log-prob temperature must be finite and > 0, got {temperature!r}")
+    return t
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 ``log_softmax(fp32(logits) / temperature)[..., tokens]`` for ``logits`` ``[..., V]``
+    and ``tokens`` ``[...]``.
 
     ``strict`` selects the batch-invariant log-softmax. Raises ValueError for token ids outside
-    ``[0, V)`` or mismatched shapes."""
+    ``[0, V)``, mismatched shapes or a temperature that is not finite and > 0."""
+    temperature = check_temperature(temperature)
     if tuple(tokens.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} vs logits {tuple(logits.shape)}")
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
         raise ValueError(f"token_logprobs: token ids must lie in [0, {logits.shape[-1]})")
+    if temperature != 1.0:
+        logits = logits.to(torch.float32) / temperature
     if strict:
         from ..strict.softmax import token_log_probs
 
@@ -66,6 +81,7 @@ def teacher_forced_logprobs(
     strict: bool | None = None,
     pad_id: int = 0,
     device: torch.device | str | None = None,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
     """The learner's log-probs of ``sequences`` from one full forward of ``model``.
 
@@ -75,6 +91,8 @@ def teacher_forced_logprobs(
             attention: padding never affects earlier positions).
         strict: batch-invariant log-softmax (default: :func:`model_is_strict`).
         device: where the tokens go (default: the model's parameters' device).
+        temperature: log-probs of ``softmax(logits / temperature)`` (the sampler's distribution
+            at that temperature; 1 = raw).
     Returns:
         One fp32 tensor per sequence, ``len(seq) - 1`` long: entry ``t`` is
         ``log p(seq[t + 1] | seq[: t + 1])``. Carries gradients if grad mode is on (the model's
@@ -89,5 +107,5 @@ def teacher_forced_logprobs(
     b, t = tokens.shape
     position_ids = torch.arange(t, device=device).unsqueeze(0).expand(b, t)
     logits = model(tokens, position_ids, causal_mask(t, device=device), runtime_gather_output=True)  # [B, T, V]
-    lp = token_logprobs(logits[:, :-1], tokens[:, 1:], strict)
+    lp = token_logprobs(logits[:, :-1], tokens[:, 1:], strict, temperature)
     return [lp[i, : n - 1] for i, n in enumerate(lengths)]

@@ -122,3 +122,19 @@ def test_bad_arguments_raise(strict_model, tiny_gpt):
         engine.generate([[1, tiny_gpt.VOCAB]], 2)
     with pytest.raises(ValueError, match="eod_id"):
         RolloutEngine(strict_model, eod_id=tiny_gpt.VOCAB)
+
+
+def test_sampled_log_probs_match_the_learner_at_the_sampling_temperature(strict_model, tiny_gpt):
+    """``logprobs="sampled"``: the rollout's log-probs are those of ``softmax(logits / T)``, the
+    distribution the tokens were drawn from, and equal the learner's teacher-forced log-probs
+    at the same temperature bit for bit (strict model); raw ones are unchanged by it."""
+    engine = RolloutEngine(strict_model, eod_id=tiny_gpt.EOD)
+    sampled = engine.generate(tiny_gpt.PROMPTS[:3], 5, temperature=0.6, seed=5, logprobs="sampled")
+    raw = engine.generate(tiny_gpt.PROMPTS[:3], 5, temperature=0.6, seed=5)
+    learner = teacher_forced_logprobs(strict_model, [r.tokens for r in sampled], temperature=0.6)
+    for s, r, lp in zip(sampled, raw, learner):
+        assert s.tokens == r.tokens
+        assert_bitwise_equal(s.log_probs, lp.detach())
+        assert not torch.equal(s.log_probs, r.log_probs)
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.generate(tiny_gpt.PROMPTS[:1], 2, logprobs="processed")

@@ -47,3 +47,21 @@ def test_input_checks():
         token_logprobs(torch.zeros(2, 5), torch.tensor([1, 5]), strict=False)
     with pytest.raises(ValueError, match="tokens"):
         token_logprobs(torch.zeros(2, 5), torch.tensor([1]), strict=True)
+
+
+def test_token_logprobs_temperature_is_log_softmax_of_scaled_logits():
+    """Temperature-scaled log-probs (the distribution a sampler draws from) equal
+    ``log_softmax(logits / T)``, in default and strict mode; a bad temperature is refused."""
+    from minite_megatron.rollout.logprobs import token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, 17, generator=g)
+    tokens = torch.randint(0, 17, (3, 5), generator=g)
+    for strict in (False, True):
+        got = token_logprobs(logits, tokens, strict, temperature=0.7)
+        want = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+        assert not torch.equal(got, token_logprobs(logits, tokens, strict))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            token_logprobs(logits, tokens, False, temperature=bad)
