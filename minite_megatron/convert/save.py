@@ -213,16 +213,17 @@ def iter_torch_dist_tensors(ckpt_dir: str | os.PathLike) -> Iterator[dict[str, t
     """The model tensors of a ``torch_dist`` checkpoint directory, one layer at a time (optimizer
     state and ``_extra_state`` objects skipped). Needs ``torch.distributed`` (a world of 1 works)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     by_group: dict[int, dict] = {}
     for key, st in meta.items():
-        if key.startswith("optimizer.") or key.endswith("_extra_state") or key.startswith("rng_state"):
+        if not isinstance(st, ShardedTensor) or key.startswith("optimizer.") or key.endswith("_extra_state"):
             continue
         by_group.setdefault(_group(key), {})[key] = st
     for g in sorted(by_group):
         loaded = dist_checkpointing.load(by_group[g], str(ckpt_dir), validate_access_integrity=False)
-        yield {k: v.cpu() for k, v in loaded.items()}
+        yield {k: loaded[k].cpu() for k in by_group[g]}  # load() also returns the common state
 
 
 def write_hf_from_torch_dist(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: Any, **kw) -> list[str]:
