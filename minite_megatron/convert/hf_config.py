@@ -24,7 +24,7 @@ HF field                                  Megatron
 ``num_experts_per_tok``                   ``moe_router_topk``
 ``moe_intermediate_size``                 ``moe_ffn_hidden_size``
 ``norm_topk_prob``                        ``moe_router_pre_softmax = not norm_topk_prob``
-``decoder_sparse_step``, ``mlp_only_layers``  ``moe_layer_freq`` (a 0/1 list, one entry per layer)
+``decoder_sparse_step``, ``mlp_only_layers``  ``moe_layer_freq``: 1 if all layers are MoE, else a 0/1 list
 ``router_aux_loss_coef``                  ``moe_aux_loss_coeff`` (``aux_loss`` balancing)
 (router)                                  ``moe_router_dtype="fp32"``, alltoall dispatcher
 ``vocab_size``                            ``GPTModel(vocab_size=...)`` (padded, see below)
@@ -249,6 +249,14 @@ def hf_dims(source: Any) -> HFModelDims:
     )
 
 
+def moe_layer_freq(d: HFModelDims) -> int | list[int]:
+    """Megatron's ``moe_layer_freq``: ``1`` when every layer is MoE (what ``--moe-layer-freq``
+    defaults to: the checkpoint keys then stack the layers, as a run with the default expects),
+    else the 0/1 list (per-layer keys)."""
+    pattern = [1 if d.is_moe_layer(i) else 0 for i in range(d.layers)]
+    return 1 if all(pattern) else pattern
+
+
 def padded_vocab_size(vocab: int, divisible_by: int = 1, tensor_parallel: int = 1) -> int:
     """``vocab`` rounded up to a multiple of ``divisible_by * tensor_parallel`` (megatron.training's rule)."""
     multiple = max(1, int(divisible_by)) * max(1, int(tensor_parallel))
@@ -317,7 +325,7 @@ def transformer_config_from_hf(source: Any, **overrides: Any):
         kw.update(
             num_moe_experts=d.experts, moe_router_topk=d.topk, moe_ffn_hidden_size=d.moe_ffn,
             moe_router_pre_softmax=not d.norm_topk_prob, moe_router_dtype="fp32",
-            moe_layer_freq=[1 if d.is_moe_layer(i) else 0 for i in range(d.layers)],
+            moe_layer_freq=moe_layer_freq(d),
             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=d.aux_loss_coef,
             moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         )
@@ -335,5 +343,5 @@ def transformer_config_from_hf(source: Any, **overrides: Any):
     return config, model_kwargs
 
 
-__all__ = ["HFModelDims", "check_hf_config", "hf_dims", "padded_vocab_size", "read_hf_config",
+__all__ = ["HFModelDims", "check_hf_config", "hf_dims", "moe_layer_freq", "padded_vocab_size", "read_hf_config",
            "transformer_config_from_hf"]

@@ -29,7 +29,7 @@ import torch
 from .errors import ConvertError
 from .hf_config import HFModelDims, hf_dims
 from .hf_files import HFCheckpoint
-from .mapping import Layout, fused_expert_names, hf_tensor_shapes, layout
+from .mapping import Layout, fused_expert_names, hf_tensor_shapes, layout, per_layer
 
 
 def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -94,8 +94,7 @@ class LoadReport:
     fused_experts: bool
 
 
-def _check_global_shape(st, lay: Layout, ckpt: HFCheckpoint, d: HFModelDims) -> None:
-    shape = tuple(st.global_shape)
+def _check_global_shape(key: str, shape: tuple, lay: Layout, ckpt: HFCheckpoint, d: HFModelDims) -> None:
     pieces = lay.pieces(0 if lay.experts is not None else None)
     hf_cols = ckpt.shapes[pieces[0].name][1:] if pieces[0].index is None else ckpt.shapes[pieces[0].name][2:]
     want_rows = lay.hf_rows
@@ -107,7 +106,7 @@ def _check_global_shape(st, lay: Layout, ckpt: HFCheckpoint, d: HFModelDims) -> 
         ok = len(shape) == 1 + len(hf_cols) and rows_ok and shape[1:] == hf_cols
         want = (want_rows, *hf_cols)
     if not ok:
-        raise ConvertError(f"convert: the model's {st.key} has global shape {list(shape)}; the HF config implies "
+        raise ConvertError(f"convert: the model's {key} has global shape {list(shape)}; the HF config implies "
                            f"{list(want)} (the model was built for another config)")
 
 
@@ -135,11 +134,12 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, *, progress: bool | None =
     tensors, _ = extract_matching_values(sharded, lambda x: isinstance(x, ShardedTensor))
     todo: list[ShardedTensor] = []
     dict_list_map_inplace(lambda x: todo.append(x) or x, tensors)
-    layouts = {}
+    layouts: dict[str, Layout] = {}
     for st in todo:
-        if st.key not in layouts:
-            layouts[st.key] = layout(st.key, d, fused_experts=fused)
-        _check_global_shape(st, layouts[st.key], ckpt, d)
+        key, shape, _ = per_layer(st.key, st.global_shape, st.global_slice())
+        if key not in layouts:
+            layouts[key] = layout(key, d, fused_experts=fused)
+            _check_global_shape(key, shape, layouts[key], ckpt, d)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     bar = tqdm(total=len(todo), desc="convert: HF -> Megatron", unit="tensor", disable=(not rank0) or
                (None if progress is None else not progress))
@@ -147,8 +147,8 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, *, progress: bool | None =
 
     def read(st: ShardedTensor) -> torch.Tensor:
         nonlocal bytes_read
-        lay = layouts[st.key]
-        sl = st.global_slice()
+        key, _, sl = per_layer(st.key, st.global_shape, st.global_slice())
+        lay = layouts[key]
         if lay.experts is not None:
             experts = [sl[0]] if isinstance(sl[0], int) else list(range(sl[0].start, sl[0].stop))
             parts = [_piece_rows(ckpt, lay, e, sl[1], sl[2], st.dtype) for e in experts]

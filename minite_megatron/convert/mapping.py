@@ -35,6 +35,7 @@ Megatron key                                                    HF rows, in Mega
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..export.names import megatron_target
@@ -78,6 +79,28 @@ class Layout:
         if self.experts is None:
             return self.rows
         return self.experts[expert]
+
+
+_LAYER_KEY = re.compile(r"^decoder\.layers\.\d+\.")
+_STACKED_PREFIX = "decoder.layers."
+
+
+def is_layer_stacked(key: str) -> bool:
+    """Megatron's *homogeneous* key format: ``decoder.layers.<name>`` with a leading layer axis of
+    size ``num_layers`` (``TransformerBlock.sharded_state_dict`` uses it unless the layers differ,
+    e.g. a ``moe_layer_freq`` list); else keys are per layer, ``decoder.layers.{i}.<name>``."""
+    return key.startswith(_STACKED_PREFIX) and not _LAYER_KEY.match(key)
+
+
+def per_layer(key: str, shape: tuple, sl: tuple) -> tuple[str, tuple, tuple]:
+    """``(key, global shape, global slice)`` with a stacked layer axis taken out: the per-layer key
+    ``decoder.layers.{i}.<name>`` and the shape / slice of that layer's tensor. Other keys pass."""
+    if not is_layer_stacked(key):
+        return key, tuple(shape), tuple(sl)
+    layer = sl[0]
+    if not isinstance(layer, int):
+        raise ConvertError(f"convert: {key}: a piece spans several layers ({layer}); expected one layer per piece")
+    return f"{_STACKED_PREFIX}{layer}.{key[len(_STACKED_PREFIX):]}", tuple(shape[1:]), tuple(sl[1:])
 
 
 def fused_expert_names(layer: int) -> tuple[str, str]:
@@ -184,22 +207,4 @@ def hf_tensor_shapes(d: HFModelDims, *, fused_experts: bool = False) -> dict[str
     return out
 
 
-def megatron_keys(d: HFModelDims) -> list[str]:
-    """The global checkpoint keys of the whole Megatron model of dims ``d`` (any parallel layout)."""
-    keys = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
-    if not d.tie_embeddings:
-        keys.append("output_layer.weight")
-    for i in range(d.layers):
-        p = f"decoder.layers.{i}."
-        keys += [p + "self_attention.linear_qkv.layer_norm_weight", p + "self_attention.linear_qkv.weight",
-                 p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight",
-                 p + "self_attention.linear_proj.weight", p + "mlp.linear_fc1.layer_norm_weight"]
-        if d.is_moe_layer(i):
-            keys += [p + "mlp.router.weight", p + "mlp.experts.experts.linear_fc1.weight",
-                     p + "mlp.experts.experts.linear_fc2.weight"]
-        else:
-            keys += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    return keys
-
-
-__all__ = ["Layout", "Rows", "fused_expert_names", "hf_tensor_shapes", "layout", "megatron_keys"]
+__all__ = ["Layout", "Rows", "fused_expert_names", "hf_tensor_shapes", "is_layer_stacked", "layout", "per_layer"]

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from .errors import ConvertError
-from .hf_config import hf_dims
+from .hf_config import hf_dims, moe_layer_freq
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -44,7 +44,7 @@ def megatron_args(hf_config: dict, *, padded_vocab_size: int, make_vocab_size_di
         hidden_dropout=0.0, init_method_std=d.init_std,
         num_experts=d.experts if moe else None, moe_router_topk=d.topk if moe else 2,
         moe_ffn_hidden_size=d.moe_ffn if moe else None,
-        moe_layer_freq=[1 if d.is_moe_layer(i) else 0 for i in range(d.layers)] if moe else 1,
+        moe_layer_freq=moe_layer_freq(d) if moe else 1,
         moe_router_pre_softmax=not d.norm_topk_prob if moe else False, moe_router_score_function="softmax",
         moe_router_enable_expert_bias=False, moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,
         moe_grouped_gemm=False, moe_aux_loss_coeff=d.aux_loss_coef, moe_router_dtype="fp32" if moe else None,

@@ -27,7 +27,7 @@ import torch
 from .errors import ConvertError
 from .hf_config import HFModelDims, hf_dims, read_hf_config
 from .hf_files import HFShardWriter
-from .mapping import hf_tensor_shapes, layout
+from .mapping import hf_tensor_shapes, is_layer_stacked, layout, per_layer
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -78,8 +78,9 @@ def _model_shards(gpt) -> dict[int, list[tuple[str, tuple, tuple, torch.Tensor]]
 
     def take(x):
         if isinstance(x, ShardedTensor) and is_main_replica(x.replica_id):
-            sl = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in x.global_slice())
-            groups.setdefault(_group(x.key), []).append((x.key, tuple(x.global_shape), sl, x.data.detach().cpu()))
+            key, shape, sl = per_layer(x.key, x.global_shape, x.global_slice())
+            sl = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in sl)
+            groups.setdefault(_group(key), []).append((key, shape, sl, x.data.detach().cpu()))
         return x
 
     dict_list_map_inplace(take, sharded)
@@ -220,7 +221,15 @@ def iter_torch_dist_tensors(ckpt_dir: str | os.PathLike) -> Iterator[dict[str, t
     for key, st in meta.items():
         if not isinstance(st, ShardedTensor) or key.startswith("optimizer.") or key.endswith("_extra_state"):
             continue
-        by_group.setdefault(_group(key), {})[key] = st
+        if not is_layer_stacked(key):
+            by_group.setdefault(_group(key), {})[key] = st
+            continue
+        layers = st.global_shape[0]
+        for i in range(layers):  # read one layer of the stacked tensor: a piece at offset i of axis 0
+            piece = ShardedTensor.from_rank_offsets(key, torch.empty(st.global_shape[1:], dtype=st.dtype), (0, i, layers),
+                                                    replica_id=0, prepend_axis_num=1)
+            name, _, _ = per_layer(key, st.global_shape, (i,))
+            by_group.setdefault(i, {})[name] = piece
     for g in sorted(by_group):
         loaded = dist_checkpointing.load(by_group[g], str(ckpt_dir), validate_access_integrity=False)
         yield {k: loaded[k].cpu() for k in by_group[g]}  # load() also returns the common state
