@@ -330,6 +330,8 @@ def transformer_config_from_hf(source: Any, **overrides: Any):
             moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         )
     kw.update(overrides)
+    if kw["pipeline_model_parallel_size"] > 1:
+        kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))  # the activations sent between stages
     try:
         config = TransformerConfig(**kw)
     except (AssertionError, ValueError) as e:
