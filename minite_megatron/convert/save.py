@@ -218,6 +218,7 @@ def iter_torch_dist_tensors(ckpt_dir: str | os.PathLike) -> Iterator[dict[str, t
 
     meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     by_group: dict[int, dict] = {}
+    stacked: set[str] = set()  # per-layer names read out of a layer-stacked tensor, as [1, ...]
     for key, st in meta.items():
         if not isinstance(st, ShardedTensor) or key.startswith("optimizer.") or key.endswith("_extra_state"):
             continue
@@ -225,14 +226,16 @@ def iter_torch_dist_tensors(ckpt_dir: str | os.PathLike) -> Iterator[dict[str, t
             by_group.setdefault(_group(key), {})[key] = st
             continue
         layers = st.global_shape[0]
-        for i in range(layers):  # read one layer of the stacked tensor: a piece at offset i of axis 0
-            piece = ShardedTensor.from_rank_offsets(key, torch.empty(st.global_shape[1:], dtype=st.dtype), (0, i, layers),
-                                                    replica_id=0, prepend_axis_num=1)
+        for i in range(layers):  # read one layer of the stacked tensor: the [1, ...] piece at offset i of axis 0
+            piece = ShardedTensor.from_rank_offsets(key, torch.empty((1, *st.global_shape[1:]), dtype=st.dtype),
+                                                    (0, i, layers), replica_id=0)
             name, _, _ = per_layer(key, st.global_shape, (i,))
             by_group.setdefault(i, {})[name] = piece
+            stacked.add(name)
     for g in sorted(by_group):
         loaded = dist_checkpointing.load(by_group[g], str(ckpt_dir), validate_access_integrity=False)
-        yield {k: loaded[k].cpu() for k in by_group[g]}  # load() also returns the common state
+        # load() also returns the common state
+        yield {k: loaded[k].cpu()[0] if k in stacked else loaded[k].cpu() for k in by_group[g]}
 
 
 def write_hf_from_torch_dist(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, hf_config: Any, **kw) -> list[str]:
