@@ -89,8 +89,8 @@ def build_gpt_from_hf(hf_dir: str | os.PathLike, *, recipe=None, impl: str = "mi
     when it is not initialized, a single process (or pure data parallelism) is set up.
 
     Returns:
-        the model in eval-agnostic state (``model.train()`` as built). Raises ConvertError (one
-        line) for an unsupported config or checkpoint, a bad ``impl`` or ``dtype``.
+        the model (in training mode, as Megatron builds it). Raises ConvertError (one line) for
+        an unsupported config or checkpoint, a bad ``impl`` or ``dtype``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel

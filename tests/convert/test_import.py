@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minite_megatron.convert import build_gpt_from_hf, save_hf_checkpoint
+from minite_megatron.convert.hf_config import hf_dims
 from minite_megatron.convert.save import iter_model_tensors
 from minite_megatron.testing import assert_bitwise_equal
 
@@ -114,6 +115,12 @@ def test_hf_megatron_hf_round_trip_is_bitwise_for_bf16(kind, hf_dense_dir, hf_mo
     toks = tokens()
     with torch.no_grad():
         assert torch.equal(reloaded(toks).logits, load_hf(path)(toks).logits)
+    # without an HF config, one is built from the model's TransformerConfig: the same model
+    save_hf_checkpoint(model, tmp_path / "derived")
+    assert hf_dims(tmp_path / "derived") == hf_dims(path)
+    derived = _hf_tensors(tmp_path / "derived")
+    for name in src:
+        assert_bitwise_equal(derived[name], src[name], name=f"derived config: {name}")
 
 
 def test_fused_expert_files_import_like_per_expert_files(hf_moe_dir, local_moe, tmp_path):
