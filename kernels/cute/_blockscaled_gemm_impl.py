@@ -20,6 +20,8 @@ Operands (all device pointers; shapes are runtime values):
     bias fp32 ``[G, N]`` (contiguous), read only when ``config.has_bias``.
     offs int32 ``[G + 1]`` group row offsets (``offs[0] == 0``, ``offs[G] == M``, non-
          decreasing), read only when ``config.grouped``.
+    sched int32 ``[G + 1]`` the (tile, expert) pair schedule of the grouped variant
+         (``grouped_gemm.pair_schedule``), read only when ``config.grouped``.
     out  ``[M, N]`` row-major in ``config.out_dtype``.
 
 K-grouped variant (``config.k_grouped``, MoE wgrad): A ``[M, K/2]``, B ``[N, K/2]``, and
@@ -39,13 +41,16 @@ Kernel design (one CTA per 128 x tile_n output tile, 6 warps, warp specialized):
                rounding to the output dtype; each warp transposes its 32 x 32 subtile through
                shared memory and stores whole row segments (coalesced, predicated).
 Grouped (MoE) rows: M tiles are aligned to the whole row range, so a tile may straddle
-experts. The CTA finds the experts whose rows meet its tile (binary search in ``offs``) and
-runs one *pass* (full K loop with ``B[g]``) per non-empty expert; each pass stores only its
-own expert's rows. No host sync, no padding of the token dimension, one launch.
+experts. The grid has one CTA per (tile, expert) pair (``ceil(M / 128) + G - 1`` bounds
+their number; spare CTAs do nothing): CTA p finds its pair by a binary search in ``sched``
+(:func:`pair_of_cta`) and runs one *pass* (the full K loop with ``B[g]``), storing only its
+expert's rows of its tile. A tile straddling k experts is thus reduced by k CTAs side by
+side, not by k passes in a row in one CTA. No host sync, no padding of the token dimension,
+one launch.
 
 Tail handling: TMA zero-fills A/B/scale reads beyond M, N, K; the swizzled scale layout is
 padded to 128 rows and 4 columns (zeros), so padded K contributes exact zeros; stores are
-predicated on ``m < M``, ``n < N`` and the pass's rows.
+predicated on ``m < M``, ``n < N`` and the pass's rows (:func:`stores_element`).
 
 Never run on hardware here (no Blackwell GPU was available); compiled and PTX-checked only.
 """
@@ -118,28 +123,40 @@ def add_rn_f32(a, b, *, loc=None, ip=None) -> cutlass.Float32:
 
 
 @cute.jit
-def group_span(mOffs: cute.Tensor, num_groups: cutlass.Int32, m: cutlass.Int32, m0: cutlass.Int32):
-    """(first, last): the groups whose rows meet rows ``[m0, min(m0 + 128, m))``.
+def pair_of_cta(mSched: cute.Tensor, mOffs: cute.Tensor, num_groups: cutlass.Int32, p: cutlass.Int32):
+    """(group, m_tile, has_pair): the (128-row tile, expert) pair that grouped CTA ``p`` runs.
 
-    ``mOffs`` holds ``G + 1`` non-decreasing row offsets (``offs[0] == 0``). ``first`` is the
-    largest g with ``offs[g] <= m0`` (binary search: the group holding row m0, never empty);
-    ``last`` follows while the next group starts at or before the tile's last row (bounded
-    by G - 1). Groups in between may be empty: callers skip them. Device code; the CPU tests
-    run this same function on the host.
+    A grouped GEMM runs one CTA per (tile, expert) pair, not one per tile: a tile straddling
+    k experts is split over k CTAs that each reduce the full K once, instead of one CTA
+    running k full-K passes one after another. ``mSched`` (int32 ``[G + 1]``, from
+    :func:`minite_kernels.cute.grouped_gemm.pair_schedule`) holds the first pair of each
+    expert, ``sched[G]`` the number of pairs; pairs are numbered expert by expert, tile by
+    tile. ``group`` is the largest g with ``sched[g] <= p`` (binary search; an empty expert
+    owns no pair, so it is never chosen), and its pairs cover tiles
+    ``offs[g] // 128, offs[g] // 128 + 1, ...``. CTAs with ``p >= sched[G]`` (the grid is an
+    upper bound, ``ceil(M / 128) + G - 1``) have no pair and do nothing. Device code; the CPU
+    tests run this same function on the host.
     """
     lo = cutlass.Int32(0)
     hi = num_groups - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if mOffs[mid] <= m0:
+        if mSched[mid] <= p:
             lo = mid
         else:
             hi = mid - 1
-    last = lo
-    tile_last_row = cutlass.min(m0 + TILE_M, m) - 1
-    while (last + 1 < num_groups) & (mOffs[last + 1] <= tile_last_row):
-        last = last + 1
-    return lo, last
+    has_pair = cutlass.Int32(0)
+    if p < mSched[num_groups]:
+        has_pair = cutlass.Int32(1)
+    m_tile = mOffs[lo] // TILE_M + (p - mSched[lo])
+    return lo, m_tile * has_pair, has_pair
+
+
+@cute.jit
+def stores_element(row, col, rows_lo, rows_hi, m, n):
+    """Whether the epilogue writes output element (row, col): inside the pass's rows, inside
+    the output (``row < m`` even when bad offsets claim more rows), inside N."""
+    return (row >= rows_lo) & (row < rows_hi) & (row < m) & (col < n)
 
 
 @cute.jit
@@ -299,6 +316,7 @@ class Nvfp4BlockScaledGemmKernel:
         sb_ptr: cute.Pointer,
         bias_ptr: cute.Pointer,
         offs_ptr: cute.Pointer,
+        sched_ptr: cute.Pointer,
         mnkg: Tuple[cutlass.Int32, cutlass.Int32, cutlass.Int32, cutlass.Int32],
         sb_strides: Tuple[cutlass.Int32, cutlass.Int32],
         stream: cuda.CUstream,
@@ -322,6 +340,7 @@ class Nvfp4BlockScaledGemmKernel:
         mSB = cute.make_tensor(sb_ptr, cute.make_layout((n, g), stride=sb_strides))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((n, g), stride=(1, n)))
         mOffs = cute.make_tensor(offs_ptr, cute.make_layout(g + 1))
+        mSched = cute.make_tensor(sched_ptr, cute.make_layout(g + 1))
 
         # TMA loads (no cluster, no multicast).
         tma_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
@@ -366,7 +385,11 @@ class Nvfp4BlockScaledGemmKernel:
 
         self.shared_storage = SharedStorage
 
-        grid = ((m + TILE_M - 1) // TILE_M, (n + self.tile_n - 1) // self.tile_n, c_batch)
+        # Grouped rows: one CTA per (tile, expert) pair; ceil(M / 128) + G - 1 bounds their number.
+        grid_m = (m + TILE_M - 1) // TILE_M
+        if cutlass.const_expr(self.grouped):
+            grid_m = grid_m + g - 1
+        grid = (grid_m, (n + self.tile_n - 1) // self.tile_n, c_batch)
         self.kernel(
             tiled_mma,
             tma_atom_a,
@@ -382,6 +405,7 @@ class Nvfp4BlockScaledGemmKernel:
             mSB,
             mBias,
             mOffs,
+            mSched,
             self.a_smem_layout,
             self.b_smem_layout,
             self.sfa_smem_layout,
@@ -406,6 +430,7 @@ class Nvfp4BlockScaledGemmKernel:
         mSB: cute.Tensor,
         mBias: cute.Tensor,
         mOffs: cute.Tensor,
+        mSched: cute.Tensor,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         sfa_smem_layout: cute.Layout,
@@ -413,10 +438,22 @@ class Nvfp4BlockScaledGemmKernel:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        m_tile, n_tile, out_batch = cute.arch.block_idx()
+        cta_m, n_tile, out_batch = cute.arch.block_idx()
         m = cute.size(mC, mode=[0])
         n = cute.size(mC, mode=[1])
         num_groups = cute.size(mSB, mode=[1])
+        # The groups this CTA runs a pass for: every role skips the empty ones alike. Dense: one
+        # pass. K grouped: the group of CTA z (one output matrix each). Rows grouped: the one
+        # (tile, expert) pair of this CTA, or none (see pair_of_cta).
+        m_tile = cta_m
+        g_first = cutlass.Int32(0)
+        g_last = cutlass.Int32(0)
+        if cutlass.const_expr(self.k_grouped):
+            g_first = out_batch
+            g_last = out_batch
+        if cutlass.const_expr(self.grouped):
+            g_first, m_tile, has_pair = pair_of_cta(mSched, mOffs, num_groups, cta_m)
+            g_last = g_first + has_pair - 1
         m0 = m_tile * TILE_M
         cluster_layout_vmnk = self._cluster_layout_vmnk(tiled_mma)
 
@@ -492,16 +529,6 @@ class Nvfp4BlockScaledGemmKernel:
         tCtAcc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage)).layout
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        # The groups this CTA runs a pass for (one when K is grouped; the groups meeting the
-        # tile's rows when rows are grouped). Every role skips the empty groups alike.
-        g_first = cutlass.Int32(0)
-        g_last = cutlass.Int32(0)
-        if cutlass.const_expr(self.k_grouped):
-            g_first = out_batch  # one group (one output matrix) per CTA z index
-            g_last = out_batch
-        if cutlass.const_expr(self.grouped):
-            g_first, g_last = group_span(mOffs, num_groups, m, m0)
 
         # ======================= TMA producer warp =======================
         if warp_idx == self.tma_warp:
@@ -623,7 +650,7 @@ class Nvfp4BlockScaledGemmKernel:
                         for r in cutlass.range_constexpr(32):
                             row = row_base + r
                             col = col_base + lane
-                            if (row >= rows_lo) & (row < rows_hi) & (col < n):
+                            if stores_element(row, col, rows_lo, rows_hi, m, n):
                                 mC_out[(row, col)] = warp_stage[(r, lane)]
                         cute.arch.sync_warp()  # the next subtile reuses the staging tile
                     acc_pipeline.consumer_release(acc_state)
@@ -670,6 +697,7 @@ def _placeholder_args(config: GemmConfig):
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),
         make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),
         (cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(MMA_K), cutlass.Int32(1)),
         (cutlass.Int32(1), cutlass.Int32(1)),
         cuda.CUstream(0),
@@ -681,10 +709,22 @@ def compile_gemm(config: GemmConfig, arch: str = "sm_100a"):
     """Compile the kernel for ``config`` (cached per process). Works without a GPU.
 
     ``arch`` is the ``--gpu-arch`` target: ``sm_100a`` (B200/GB200) or ``sm_103a`` (B300/GB300).
+    The result is not bound to a device yet: :func:`executor` loads it onto one.
     """
     return cute.compile(
         Nvfp4BlockScaledGemmKernel(config), *_placeholder_args(config), options=f"--gpu-arch {arch}"
     )
+
+
+@functools.lru_cache(maxsize=None)
+def executor(config: GemmConfig, arch: str, device_index: int):
+    """The compiled kernel loaded onto CUDA device ``device_index`` (cached per device).
+
+    A compiled CuTe DSL function binds itself to the device that is current at its first
+    call; tensors on another GPU would then launch in the wrong context. One executor per
+    (config, arch, device) avoids that; the compilation itself is shared.
+    """
+    return compile_gemm(config, arch).to(device_index)
 
 
 def launch(
@@ -704,8 +744,11 @@ def launch(
     groups: int,
     sb_strides: tuple[int, int],
     arch: str,
+    schedule=None,
 ) -> None:
-    """Run the compiled kernel on torch CUDA tensors (already validated by the public ops)."""
+    """Run the compiled kernel on torch CUDA tensors (already validated by the public ops),
+    on ``out``'s device and that device's current stream. ``schedule`` is the grouped
+    variant's pair schedule (int32 ``[G + 1]``, :func:`.grouped_gemm.pair_schedule`)."""
     import torch
 
     gmem = cute.AddressSpace.gmem
@@ -713,32 +756,49 @@ def launch(
     def ptr(dtype, t, align):
         return make_ptr(dtype, t.data_ptr(), gmem, assumed_align=align)
 
-    compiled = compile_gemm(config, arch)
+    if config.grouped and schedule is None:
+        raise ValueError("the grouped NVFP4 GEMM needs its pair schedule (grouped_gemm.pair_schedule)")
+    device = out.device
     dummy = row_scale_a  # never read when the variant has no bias / no groups
-    stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
-    compiled(
-        ptr(cutlass.Float4E2M1FN, a_codes, 16),
-        ptr(cutlass.Float4E2M1FN, b_codes, 16),
-        ptr(cutlass.Float8E4M3FN, a_scales, 16),
-        ptr(cutlass.Float8E4M3FN, b_scales, 16),
-        ptr(_OUT_DTYPES[config.out_dtype], out, 16),
-        ptr(cutlass.Float32, row_scale_a, 4),
-        ptr(cutlass.Float32, row_scale_b, 4),
-        ptr(cutlass.Float32, bias if bias is not None else dummy, 4),
-        ptr(cutlass.Int32, offsets if offsets is not None else dummy, 4),
-        (m, n, k, groups),
-        sb_strides,
-        stream,
-    )
+    with torch.cuda.device(device):
+        compiled = executor(config, arch, device.index if device.index is not None else torch.cuda.current_device())
+        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        compiled(
+            ptr(cutlass.Float4E2M1FN, a_codes, 16),
+            ptr(cutlass.Float4E2M1FN, b_codes, 16),
+            ptr(cutlass.Float8E4M3FN, a_scales, 16),
+            ptr(cutlass.Float8E4M3FN, b_scales, 16),
+            ptr(_OUT_DTYPES[config.out_dtype], out, 16),
+            ptr(cutlass.Float32, row_scale_a, 4),
+            ptr(cutlass.Float32, row_scale_b, 4),
+            ptr(cutlass.Float32, bias if bias is not None else dummy, 4),
+            ptr(cutlass.Int32, offsets if offsets is not None else dummy, 4),
+            ptr(cutlass.Int32, schedule if schedule is not None else dummy, 4),
+            (m, n, k, groups),
+            sb_strides,
+            stream,
+        )
 
 
-def compile_artifacts(config: GemmConfig, arch: str = "sm_100a", dump_dir: str | None = None) -> tuple[str, bytes]:
+def compile_artifacts(
+    config: GemmConfig, arch: str = "sm_100a", dump_dir: str | None = None, plan: dict | None = None
+) -> tuple[str, bytes]:
     """(PTX text, cubin bytes) of the kernel for ``config`` on ``arch``, compiled here (no GPU
-    needed). The DSL writes the files into ``dump_dir`` (a fresh temporary folder if None)."""
+    needed). The DSL writes the files into ``dump_dir`` (a fresh temporary folder if None).
+    A ``plan`` dict is filled with the static choices the trace made: ``ab_stages`` (smem
+    ring depth), ``acc_stages`` (accumulators in tensor memory), ``tmem_cols``, ``mma_k``."""
     import tempfile
 
+    kernel = Nvfp4BlockScaledGemmKernel(config)
     with tempfile.TemporaryDirectory() as tmp:
         options = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump_dir or tmp}"
-        compiled = cute.compile(Nvfp4BlockScaledGemmKernel(config), *_placeholder_args(config), options=options)
+        compiled = cute.compile(kernel, *_placeholder_args(config), options=options)
         ptx, cubin = compiled.__ptx__, compiled.__cubin__
+    if plan is not None:
+        plan.update(
+            ab_stages=kernel.num_ab_stage,
+            acc_stages=kernel.num_acc_stage,
+            tmem_cols=kernel.num_acc_cols + kernel.num_sfa_cols + kernel.num_sfb_cols,
+            mma_k=kernel.mma_tiler[2] // kernel.kblocks_per_tile,
+        )
     return ptx, cubin if isinstance(cubin, bytes) else bytes(cubin)

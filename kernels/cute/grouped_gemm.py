@@ -7,8 +7,10 @@ multiplies by ``b[g]`` (``[G, N, K]``, one global scale per expert)::
 
 with the contract's epilogue order (:mod:`minite_megatron.nvfp4.grouped`). The group row
 offsets live on the device (int32 ``[G + 1]``); M tiles are aligned to the whole row range,
-so a tile straddling experts runs one pass per expert and stores each expert's rows only:
-no padding of the tokens, no host loop. Empty experts cost nothing.
+and the kernel runs one CTA per (tile, expert) pair (:func:`pair_schedule`), so a tile
+straddling k experts is reduced by k CTAs side by side, each over the full K once, and each
+stores its expert's rows only: no padding of the tokens, no host loop, no CTA running
+several full-K passes in a row. Empty experts cost nothing.
 
 Operands (``torch.library`` op ``minite_cute::nvfp4_grouped_gemm``, CUDA, sm_100a / sm_103a):
     a_codes   uint8 ``[M, K/2]``; a_scales float8_e4m3fn swizzled ``[M, K/16]``; a_global fp32 ``[M]``.
@@ -17,7 +19,10 @@ Operands (``torch.library`` op ``minite_cute::nvfp4_grouped_gemm``, CUDA, sm_100
     offsets   int32 ``[G + 1]``: 0, then the running sums of the group sizes (last == M).
     bias      ``[G, N]`` or None; out_dtype bfloat16 (default), float16 or float32.
 Limits: K a positive multiple of 64; G >= 1. Raises like :mod:`.gemm`, plus ValueError for
-group sizes that are negative or do not sum to M.
+group sizes that are negative or do not sum to M, and (in the raw op) for offsets that do
+not start at 0, decrease, or do not end at M: the raw op reads the G + 1 offsets back once
+(one host sync) to check them, except while a CUDA graph is being captured (reading is
+impossible then; the kernel still never writes a row at or past M).
 """
 
 from __future__ import annotations
@@ -35,11 +40,20 @@ from .tiles import GemmConfig, check_k, choose_tile_n
 
 
 def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[G + 1]`` running offsets on ``device``, checked against ``rows`` on the host.
+    """int32 ``[G + 1]`` running offsets on ``device``.
 
-    A CUDA tensor of sizes is read back once (one host sync) so that a wrong sum is an error,
-    never rows left unwritten.
+    Host sizes (a list, or a CPU tensor) are checked here against ``rows``. A tensor of sizes
+    on ``device`` is summed there (no host sync); the raw op then checks the offsets (its one
+    read-back), so a wrong sum is still an error, never rows left unwritten.
     """
+    if isinstance(group_sizes, torch.Tensor) and group_sizes.device.type != "cpu" and group_sizes.numel():
+        if group_sizes.dim() != 1 or group_sizes.dtype.is_floating_point or group_sizes.dtype == torch.bool:
+            raise ValueError(
+                f"grouped NVFP4 GEMM: group sizes must be a 1D integer tensor, got {group_sizes.dtype} "
+                f"{tuple(group_sizes.shape)}"
+            )
+        sizes = group_sizes.to(device=device, dtype=torch.int64)
+        return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(torch.int32)
     sizes = group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else [int(s) for s in group_sizes]
     if not sizes:
         raise ValueError("grouped NVFP4 GEMM: needs at least one group")
@@ -53,6 +67,47 @@ def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: 
     if offsets[-1] >= 2**31:
         raise ValueError(f"grouped NVFP4 GEMM: {offsets[-1]} rows exceed the int32 offsets")
     return torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def check_row_offsets(offsets: torch.Tensor, m: int, g: int) -> None:
+    """Raise ``ValueError`` (one line naming ``offsets``) unless ``offsets`` is int32 ``[G + 1]``,
+    starts at 0, never decreases and ends at M. Reads the values to the host (one sync for a
+    CUDA tensor), except while the current CUDA stream is capturing a graph, where only the
+    dtype and shape can be checked."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (g + 1,):
+        got = (offsets.dtype, tuple(offsets.shape)) if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+        raise ValueError(f"grouped NVFP4 GEMM: offsets must be int32 [G + 1] = [{g + 1}], got {got}")
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    values = offsets.tolist()
+    if values[0] != 0:
+        raise ValueError(f"grouped NVFP4 GEMM: offsets must start at 0, got offsets[0] = {values[0]}")
+    drops = [i for i in range(g) if values[i + 1] < values[i]]
+    if drops:
+        i = drops[0]
+        raise ValueError(
+            f"grouped NVFP4 GEMM: offsets must not decrease, got offsets[{i}] = {values[i]} > "
+            f"offsets[{i + 1}] = {values[i + 1]} (a negative group size)"
+        )
+    if values[g] != m:
+        raise ValueError(f"grouped NVFP4 GEMM: offsets must end at M = {m} (the rows of a), got offsets[{g}] = {values[g]}")
+
+
+def pair_schedule(offsets: torch.Tensor) -> torch.Tensor:
+    """int32 ``[G + 1]``: the first (128-row tile, expert) pair of each expert, then their count.
+
+    The grouped kernel runs one CTA per pair (:func:`._blockscaled_gemm_impl.pair_of_cta`).
+    Pairs are numbered expert by expert, tile by tile: expert g owns the tiles
+    ``offs[g] // 128 .. (offs[g+1] - 1) // 128`` (none if empty), so its first pair is
+    ``ceil(offs[g] / 128)`` plus the number of earlier non-empty experts that start inside a
+    tile (each adds one pair to the tile it shares). Computed on ``offsets``' device with torch
+    ops: no host sync, capturable in a CUDA graph. The count is at most ``ceil(M / 128) + G - 1``.
+    """
+    o = offsets.to(torch.int64)
+    starts, ends = o[:-1], o[1:]
+    shares_a_tile = ((ends > starts) & (starts % 128 != 0)).to(torch.int64)
+    earlier = torch.cat([o.new_zeros(1), shares_a_tile.cumsum(0)])
+    return ((o + 127) // 128 + earlier).to(torch.int32)
 
 
 def validate_grouped_operands(
@@ -72,16 +127,15 @@ def validate_grouped_operands(
     check_swizzled(b_scales, n, k, g, "b_scales")
     _check_global(a_global, "a_global", (m,))
     _check_global(b_global, "b_global", (g,))
-    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (g + 1,):
-        got = (offsets.dtype, tuple(offsets.shape)) if isinstance(offsets, torch.Tensor) else type(offsets).__name__
-        raise ValueError(f"grouped NVFP4 GEMM: offsets must be int32 [G + 1] = [{g + 1}], got {got}")
     _check_bias(bias, (g, n))
     _check_out_dtype(out_dtype)
     check_output_size(m * n)
-    tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets] + ([bias] if bias is not None else [])
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"grouped NVFP4 GEMM: operands on several devices: {sorted(map(str, devices))}")
+    if isinstance(offsets, torch.Tensor):
+        tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets] + ([bias] if bias is not None else [])
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"grouped NVFP4 GEMM: operands on several devices: {sorted(map(str, devices))}")
+    check_row_offsets(offsets, m, g)
     return m, n, k, g
 
 
@@ -127,6 +181,7 @@ def nvfp4_grouped_gemm_op(
         groups=g,
         sb_strides=(0, 1),
         arch=arch,
+        schedule=pair_schedule(offsets),
     )
     return out
 

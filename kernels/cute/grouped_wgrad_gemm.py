@@ -95,6 +95,13 @@ def validate_wgrad_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_gl
     devices = {x.device for x in (a_codes, a_scales, a_global, b_codes, b_scales, b_global, k_offsets)}
     if len(devices) != 1:
         raise ValueError(f"grouped wgrad GEMM: operands on several devices: {sorted(map(str, devices))}")
+    if not (k_offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        values = k_offsets.tolist()  # one host sync; skipped while capturing a CUDA graph
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != t // MMA_K:
+            raise ValueError(
+                f"grouped wgrad GEMM: k_offsets must rise from 0 to T / 64 = {t // MMA_K} (64-token "
+                f"k-tiles), got {values[:8]}{' ...' if len(values) > 8 else ''}"
+            )
     return n, kout, t, g
 
 
