@@ -28,6 +28,7 @@ import torch
 
 from minite_megatron.nvfp4 import NVFP4Tensor
 
+from . import _host
 from ._host import device_arch, tma_operand
 from .scales import check_swizzled, operand_scales
 from .tiles import GemmConfig, check_k, choose_tile_n
@@ -108,7 +109,7 @@ def nvfp4_gemm_op(
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
     m, n, k = validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype)
     arch = device_arch(a_codes.device)
-    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
     if m == 0 or n == 0:
         return out
     from . import _blockscaled_gemm_impl as impl

@@ -33,6 +33,7 @@ import torch
 
 from minite_megatron.nvfp4 import NVFP4Tensor
 
+from . import _host
 from ._host import device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_bias, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, grouped_weight_scales, operand_scales
@@ -156,7 +157,7 @@ def nvfp4_grouped_gemm_op(
         a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype
     )
     arch = device_arch(a_codes.device)
-    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
     if m == 0 or n == 0:
         return out
     from . import _blockscaled_gemm_impl as impl

@@ -29,6 +29,7 @@ import torch
 
 from minite_megatron.nvfp4 import BLOCK, NVFP4Tensor
 
+from . import _host
 from ._host import device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, operand_scales
@@ -121,7 +122,7 @@ def nvfp4_grouped_wgrad_gemm_op(
     arch = device_arch(a_codes.device)
     if t == 0 or n == 0 or kout == 0:  # no tokens at all: every expert's gradient is zero
         return torch.zeros(g, n, kout, dtype=out_dtype, device=a_codes.device)
-    out = torch.empty(g, n, kout, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(g, n, kout, dtype=out_dtype, device=a_codes.device)
     from . import _blockscaled_gemm_impl as impl
 
     config = GemmConfig(tile_n=choose_tile_n(kout), out_dtype=_OUT_DTYPE_NAMES[out_dtype], k_grouped=True)
