@@ -431,6 +431,19 @@ if _host.dsl_import_error() is None:
 
 
     @cute.jit
+    def _sm103_facts(found: cutlass.Constexpr):
+        import cutlass.utils.blackwell_helpers as sm100_utils
+        import cutlass.utils.blockscaled_layout as blockscaled_utils
+        from cutlass.cute.nvgpu import tcgen05
+
+        mma = sm100_utils.sm103_make_blockscaled_trivial_tiled_mma(cutlass.Float8E4M3FN, 16, tcgen05.CtaGroup.ONE, (128, 256))
+        found["op"] = type(mma.op).__name__
+        found["mnk"] = tuple(cute.size(mma.shape_mnk, mode=[i]) for i in range(3))
+        chunk = blockscaled_utils.Sm103BlockScaledBasicChunk(16).layout
+        tiled = cute.tile_to_shape(chunk, (256, 192), (2, 1))
+        found["offsets"] = [tiled((r, c * 16)) for r in range(256) for c in range(12)]
+
+    @cute.jit
     def _epilogue_coordinates(out: cute.Tensor, tile_n: cutlass.Constexpr, threads: cutlass.Constexpr):
         from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
         import cutlass.utils.blackwell_helpers as sm100_utils
@@ -569,6 +582,24 @@ def test_epilogue_thread_owns_one_row_and_consecutive_columns(tile_n):
     cols = 2 * tile_n + torch.arange(tile_n).view(1, tile_n // 32, 32).expand(len(threads), -1, -1)
     assert torch.equal(out[..., 0], rows.to(torch.int32))
     assert torch.equal(out[..., 1], cols.to(torch.int32))
+
+
+def test_cutlass_dsl_offers_the_sm103_k96_nvf4_mma_on_the_same_scale_layout():
+    """What a B300 (sm_103a) K = 96 variant would build on, pinned against the installed DSL
+    (4.8.1): ``SM103MmaMXF4NVF4Op`` is a K = 96 ``kind::mxf4nvf4`` MMA with 16-element UE4M3
+    scales (NVFP4), and its scale-factor atom (``Sm103BlockScaledBasicChunk``) addresses every
+    (row, K block) at the byte where the contract's 128x4 swizzle stores it: the host-side
+    scale layout would not change. The kernel itself still uses the K = 64 form on sm_103a
+    (docs/blackwell.md says why: the K = 96 mainloop needs CUTLASS's sm103 smem layouts and
+    circular descriptors)."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    found: dict = {}
+    _sm103_facts(found)
+    assert found["op"] == "SM103MmaMXF4NVF4Op" and found["mnk"] == (128, 256, 96)
+    ids = torch.arange(256 * 12, dtype=torch.int32).reshape(256, 12) + 1
+    swizzled = per_group_swizzle(ids.unsqueeze(0))
+    assert_bitwise_equal(swizzled[torch.tensor(found["offsets"])].reshape(256, 12), ids, "sm103 scale chunk")
 
 
 # ---- backend ---------------------------------------------------------------------------------
