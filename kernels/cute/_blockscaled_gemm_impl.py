@@ -212,8 +212,8 @@ class Nvfp4BlockScaledGemmKernel:
     Heuristics fixed at construction (never depending on M): CTA tile ``128 x tile_n x tile_k``
     (``tile_k`` 256, or 64 when K is grouped), 1-SM MMA, no cluster, as many smem stages as
     fit beside the epilogue's staging tiles (at most 16), two accumulator stages when the
-    tensor memory holds them (``tile_n == 128``) so a grouped tile's next pass overlaps the
-    epilogue. Tensor memory: accumulators, then one k-tile of SFA and of SFB columns.
+    tensor memory holds them (``tile_n == 128``; every CTA now runs at most one pass, so the
+    second is idle until a persistent schedule overlaps tiles). Tensor memory: accumulators, then one k-tile of SFA and of SFB columns.
     """
 
     arch = "sm_100"
