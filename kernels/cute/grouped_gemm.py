@@ -16,13 +16,15 @@ Operands (``torch.library`` op ``minite_cute::nvfp4_grouped_gemm``, CUDA, sm_100
     a_codes   uint8 ``[M, K/2]``; a_scales float8_e4m3fn swizzled ``[M, K/16]``; a_global fp32 ``[M]``.
     b_codes   uint8 ``[G, N, K/2]``; b_scales float8_e4m3fn, G per-group swizzled ``[N, K/16]``
               matrices back to back (:func:`.scales.grouped_weight_scales`); b_global fp32 ``[G]``.
-    offsets   int32 ``[G + 1]``: 0, then the running sums of the group sizes (last == M).
+    offsets   int32 ``[G + 1]``: 0, then the running sums of the group sizes (last == M); on the
+              operands' device, or on the CPU (then checked without a sync and copied over).
     bias      ``[G, N]`` or None; out_dtype bfloat16 (default), float16 or float32.
 Limits: K a positive multiple of 64; G >= 1. Raises like :mod:`.gemm`, plus ValueError for
 group sizes that are negative or do not sum to M, and (in the raw op) for offsets that do
-not start at 0, decrease, or do not end at M: the raw op reads the G + 1 offsets back once
-(one host sync) to check them, except while a CUDA graph is being captured (reading is
-impossible then; the kernel still never writes a row at or past M).
+not start at 0, decrease, or do not end at M. Host offsets (what :func:`nvfp4_grouped_gemm`
+passes for host group sizes) are checked for free; device offsets are read back once (one
+host sync), except while a CUDA graph is being captured (reading is impossible then; the
+kernel still never writes a row at or past M).
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ from .tiles import GemmConfig, check_k, choose_tile_n
 
 
 def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[G + 1]`` running offsets on ``device``.
+    """int32 ``[G + 1]`` running offsets.
 
-    Host sizes (a list, or a CPU tensor) are checked here against ``rows``. A tensor of sizes
-    on ``device`` is summed there (no host sync); the raw op then checks the offsets (its one
-    read-back), so a wrong sum is still an error, never rows left unwritten.
+    Host sizes (a list, or a CPU tensor) are checked here against ``rows`` and give host
+    offsets: the raw op checks them again for free and copies them to the device without a
+    sync. A tensor of sizes on ``device`` is summed there (no host sync); the raw op then
+    checks the offsets (its one read-back), so a wrong sum is still an error, never rows left
+    unwritten.
     """
     if isinstance(group_sizes, torch.Tensor) and group_sizes.device.type != "cpu" and group_sizes.numel():
         if group_sizes.dim() != 1 or group_sizes.dtype.is_floating_point or group_sizes.dtype == torch.bool:
@@ -67,7 +71,7 @@ def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: 
         offsets.append(offsets[-1] + s)
     if offsets[-1] >= 2**31:
         raise ValueError(f"grouped NVFP4 GEMM: {offsets[-1]} rows exceed the int32 offsets")
-    return torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+    return torch.tensor(offsets, dtype=torch.int32)
 
 
 def check_row_offsets(offsets: torch.Tensor, m: int, g: int) -> None:
@@ -132,7 +136,10 @@ def validate_grouped_operands(
     _check_out_dtype(out_dtype)
     check_output_size(m * n)
     if isinstance(offsets, torch.Tensor):
-        tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets] + ([bias] if bias is not None else [])
+        # host offsets are allowed (checked without a sync, copied to the device by the op)
+        host_offsets = offsets.device.type == "cpu" and a_codes.device.type != "cpu"
+        tensors = [a_codes, a_scales, a_global, b_codes, b_scales, b_global] + ([] if host_offsets else [offsets])
+        tensors += [bias] if bias is not None else []
         devices = {t.device for t in tensors}
         if len(devices) != 1:
             raise ValueError(f"grouped NVFP4 GEMM: operands on several devices: {sorted(map(str, devices))}")
@@ -162,6 +169,7 @@ def nvfp4_grouped_gemm_op(
         return out
     from . import _blockscaled_gemm_impl as impl
 
+    offsets_dev = offsets.to(a_codes.device, non_blocking=True).contiguous()
     config = GemmConfig(
         tile_n=choose_tile_n(n), out_dtype=_OUT_DTYPE_NAMES[out_dtype], has_bias=bias is not None, grouped=True
     )
@@ -175,14 +183,14 @@ def nvfp4_grouped_gemm_op(
         a_global.contiguous(),
         b_global.contiguous(),
         None if bias is None else bias.to(torch.float32).contiguous(),
-        offsets.contiguous(),
+        offsets_dev,
         m=m,
         n=n,
         k=k,
         groups=g,
         sb_strides=(0, 1),
         arch=arch,
-        schedule=pair_schedule(offsets),
+        schedule=pair_schedule(offsets_dev),
     )
     return out
 

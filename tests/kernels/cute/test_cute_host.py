@@ -765,3 +765,24 @@ def test_exact_grouped_operands_match_the_grouped_reference_structure(exact_oper
     a = exact_operand(10, 128, gen)
     out = nvfp4.grouped_gemm_reference(a, b, [4, 0, 6])
     assert out.shape == (10, 24) and torch.isfinite(out.float()).all()
+
+
+def test_host_offsets_are_accepted_beside_device_operands():
+    """The public function passes host offsets for host group sizes: the raw op checks them
+    without a device read-back and copies them over (no sync); device offsets must sit on the
+    operands' device."""
+    a, b = _grouped_quantized()
+    meta = torch.device("meta")
+    args = dict(
+        a_codes=a.codes.to(meta), a_scales=operand_scales(a).to(meta), a_global=a.row_global_decode().to(meta),
+        b_codes=b.codes.to(meta), b_scales=grouped_weight_scales(b).to(meta), b_global=b.global_decode.to(meta),
+        bias=None, out_dtype=torch.bfloat16,
+    )
+    good = torch.tensor([0, 5, 5, 135, 136], dtype=torch.int32)
+    assert validate_grouped_operands(**args, offsets=good) == (136, 80, 128, 4)
+    with pytest.raises(ValueError, match="end at M"):
+        validate_grouped_operands(**args, offsets=torch.tensor([0, 5, 5, 135, 137], dtype=torch.int32))
+    cpu_args = dict(args, a_codes=a.codes)
+    with pytest.raises(ValueError, match="several devices"):
+        validate_grouped_operands(**cpu_args, offsets=good.to(meta))
+    assert group_offsets([5, 0, 130, 1], 136, meta).device.type == "cpu"  # host sizes stay on the host
