@@ -35,6 +35,15 @@ def device_arch(device: torch.device | str | None) -> str:
     return _ARCH_BY_CAPABILITY[torch.cuda.get_device_capability(torch.device(device))]
 
 
+def blackwell_arch(device: torch.device | str | None) -> str | None:
+    """The ``--gpu-arch`` of ``device`` if it is a CUDA GPU these kernels target, else None
+    (never raises, imports no DSL): what decides which kernel variant's rules apply."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+
+
 def why_not(device: torch.device | str | None) -> str | None:
     """None if the Blackwell kernels can run on ``device``, else the reason."""
     device = torch.device(device) if device is not None else None

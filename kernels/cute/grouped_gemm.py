@@ -19,7 +19,8 @@ Operands (``torch.library`` op ``minite_cute::nvfp4_grouped_gemm``, CUDA, sm_100
     offsets   int32 ``[G + 1]``: 0, then the running sums of the group sizes (last == M); on the
               operands' device, or on the CPU (then checked without a sync and copied over).
     bias      ``[G, N]`` or None; out_dtype bfloat16 (default), float16 or float32.
-Limits: K a positive multiple of 64; G >= 1. Raises like :mod:`.gemm`, plus ValueError for
+Limits: K a positive multiple of 64, or of 32 on sm_103a (whose K = 96 kernel runs the same
+schedule; see :mod:`.gemm`); G >= 1. Raises like :mod:`.gemm`, plus ValueError for
 group sizes that are negative or do not sum to M, and (in the raw op) for offsets that do
 not start at 0, decrease, or do not end at M. Host offsets (what :func:`nvfp4_grouped_gemm`
 passes for host group sizes) are checked for free; device offsets are read back once (one
@@ -36,10 +37,10 @@ import torch
 from minite_megatron.nvfp4 import NVFP4Tensor
 
 from . import _host
-from ._host import device_arch, tma_operand
+from ._host import blackwell_arch, device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_bias, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, grouped_weight_scales, operand_scales
-from .tiles import GemmConfig, check_k, choose_tile_n
+from .tiles import MMA_K, GemmConfig, check_k, choose_mma_k, choose_tile_n
 
 
 def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -116,9 +117,10 @@ def pair_schedule(offsets: torch.Tensor) -> torch.Tensor:
 
 
 def validate_grouped_operands(
-    a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype
+    a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype, mma_k: int = MMA_K
 ) -> tuple[int, int, int, int]:
-    """Check the raw operands of the grouped op; returns (M, N, K, G). Device-independent."""
+    """Check the raw operands of the grouped op for the kernel with MMA K ``mma_k``; returns
+    (M, N, K, G). Device-independent."""
     _check_codes(a_codes, "a_codes", 2)
     _check_codes(b_codes, "b_codes", 3)
     m, k = a_codes.shape[0], 2 * a_codes.shape[1]
@@ -127,7 +129,7 @@ def validate_grouped_operands(
         raise ValueError(f"grouped NVFP4 GEMM: K mismatch, a has K={k} and b has K={2 * b_codes.shape[2]}")
     if g < 1:
         raise ValueError("grouped NVFP4 GEMM: b has no groups")
-    check_k(k)
+    check_k(k, mma_k)
     check_swizzled(a_scales, m, k, 1, "a_scales")
     check_swizzled(b_scales, n, k, g, "b_scales")
     _check_global(a_global, "a_global", (m,))
@@ -160,8 +162,9 @@ def nvfp4_grouped_gemm_op(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
+    mma_k = choose_mma_k(blackwell_arch(a_codes.device))
     m, n, k, g = validate_grouped_operands(
-        a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype
+        a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype, mma_k
     )
     arch = device_arch(a_codes.device)
     out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
@@ -171,7 +174,11 @@ def nvfp4_grouped_gemm_op(
 
     offsets_dev = offsets.to(a_codes.device, non_blocking=True).contiguous()
     config = GemmConfig(
-        tile_n=choose_tile_n(n), out_dtype=_OUT_DTYPE_NAMES[out_dtype], has_bias=bias is not None, grouped=True
+        tile_n=choose_tile_n(n),
+        out_dtype=_OUT_DTYPE_NAMES[out_dtype],
+        has_bias=bias is not None,
+        grouped=True,
+        mma_k=mma_k,
     )
     impl.launch(
         config,
