@@ -113,6 +113,135 @@ def test_epilogue_dataflow_matches_the_contract(kernel_artifacts, config, arch):
     assert "tcgen05.wait::ld" in ptx[ld : ptx.index("mul.rn.f32", ld)]
 
 
+# ---- which index each epilogue vector is read at ------------------------------------------------
+# Kernel parameters in the PTX follow the kernel's argument order (layouts are static):
+# 0 tiled_mma, 1-8 the TMA atoms and tensors of A, B, SFA, SFB, 9 C, 10 row scales S_dec_a,
+# 11 column scales S_dec_b, 12 bias, 13 group offsets, 14 pair schedule. Each tensor parameter
+# holds its pointer first, then its runtime shape / strides: ``param_N`` below names the
+# pointer (offset 0), ``param_N+8`` etc. the other fields.
+_PARAM = re.compile(r"_param_(\d+)(\+\d+)?")
+_ROLE = {"10": "row_scale", "11": "col_scale", "12": "bias", "13": "offsets", "14": "schedule"}
+_SPECIAL = re.compile(r"%(?:tid|ctaid)\.[xyz]")
+
+
+def _data_sources(ptx: str):
+    """``sources(reg) -> set``: the kernel parameters (``param_N``) and special registers
+    (``%tid.x``, ``%ctaid.y``, ...) that register's value is computed from, following data
+    dependences through every definition of every register (loop-carried ones included),
+    through loads into their addresses, but not through predicates (``selp``'s condition,
+    branches): control flow is no index."""
+    defs: dict[str, list[list[str]]] = defaultdict(list)
+    for op, args in _instructions(ptx):
+        if not args or op.startswith(("st.", "bra", "setp", "mbarrier", "tcgen05.mma", "tcgen05.cp", "cp.", "bar.")):
+            continue
+        srcs = args[1:3] if op.startswith("selp") else args[1:]
+        for reg in re.findall(r"%\w+", args[0]):
+            defs[reg].append(srcs)
+    memo: dict[str, set[str]] = {}
+
+    def sources(reg: str) -> set[str]:
+        if reg in memo:
+            return memo[reg]
+        memo[reg] = set()  # cycles through loop-carried registers add nothing new
+        found: set[str] = set()
+        for srcs in defs.get(reg, ()):
+            for src in srcs:
+                found |= {f"param_{p}{off}" for p, off in _PARAM.findall(src)} | set(_SPECIAL.findall(src))
+                for r in re.findall(r"%\w+", _SPECIAL.sub("", src)):
+                    found |= sources(r)
+        memo[reg] = found
+        return found
+
+    return sources
+
+
+def _epilogue_loads(ptx: str) -> dict[str, list[tuple[str, set[str]]]]:
+    """role -> [(loaded register, sources of its address)] for every 32-bit global load: the
+    role is the epilogue vector the address is based on (``row_scale``, ``col_scale``,
+    ``bias``), else the group array (``schedule``, ``offsets``). An address built from two
+    vectors would be a bug: it raises."""
+    sources = _data_sources(ptx)
+    loads: dict[str, list[tuple[str, set[str]]]] = defaultdict(list)
+    for op, args in _instructions(ptx):
+        if op != "ld.global.b32":
+            continue
+        addr = sources(re.findall(r"%\w+", args[1])[0])
+        roles = {_ROLE[p[6:]] for p in addr if p[6:] in _ROLE}
+        vectors = roles & {"row_scale", "col_scale", "bias"}
+        assert len(vectors) <= 1, (args, roles)
+        key = vectors.pop() if vectors else ("schedule" if "schedule" in roles else "+".join(sorted(roles)) or "other")
+        loads[key].append((args[0], addr))
+    return loads
+
+
+@pytest.mark.parametrize("config,arch", VARIANTS[:4], ids=IDS[:4])
+def test_epilogue_reads_row_scale_by_row_and_column_scale_and_bias_by_column(kernel_artifacts, config, arch):
+    """The epilogue's index mapping, read in the generated PTX (issue 13): the address of the
+    row scale S_dec_a is computed from the thread index (thread t owns row t of the tile) and
+    never from the N tile index; the addresses of the column scale S_dec_b and of the bias are
+    computed from the N tile index and never from the thread index, and there are 32 of each
+    (one per column of the 32-column subtile). The alpha product multiplies exactly one load
+    of each scale, and the bias add adds a bias load. A swapped index (``sa[col]``,
+    ``sb[row]``, the bias read by row) changes these dependences and fails here."""
+    ptx, _ = kernel_artifacts(config, arch)
+    loads = _epilogue_loads(ptx)
+    by_reg = {reg: role for role, items in loads.items() for reg, _ in items}
+    (row_reg, row_src), = loads["row_scale"]  # one per thread: its own row
+    assert "%tid.x" in row_src and "%ctaid.y" not in row_src, row_src
+    col_loads = loads["col_scale"]
+    assert len(col_loads) == 32, {k: len(v) for k, v in loads.items()}
+    for _, src in col_loads:
+        assert "%ctaid.y" in src and "%tid.x" not in src, src
+    if config.has_bias:
+        assert len(loads["bias"]) == 32
+        for _, src in loads["bias"]:
+            assert "%ctaid.y" in src and "%tid.x" not in src, src
+    else:
+        assert "bias" not in loads
+    ins = _instructions(ptx)
+    alphas = [(a, b) for op, (d, a, b) in ((op, args) for op, args in ins if op == "mul.rn.f32") if a in by_reg and b in by_reg]
+    assert len(alphas) == 32
+    assert all(sorted(by_reg[r] for r in pair) == ["col_scale", "row_scale"] for pair in alphas)
+    if config.has_bias:
+        adds = [args for op, args in ins if op == "add.rn.f32"]
+        assert len(adds) == 32 and all(by_reg.get(b) == "bias" for _, _, b in adds)
+
+
+def test_grouped_column_scales_and_bias_are_the_experts(kernel_artifacts):
+    """In the grouped variant the column-scale and bias loads are indexed by (column, expert):
+    their addresses take the expert's stride from the S_dec_b / bias tensor shapes; the CTA's
+    expert itself comes from the pair schedule, which the grouped kernel reads (and the dense
+    one does not)."""
+    grouped, _ = kernel_artifacts(VARIANTS[2][0], "sm_100a")
+    dense, _ = kernel_artifacts(VARIANTS[0][0], "sm_100a")
+    g_loads, d_loads = _epilogue_loads(grouped), _epilogue_loads(dense)
+    assert "schedule" in g_loads and "schedule" not in d_loads and "offsets" not in d_loads
+    # the pair's expert (binary search in the schedule) feeds the row scale's tile row too
+    (_, row_src), = g_loads["row_scale"]
+    assert {"param_10", "param_13", "param_14", "%tid.x", "%ctaid.x"} <= row_src
+
+
+@pytest.mark.parametrize(
+    "config,stages",
+    [
+        (GemmConfig(tile_n=128, out_dtype="bfloat16"), 6),
+        (GemmConfig(tile_n=128, out_dtype="float32"), 5),
+        (GemmConfig(tile_n=256, out_dtype="bfloat16"), 4),
+        (GemmConfig(tile_n=256, out_dtype="float32"), 3),
+        (GemmConfig(tile_n=128, out_dtype="float32", k_grouped=True), 16),
+    ],
+    ids=lambda v: v.name if isinstance(v, GemmConfig) else str(v),
+)
+def test_shared_memory_stage_counts(kernel_plan, config, stages):
+    """The smem ring depth the kernel picks (what docs/blackwell.md states): the fp32 output's
+    larger staging tiles cost one stage at each tile_n (the doc used to claim bf16's counts
+    for every output dtype)."""
+    plan = kernel_plan(config, "sm_100a")
+    assert plan["ab_stages"] == stages and plan["mma_k"] == 64
+    assert plan["acc_stages"] == (2 if config.tile_n == 128 else 1)
+    assert plan["tmem_cols"] <= 512
+
+
 @pytest.mark.parametrize("config,arch", [v for v in VARIANTS if v[1] == "sm_100a"], ids=[i for i, v in zip(IDS, VARIANTS) if v[1] == "sm_100a"])
 def test_sass_keeps_the_epilogue_roundings_apart(kernel_artifacts, config, arch):
     """In the final machine code (ptxas output) the MMA is the tensor-core UTCOMMA and the

@@ -31,8 +31,11 @@ def _image(codes: torch.Tensor, swizzled: torch.Tensor, rows: int, k: int) -> to
 
 
 def kernel_model(config, a_codes, b_codes, a_scales, b_scales, out, row_scale_a, row_scale_b, bias, offsets,
-                 *, m, n, k, groups, sb_strides, arch):
-    """What the kernel computes from its launch arguments (see the impl module docstring)."""
+                 *, m, n, k, groups, sb_strides, arch, schedule=None):
+    """What the kernel computes from its launch arguments (see the impl module docstring).
+    Grouped rows: CTA p runs the (tile, expert) pair the schedule assigns it (expert g = the
+    last with ``schedule[g] <= p``, tile ``offs[g] // 128 + p - schedule[g]``) and stores that
+    expert's rows of that tile; no row is written twice."""
     assert arch in ("sm_100a", "sm_103a")
     assert a_codes.is_contiguous() and b_codes.is_contiguous() and a_codes.dtype == torch.uint8
     assert a_scales.dim() == 1 and b_scales.dim() == 1 and a_scales.dtype == torch.float8_e4m3fn
@@ -55,14 +58,25 @@ def kernel_model(config, a_codes, b_codes, a_scales, b_scales, out, row_scale_a,
         return
     per_group = b_scales.numel() // groups
     offs = offsets.tolist() if config.grouped else [0, m]
-    for g in range(groups):
-        lo, hi = offs[g], offs[g + 1]
-        if hi == lo:
-            continue
+    if config.grouped:
+        sched = schedule.tolist()
+        assert len(sched) == groups + 1 and sched[-1] <= -(-m // 128) + groups - 1  # fits the grid
+        passes = []
+        for p in range(sched[-1]):
+            g = max(h for h in range(groups) if sched[h] <= p)
+            tile = offs[g] // 128 + p - sched[g]
+            passes.append((g, max(offs[g], 128 * tile), min(offs[g + 1], 128 * tile + 128)))
+    else:
+        passes = [(0, 0, m)] if m else []
+    written = torch.zeros(m, dtype=torch.int64)
+    for g, lo, hi in passes:
+        assert lo < hi, "a CTA ran a pass that stores nothing"
+        written[lo:hi] += 1
         ib = _image(b_codes.reshape(groups, n, k // 2)[g], b_scales[g * per_group : (g + 1) * per_group], n, k)
         acc = block_partials_accumulate(ia[lo:hi], ib)
         bias_g = None if bias is None else bias.reshape(groups, n)[g]  # fp32 [G, N] (dense: G == 1)
         out[lo:hi] = epilogue(acc, row_scale_a[lo:hi], sb(g), bias_g, out.dtype)
+    assert bool((written == 1).all()), "every row is written by exactly one pass"
 
 
 @pytest.fixture
@@ -110,7 +124,7 @@ def test_dense_host_path_keeps_leading_dimensions(on_fake_blackwell):
     assert_bitwise_equal(got, nvfp4.gemm_reference(a, b), "3D activations")
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 130, 1], [0, 0, 7], [64] * 3, [1] * 9])
+@pytest.mark.parametrize("sizes", [[5, 0, 130, 1], [0, 0, 7], [64] * 3, [1] * 9, [0, 128, 1, 255, 0]])
 @pytest.mark.parametrize("n,with_bias", [(80, True), (256, False)])
 def test_grouped_host_path_equals_the_contract(on_fake_blackwell, sizes, n, with_bias):
     """Per-group swizzled weight scales (N = 80 is not a multiple of 128), per-expert global
