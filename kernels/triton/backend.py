@@ -33,6 +33,7 @@ from minite_megatron.nvfp4.backends import BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
+from minite_megatron.nvfp4.grouped import decode_grouped_gemm_reference
 
 from ._nvfp4_math import interpreting
 from .decode_gemm import MAX_M, decode_gemm_forward
@@ -184,6 +185,22 @@ class TritonBackend:
                              lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
         return grouped_gemm_forward(image_2d(am), b_img, group_sizes, _global_decode(am), b.global_decode,
                                     bias, out_dtype, batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+
+    def decode_grouped_gemm(
+        self,
+        a: NVFP4Tensor,
+        w_stacked: NVFP4Tensor,
+        expert_ids: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+        *,
+        num_experts: int | None = None,
+    ) -> torch.Tensor:
+        """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]``
+        (``nvfp4.grouped.decode_grouped_gemm_reference``'s contract)."""
+        self._require(a.device)
+        return decode_grouped_gemm_reference(a, w_stacked, expert_ids, out_dtype, batch_invariant,
+                                             num_experts=num_experts)
 
     def grouped_wgrad(
         self,
