@@ -99,10 +99,10 @@ def _decode_gemm_kernel(
 
 #: GPU launch parameters of the default configuration: (BLOCK_N, BLOCK_K, num_warps,
 #: num_stages, programs per SM the split aims for, minimum M_PAD), by padded M.
-GPU_DECODE = {8: (64, 256, 4, 2, 4, 8), 16: (64, 256, 4, 2, 4, 16), 32: (64, 128, 4, 2, 2, 32),
-              64: (64, 128, 4, 2, 2, 64)}
+GPU_DECODE = {8: (64, 256, 4, 1, 4, 8), 16: (64, 256, 4, 1, 4, 16), 32: (64, 128, 4, 1, 2, 32),
+              64: (64, 128, 4, 1, 2, 64)}
 #: The strict configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages); no split, whole K.
-GPU_STRICT_DECODE = (64, 256, 4, 2)
+GPU_STRICT_DECODE = (64, 256, 4, 1)
 #: Set once the GPU has shown the strict configuration bitwise equal to the learner's strict
 #: GEMM (``gemm.STRICT_CONFIG``) on random and adversarial data for M = 1..64 (see
 #: ``benchmarks/decode_sweep.sh``); until then strict mode keeps the image GEMM.

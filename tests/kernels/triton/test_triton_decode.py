@@ -40,6 +40,11 @@ def dev(t):
                    global_decode=t.global_decode.to(DEVICE), image=None if t.image is None else t.image.to(DEVICE))
 
 
+def cpu(t):
+    return replace(t, codes=t.codes.cpu(), block_scales=t.block_scales.cpu(), global_decode=t.global_decode.cpu(),
+                   image=None if t.image is None else t.image.cpu())
+
+
 def decode(qa, qb, bias=None, out_dtype=torch.bfloat16, strict=False):
     return decode_gemm_forward(qa.image.to(DEVICE), qb.codes.to(DEVICE), qb.block_scales.to(DEVICE),
                                qa.global_decode.to(DEVICE), qb.global_decode.to(DEVICE),
@@ -212,3 +217,50 @@ def test_grouped_nonfinite_expert_weights_reach_only_their_rows(experts):
     a = q(randn(3, K, seed=70))
     out = grouped(a, stack_expert_weights(qs), torch.tensor([2, 3, 2], dtype=torch.int32))
     assert torch.isnan(out[0]).any() and torch.isnan(out[2]).any() and not torch.isnan(out[1]).any()
+
+
+# ---- GPU only ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_decode_ops_capture_and_replay_in_a_cuda_graph():
+    """Dense and grouped decode (default and strict) in one CUDA graph: replays on fresh inputs
+    written into the captured buffers give the eager results bit for bit (no host sync inside:
+    capture would fail on one)."""
+    qw = q(heavy_tailed(E, N, K, seed=80), global_scale="group", with_image=True)
+    st = dev(qw)
+    wm = st.matrix()
+    qd = dev(q(randn(N, K, seed=81), global_scale="tensor"))
+    a = dev(q(randn(24, K, seed=82), with_image=True))
+    ids = torch.randint(0, E, (24,), dtype=torch.int32, device=DEVICE)
+
+    def step():
+        return [decode_gemm_forward(a.image[:16], qd.codes, qd.block_scales, a.global_decode[:16], qd.global_decode,
+                                    None, torch.bfloat16, s) for s in (False, True)] + \
+               [decode_grouped_gemm_forward(a.image, wm.codes, wm.block_scales, st.global_decode, ids, a.global_decode,
+                                            E, torch.bfloat16, s) for s in (False, True)]
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (83, 84):
+        fresh = dev(q(randn(24, K, seed=seed), with_image=True))
+        a.image.copy_(fresh.image)
+        a.global_decode.copy_(fresh.global_decode)
+        ids.copy_(torch.randint(0, E, (24,), dtype=torch.int32, device=DEVICE))
+        graph.replay()
+        for o, e in zip(outs, step()):
+            assert_bitwise_equal(o, e, "graph replay")
+
+
+@pytest.mark.gpu
+def test_grouped_within_bound_at_a_qwen3_expert_shape():
+    """fc1 of Qwen3-30B-A3B experts (2048 -> 1536), 128 experts, 8 tokens x top-8."""
+    e, n, k = 128, 1536, 2048
+    w = randn(e, n, k, seed=90, scale=0.02).to(DEVICE)
+    qs = [cpu(BACKEND.quantize(w[i], global_scale="tensor", tile=(16, 16))) for i in range(e)]  # = the reference
+    ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s))[:8] for s in range(8)])
+    ids = ids.reshape(-1).to(torch.int32)
+    a = q(randn(64, k, seed=91, scale=3.0))
+    out = grouped(a, stack_expert_weights(qs), ids)
+    rows_within_bound(out, a, qs, ids)
