@@ -52,17 +52,34 @@ BF16 = torch.bfloat16
 L2_BYTES = 60 * 2**20
 SMOKE = False
 WARM_ONLY = False
+ACT_QUANT = True
 SHARD = (0, 1)
 DEADLINE = float("inf")
 DEV = torch.device("cuda")
 
-#: default-configuration sweep: (BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)
-SWEEP = [(64, 256, 4, 1, 4), (64, 256, 4, 2, 4), (64, 128, 4, 1, 4), (64, 128, 4, 1, 8), (64, 256, 4, 1, 8),
-         (128, 128, 4, 1, 4), (128, 256, 8, 1, 4), (64, 256, 8, 1, 4), (64, 512, 4, 1, 2), (64, 128, 4, 2, 8)]
-#: strict configurations checked bitwise: (BLOCK_N, BLOCK_K, num_warps, num_stages)
-STRICT_VARIANTS = [(64, 256, 4, 1), (64, 128, 4, 1), (128, 128, 4, 1), (32, 256, 4, 1), (16, 256, 4, 1)]
+#: default-configuration sweep: tile, warps, stages, register prefetch, programs per SM
+def _d(bn, bk, warps, stages, per_sm, prefetch, min_m_pad=8):
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, per_sm=per_sm, PREFETCH=prefetch,
+                min_m_pad=min_m_pad)
+
+
+# M_PAD 8 compiles to mma.sync (HMMA), 16 and up to wgmma (HGMMA)
+SWEEP = [_d(64, 128, 4, 1, 8, False), _d(64, 128, 4, 1, 4, False), _d(64, 128, 4, 1, 8, False, 16),
+         _d(64, 128, 4, 1, 4, False, 16), _d(64, 128, 4, 1, 16, False, 16), _d(64, 128, 4, 1, 8, True, 16),
+         _d(64, 128, 4, 2, 8, False, 16), _d(128, 128, 4, 1, 4, False, 16), _d(64, 64, 4, 1, 16, False, 16)]
+#: strict configurations checked bitwise (M_PAD None: the natural padding, 8 / 16 / 32 / 64)
+STRICT_VARIANTS = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, M_PAD=64),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, M_PAD=None),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=True, M_PAD=64)]
+CHECK_M = (1, 3, 8, 16, 33, 64)
 
 _counter = itertools.count()
+
+
+def _name(cfg) -> str:
+    short = {"BLOCK_N": "bn", "BLOCK_K": "bk", "num_warps": "w", "num_stages": "st", "per_sm": "psm",
+             "PREFETCH": "pf", "M_PAD": "mpad"}
+    return " ".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
 
 
 def mine() -> bool:
@@ -106,16 +123,14 @@ def copies_for(nbytes: int) -> int:
 
 
 def strict_cfg(variant, m):
-    bn, bk, warps, stages = variant
-    return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=max(8, 1 << (m - 1).bit_length()), SPLIT=1, num_warps=warps,
-                num_stages=stages)
+    cfg = dict(variant, SPLIT=1)
+    if cfg["M_PAD"] is None:
+        cfg["M_PAD"] = max(8, 1 << (m - 1).bit_length())
+    return cfg
 
 
 def default_cfg(entry, m, n, k, sms):
-    bn, bk, warps, stages, per_sm = entry
-    split = max(1, min(-(-k // bk), td.MAX_SPLIT, per_sm * sms // max(-(-n // bn), 1)))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=max(8, 1 << (m - 1).bit_length()), SPLIT=split, num_warps=warps,
-                num_stages=stages)
+    return td.default_config(m, n, k, sms, entry)
 
 
 def run_decode(qx, q, cfg, out_dtype=BF16, out=None):
@@ -145,10 +160,10 @@ def sec_check(res):
         full = {dt: gemm_forward(qx.image, qw.image, qx.global_decode, qw.global_decode, None, dt, batch_invariant=True)
                 for dt in (torch.float32, BF16)}
         for variant in STRICT_VARIANTS[:1] if SMOKE else STRICT_VARIANTS:
-            row = {"data": data_name, "strict_config": str(variant), "mismatched_fp32": 0, "mismatched_bf16": 0,
+            row = {"data": data_name, "strict_config": _name(variant), "mismatched_fp32": 0, "mismatched_bf16": 0,
                    "learner_small_m_mismatched": 0, "compared": 0}
-            for m in (1, 3, 8, 64):
-                for start in sorted({0, min(61, big - m), big - m}):
+            for m in CHECK_M:
+                for start in sorted({0, big - m}):
                     part = nvfp4.grouped._take_rows(qx, torch.arange(start, start + m, device=DEV))
                     for dt in (torch.float32, BF16) if variant == STRICT_VARIANTS[0] else (torch.float32,):
                         if not mine():
@@ -182,11 +197,11 @@ def sec_check(res):
     res["check_dense"] = rows
     verified = []
     for variant in STRICT_VARIANTS:
-        mine_rows = [r for r in rows if r.get("strict_config") == str(variant)]
+        mine_rows = [r for r in rows if r.get("strict_config") == _name(variant)]
         if mine_rows and all(r["compared"] > 0 and r["mismatched_fp32"] == 0 and r["mismatched_bf16"] == 0
                              for r in mine_rows):
             verified.append(variant)
-    res["strict_verified"] = [list(v) for v in verified]
+    res["strict_verified"] = [_name(v) for v in verified]
     print_table("strict decode vs the learner's strict GEMM (bits that differ; 0 = bitwise equal)", rows,
                 ["data", "strict_config", "mismatched_fp32", "mismatched_bf16", "learner_small_m_mismatched",
                  "compared", "within_bound", "max_err_over_bound", "graph_replay_equal"])
@@ -275,10 +290,10 @@ def sec_sweep(res, verified):
     rows = []
     best = {}
     strict_times = {}
-    for name in ("qkv", "o", "expert_fc2"):
+    for name in ("qkv", "o"):
         k, n = (64, 32) if SMOKE else SHAPES[name]
         qws = weights(n, k, copies_for(n * k // 2))
-        for m in (1, 16, 64):
+        for m in (1, 16):
             qx = quantize_forward(rnd(m, k), with_image=True)
             outs = torch.empty(m, n, dtype=BF16, device=DEV)
             row = {"shape": name, "M": m}
@@ -289,7 +304,7 @@ def sec_sweep(res, verified):
                 t = timed(lambda: [run_decode(qx, q, cfg, out=outs) for q in qws]) / len(qws)
                 row[f"cfg{i}_us"] = 1e3 * t
                 best.setdefault(max(8, 1 << (m - 1).bit_length()), {}).setdefault(i, []).append(t)
-            for j, variant in enumerate(STRICT_VARIANTS if m in (1, 16) else ()):
+            for j, variant in enumerate(STRICT_VARIANTS):
                 if not mine():
                     continue
                 scfg = strict_cfg(variant, m)
@@ -308,14 +323,14 @@ def sec_sweep(res, verified):
     chosen_strict = STRICT_VARIANTS[min(scores, key=scores.get)] if scores else None
     res["sweep"] = {"configs": SWEEP, "strict_configs": STRICT_VARIANTS, "rows": rows,
                     "chosen": {str(k): v for k, v in chosen.items()}, "chosen_strict": chosen_strict}
-    print("sweep configs (BLOCK_N, BLOCK_K, warps, stages, programs/SM):",
-          {f"cfg{i}": c for i, c in enumerate(SWEEP)})
+    print("sweep configs:", {f"cfg{i}": _name(c) for i, c in enumerate(SWEEP)})
     print_table("default decode config sweep (us per GEMM)", rows,
                 ["shape", "M"] + [f"cfg{i}_us" for i in range(len(SWEEP))])
-    print("strict configs (BLOCK_N, BLOCK_K, warps, stages):", {f"strict{j}": c for j, c in enumerate(STRICT_VARIANTS)})
+    print("strict configs:", {f"strict{j}": _name(c) for j, c in enumerate(STRICT_VARIANTS)})
     print_table("strict decode config sweep (us per GEMM)", rows,
                 ["shape", "M"] + [f"strict{j}_us" for j in range(len(STRICT_VARIANTS))])
-    print("chosen per padded M:", chosen, "; strict:", chosen_strict)
+    print("chosen per padded M:", {k: _name(v) for k, v in chosen.items()}, "; strict:",
+          _name(chosen_strict) if chosen_strict else None)
     return chosen, chosen_strict
 
 
@@ -337,7 +352,7 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
             cfg = default_cfg(entry, m, n, k, sms()) if entry else td.select_config(m, n, k, sms(), False)
             scfg = strict_cfg(chosen_strict, m) if chosen_strict else td.select_config(m, n, k, sms(), True)
             out = torch.empty(m, n, dtype=BF16, device=DEV)
-            row = {"shape": name, "K": k, "N": n, "M": m, "config": str(cfg), "strict_config": str(scfg),
+            row = {"shape": name, "K": k, "N": n, "M": m, "config": _name(cfg), "strict_config": _name(scfg),
                    "strict_verified": chosen_strict is not None}
             if mine():
                 row["bf16_us"] = 1e3 * timed(lambda: [torch.mm(x, w.t()) for w in ws]) / len(ws)
@@ -345,7 +360,7 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
                 row["nvfp4_us"] = 1e3 * timed(lambda: [run_decode(qx, q, cfg, out=out) for q in qws]) / len(qws)
             if mine():
                 row["strict_us"] = 1e3 * timed(lambda: [run_decode(qx, q, scfg, out=out) for q in qws]) / len(qws)
-            if mine():
+            if mine() and ACT_QUANT:
                 def with_quant():
                     for q in qws:
                         qa = quantize_forward(x, with_image=True)
@@ -416,7 +431,7 @@ SECTIONS = ("check", "sweep", "dense", "grouped")
 
 
 def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE
+    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--m", default="1,2,4,8,16,32,64")
@@ -425,10 +440,11 @@ def main(argv=None):
     p.add_argument("--warm-only", action="store_true", help="compile and run once, time nothing")
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--no-act-quant", action="store_true", help="skip the with-activation-quantize column")
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="stop timing (NaN, saved as null) this many seconds after the start")
     args = p.parse_args(argv)
-    SMOKE, WARM_ONLY = args.smoke, args.warm_only
+    SMOKE, WARM_ONLY, ACT_QUANT = args.smoke, args.warm_only, not args.no_act_quant
     DEADLINE = time.monotonic() + args.deadline_s
     SHARD = (args.shard, args.shards)
     if SMOKE:

@@ -53,7 +53,7 @@ def _wgrad(config):
     return compile_for(_grouped_wgrad_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
 
 
-def _decode(m_pad=16, block_n=64, block_k=256, warps=4, stages=2, split_max=4, asm=True):
+def _decode(m_pad=16, block_n=64, block_k=128, warps=4, stages=1, split_max=4, asm=True, prefetch=False):
     from .decode_gemm import _decode_gemm_kernel
 
     sig = {
@@ -62,7 +62,7 @@ def _decode(m_pad=16, block_n=64, block_k=256, warps=4, stages=2, split_max=4, a
         "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "s_am": "i32", "s_om": "i32", "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, EVEN_K=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
+              M_PAD=m_pad, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, PREFETCH=prefetch)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=stages,
                        divisible=("K", "K_PER_SPLIT", "s_am", "N"), **EXACT_LAUNCH)
 

@@ -117,34 +117,61 @@ def dequant_tile(packed, sf_code, luts, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _load_step(codes_rows, scales_rows, a_rows, m_ok, k0, k_hi, live,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASKED: tl.constexpr):
+    """The packed codes, scales and activation tile of the K step at ``k0`` (zeros where
+    ``MASKED`` and not ``live``)."""
+    pk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K and not MASKED:
+        packed = tl.load(codes_rows + pk[None, :])
+        sf = tl.load(scales_rows + sk[None, :])
+        x = tl.load(a_rows + kk[:, None], mask=m_ok, other=0.0)
+    elif EVEN_K:
+        packed = tl.load(codes_rows + pk[None, :], mask=live, other=0)
+        sf = tl.load(scales_rows + sk[None, :], mask=live, other=0)
+        x = tl.load(a_rows + kk[:, None], mask=m_ok & live, other=0.0)
+    else:
+        packed = tl.load(codes_rows + pk[None, :], mask=(pk < k_hi // 2)[None, :] & live, other=0)
+        sf = tl.load(scales_rows + sk[None, :], mask=(sk < k_hi // 16)[None, :] & live, other=0)
+        x = tl.load(a_rows + kk[:, None], mask=m_ok & (kk < k_hi)[:, None] & live, other=0.0)
+    return packed, sf, x
+
+
+@triton.jit
 def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                  EVEN_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr):
+                  EVEN_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr = False):
     """fp32 ``[BN, M_PAD]`` = sum over k in [k_lo, k_hi) of ``W[n, k] * x[m, k]`` (swap-AB).
 
     ``codes_rows`` / ``scales_rows``: ``[BN, 1]`` pointers to the weight rows' codes / scales at
     k = 0; ``a_rows``: ``[1, M_PAD]`` pointers to the activation image rows at k = 0 (rows with
     ``m_ok`` false read zeros). ``EVEN_K``: the range is a whole number of ``BLOCK_K`` steps
-    (no K masks, 16-byte loads). The tensor cores add 16-wide K steps in K order from a zero
-    accumulator (the learner's strict GEMM's chain; the interpreter adds each BLOCK_K step's
-    exact fp32 product).
+    (no K masks, 16-byte loads). ``PREFETCH``: the next step's loads are issued before this
+    step's dequantization (one step in flight in registers). The tensor cores add 16-wide K
+    steps in K order from a zero accumulator (the learner's strict GEMM's chain; the
+    interpreter adds each BLOCK_K step's exact fp32 product).
     """
     acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        pk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        kk = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            packed = tl.load(codes_rows + pk[None, :])
-            sf = tl.load(scales_rows + sk[None, :])
-            x = tl.load(a_rows + kk[:, None], mask=m_ok, other=0.0)
-        else:
-            packed = tl.load(codes_rows + pk[None, :], mask=(pk < k_hi // 2)[None, :], other=0)
-            sf = tl.load(scales_rows + sk[None, :], mask=(sk < k_hi // 16)[None, :], other=0)
-            x = tl.load(a_rows + kk[:, None], mask=m_ok & (kk < k_hi)[:, None], other=0.0)
-        w = dequant_tile(packed, sf, luts, BLOCK_N, BLOCK_K, ASM)
-        if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
+    if PREFETCH:
+        packed_n, sf_n, x_n = _load_step(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, k_lo < k_hi,
+                                         BLOCK_K, EVEN_K, True)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            packed, sf, x = packed_n, sf_n, x_n
+            packed_n, sf_n, x_n = _load_step(codes_rows, scales_rows, a_rows, m_ok, k0 + BLOCK_K, k_hi,
+                                             k0 + BLOCK_K < k_hi, BLOCK_K, EVEN_K, True)
+            w = dequant_tile(packed, sf, luts, BLOCK_N, BLOCK_K, ASM)
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            packed, sf, x = _load_step(codes_rows, scales_rows, a_rows, m_ok, k0, k_hi, True, BLOCK_K, EVEN_K, False)
+            w = dequant_tile(packed, sf, luts, BLOCK_N, BLOCK_K, ASM)
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
     return acc

@@ -73,7 +73,7 @@ def strict_decode_ok(k: int, device: torch.device) -> bool:
     for K a whole number of its K steps (the learner's zero-padded tail steps are not mimicked)."""
     if device.type == "cpu":
         return interpreting()
-    return _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE[1] == 0
+    return _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:

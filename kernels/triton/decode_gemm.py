@@ -50,7 +50,7 @@ def _decode_gemm_kernel(
     M, N, K, K_PER_SPLIT, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+    ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -64,7 +64,7 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, load_tables(lut_ptr),
-                        BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32)
+                        BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
 
     is_last = SPLIT == 1
     if SPLIT > 1:
@@ -97,15 +97,24 @@ def _decode_gemm_kernel(
                  mask=m_ok & (rn < N)[:, None])
 
 
-#: GPU launch parameters of the default configuration: (BLOCK_N, BLOCK_K, num_warps,
-#: num_stages, programs per SM the split aims for, minimum M_PAD), by padded M.
-GPU_DECODE = {8: (64, 256, 4, 1, 4, 8), 16: (64, 256, 4, 1, 4, 16), 32: (64, 128, 4, 1, 2, 32),
-              64: (64, 128, 4, 1, 2, 64)}
-#: The strict configuration: (BLOCK_N, BLOCK_K, num_warps, num_stages); no split, whole K.
-GPU_STRICT_DECODE = (64, 256, 4, 1)
+#: GPU launch parameters of the default configuration by padded M: tile, warps, stages,
+#: register prefetch, and the programs per SM that the K split aims for. H200, 2026-12-02
+#: (benchmarks/decode_gemm.py sweep): BLOCK_K = 128 won at every shape; BLOCK_K = 256 with
+#: BLOCK_N = 64 (16 chained wgmma steps on a register operand) computed wrong values under
+#: Triton 3.6 and is not used.
+GPU_DECODE = {
+    8: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=8),
+    16: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
+    32: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
+    64: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
+}
+#: The strict configuration: no split, the whole K per program, M always padded to 64 (the
+#: MMA is m64 n64 k16 for every M: on the H200 a 64x8 MMA rounded differently from the
+#: learner's 64x128 one in the last fp32 bits, 64x64 did not).
+GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, M_PAD=64)
 #: Set once the GPU has shown the strict configuration bitwise equal to the learner's strict
 #: GEMM (``gemm.STRICT_CONFIG``) on random and adversarial data for M = 1..64 (see
-#: ``benchmarks/decode_sweep.sh``); until then strict mode keeps the image GEMM.
+#: ``benchmarks/decode_gemm.py --sections check``); until then strict mode keeps the image GEMM.
 STRICT_DECODE_VERIFIED = False
 
 
@@ -113,22 +122,27 @@ def _m_pad(m: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(m))
 
 
+def default_config(m: int, n: int, k: int, sm_count: int, entry: dict) -> dict:
+    """A default-mode launch from a :data:`GPU_DECODE`-style entry: K split until the grid has
+    ``per_sm`` programs per SM (at most :data:`MAX_SPLIT`, at least one K step per split)."""
+    bn, bk = entry["BLOCK_N"], entry["BLOCK_K"]
+    split = max(1, min(triton.cdiv(k, bk), MAX_SPLIT, entry["per_sm"] * sm_count // max(triton.cdiv(n, bn), 1)))
+    cfg = {key: v for key, v in entry.items() if key not in ("per_sm", "min_m_pad")}
+    return dict(cfg, M_PAD=_m_pad(m, entry.get("min_m_pad", 8)), SPLIT=split)
+
+
 def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) -> dict:
-    """Launch parameters: BLOCK_N, BLOCK_K, M_PAD, SPLIT, num_warps, num_stages."""
+    """Launch parameters: BLOCK_N, BLOCK_K, M_PAD, SPLIT, num_warps, num_stages, PREFETCH."""
     if interpreting():
         # BLOCK_K = 16 and no split in strict mode: the interpreter's fp32 dot then adds exact
         # block partials in K order, the contract's order (the learner's strict GEMM there)
         if batch_invariant:
             return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=_m_pad(m, 16), SPLIT=1, num_warps=4, num_stages=1)
         return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=max(1, min(2, k // 32)), num_warps=4,
-                    num_stages=1)
+                    num_stages=1, PREFETCH=True)
     if batch_invariant:
-        bn, bk, warps, stages = GPU_STRICT_DECODE
-        return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=_m_pad(m, 8), SPLIT=1, num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages, per_sm, floor = GPU_DECODE[_m_pad(m, 8)]
-    k_blocks = triton.cdiv(k, bk)
-    split = max(1, min(k_blocks, MAX_SPLIT, per_sm * sm_count // max(triton.cdiv(n, bn), 1)))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=_m_pad(m, floor), SPLIT=split, num_warps=warps, num_stages=stages)
+        return dict(GPU_STRICT_DECODE, SPLIT=1)
+    return default_config(m, n, k, sm_count, GPU_DECODE[_m_pad(m, 8)])
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -163,7 +177,7 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0 and k_per_split % bk == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], SPLIT_MAX=triton.next_power_of_2(split),
-        ASM=(not interpreting()) if asm is None else asm, DOT_FP32=interpreting(),
+        ASM=(not interpreting()) if asm is None else asm, DOT_FP32=interpreting(), PREFETCH=cfg.get("PREFETCH", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
     )
 

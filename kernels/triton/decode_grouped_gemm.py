@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
-from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, MAX_SPLIT, split_counters
+from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters
 from .gemm import OUT_DTYPES
 
 
@@ -64,7 +64,7 @@ def _decode_grouped_kernel(
     R, N, K, E, K_PER_SPLIT, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+    R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,7 +98,7 @@ def _decode_grouped_kernel(
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32)
+                                    k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -121,7 +121,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32)
+                                        k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -137,18 +137,16 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
     """Launch parameters (as :func:`.decode_gemm.select_config`, the grid counting expert slots)."""
     slots = max(1, min(r, experts))
     if interpreting():
-        m_pad = 16
         if batch_invariant:
-            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=m_pad, SPLIT=1, num_warps=4, num_stages=1)
-        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=m_pad, SPLIT=max(1, min(2, k // 32)), num_warps=4, num_stages=1)
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=max(1, min(2, k // 32)), num_warps=4, num_stages=1,
+                    PREFETCH=True)
+    if batch_invariant:
+        return dict(GPU_STRICT_DECODE, SPLIT=1)
     # rows per expert: r / slots on average (top-k routing spreads them)
     m_pad = max(8, min(16, triton.next_power_of_2(triton.cdiv(r, slots))))
-    if batch_invariant:
-        bn, bk, warps, stages = GPU_STRICT_DECODE
-        return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=m_pad, SPLIT=1, num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages, per_sm, _ = GPU_DECODE[m_pad]
-    split = max(1, min(triton.cdiv(k, bk), MAX_SPLIT, per_sm * sm_count // max(slots * triton.cdiv(n, bn), 1)))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, M_PAD=m_pad, SPLIT=split, num_warps=warps, num_stages=stages)
+    cfg = default_config(m_pad, n * slots, k, sm_count, GPU_DECODE[m_pad])
+    return cfg
 
 
 def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts: int, cfg: dict,
@@ -170,7 +168,7 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         EVEN_K=k % bk == 0 and k_per_split % bk == 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"],
         SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
         E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
+        DOT_FP32=interpreting(), PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
     )
 
 
