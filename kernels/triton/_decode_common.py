@@ -3,30 +3,30 @@ in-register dequantization of a packed FP4 weight tile to its exact bf16 image, 
 K loop, and the fixed-order split-K reduction.
 
 Dequantization (``dequant_tile``). A weight tile arrives as packed E2M1 codes (uint8, two per
-byte, element 2i in the low nibble) and its E4M3 block scales. On the GPU (``ASM=True``) one
-inline-PTX block turns 4 code bytes (8 weights) into 4 bf16x2 registers with byte permutes
-(``prmt``) instead of float arithmetic:
+byte, element 2i in the low nibble) and its E4M3 block scales. Each element gets the packed
+byte that holds its code and a nibble flag (``join(packed, packed)``, ``join(0x00, 0xFF)``); then, on
+the GPU (``ASM=True``), one inline-PTX block turns 4 elements into 2 bf16x2 registers with byte permutes (``prmt``)
+instead of float arithmetic:
 
+* each element's nibble is selected (``lop3`` on the byte and the byte shifted by 4) and the 4
+  nibbles are gathered into one 16-bit selector (``and``, ``shr``, ``or``, ``prmt``);
 * ``prmt`` with the 3 magnitude bits of each nibble as byte selectors looks up the low and
-  the high byte of the bf16 value of every E2M1 magnitude (two 8-entry tables held in two
-  immediate pairs: 0, 0.5, 1, 1.5, 2, 3, 4, 6 are bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000
-  0x4040 0x4080 0x40C0);
+  the high byte of the bf16 value of every E2M1 magnitude (two 8-entry tables: 0, 0.5, 1, 1.5,
+  2, 3, 4, 6 are bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0);
 * a third ``prmt`` in sign-replicate mode (selector bit 3 = the code's sign bit) turns the
   sign bits into 0xFF / 0x80 bytes, shifted into bit 7 of the high bytes;
-* two ``prmt`` interleave low and high bytes into (element 2i, element 2i+1) bf16 pairs;
-* ``mul.rn.bf16x2`` by the block scale (``e4m3 -> bf16`` is exact; ``e2m1 * e4m3`` has at most
-  6 significant bits, so the product is exact too).
+* two ``prmt`` interleave low and high bytes into bf16 pairs;
+* ``mul.rn.bf16x2`` by each element's block scale (``e4m3 -> bf16`` is exact; ``e2m1 * e4m3``
+  has at most 6 significant bits, so the product is exact too).
 
-About 3 SASS instructions per weight instead of ~8 with fp32 bit arithmetic; every value is
-the exact image ``e2m1(code) * fp32(scale)`` in bf16 (NaN scales give NaN). Under the
-interpreter (``ASM=False``, CPU tests) the same values come from ``_nvfp4_math``'s fp32
-decoders.
-
-Which 4 bytes one asm invocation receives is up to Triton's layout (4 consecutive bytes of one
-row along K when each thread owns >= 4 contiguous bytes: the load layout of a [BN, BK/2] uint8
-tile with BK/2 >= 16); every byte is scaled by its own block's scale, so the values are right
-whatever the grouping, and the element order is rebuilt from the (byte, nibble) positions.
-GPU tests compare the tile to the image bit for bit.
+Every value is the exact image ``e2m1(code) * fp32(scale)`` in bf16 (NaN scales give NaN).
+The asm is element-wise: each output depends only on its own code byte and scale, because
+Triton decides which 4 elements one invocation receives ("unspecified" in its docs). A first
+version that decoded 4 *packed* bytes (8 weights) per invocation assumed those bytes were
+consecutive along K; on the H200 (2026-12-01) that held for some layouts and silently gave
+wrong values for others (it depended on M's divisibility by 16), so it was replaced.
+Under the interpreter (``ASM=False``, CPU tests) the same values come from
+``_nvfp4_math``'s fp32 decoders (also usable on the GPU: bf16 after the decode).
 """
 
 from __future__ import annotations
@@ -37,34 +37,31 @@ import triton.language as tl
 
 from ._nvfp4_math import e2m1_value, e4m3_value
 
-# $0,$1: bf16 of elements (0,1),(2,3) of the 4 code bytes in $4; $2,$3: elements (4,5),(6,7).
-# $5,$6: bf16 block scales (one 16-block holds all 4 bytes: both halves of $5 are its scale).
-# $7, $11, $15, $19, $23: the lookup tables (int32 inputs take 4 registers each with pack=4;
-# registers loaded at run time, so ptxas keeps them instead of re-materializing immediates).
+# Element-wise (Triton gives an asm block 4 elements of its choosing, so every output may depend
+# only on its own inputs): byte p of $2 is the packed byte that holds element p's code and byte p
+# of $3 says which nibble (0xFF: the high one, 0x00: the low one); $0 / $1 are bf16x2 of elements (0, 1) / (2, 3);
+# $4 / $5 their bf16 block scales (one per element). $6, $10, $14, $18, $22: the lookup tables
+# (an int32 input takes 4 registers with pack=4; the values are loaded at run time, so ptxas
+# keeps them in registers instead of re-materializing immediates).
 _DEQUANT_ASM = tl.constexpr("""
 {
-.reg .b32 m, mh, ch, pl, ph, s, w0, w1, w2, w3;
-and.b32 m, $4, 0x77777777;
-prmt.b32 pl, $7, $11, m;
-prmt.b32 ph, $15, $19, m;
-prmt.b32 s, $23, $23, $4;
+.reg .b32 h, c, t, u, cs, ms, pl, ph, s, w0, w1;
+shr.u32 h, $2, 4;
+lop3.b32 c, h, $2, $3, 0xE4;
+and.b32 c, c, 0x0F0F0F0F;
+shr.u32 t, c, 4;
+or.b32 u, c, t;
+prmt.b32 cs, u, u, 0x0020;
+and.b32 ms, cs, 0x7777;
+prmt.b32 pl, $6, $10, ms;
+prmt.b32 ph, $14, $18, ms;
+prmt.b32 s, $22, $22, cs;
 shl.b32 s, s, 1;
 lop3.b32 ph, s, 0x80808080, ph, 0xEA;
 prmt.b32 w0, pl, ph, 0x5140;
 prmt.b32 w1, pl, ph, 0x7362;
-shr.u32 mh, m, 16;
-shr.u32 ch, $4, 16;
-prmt.b32 pl, $7, $11, mh;
-prmt.b32 ph, $15, $19, mh;
-prmt.b32 s, $23, $23, ch;
-shl.b32 s, s, 1;
-lop3.b32 ph, s, 0x80808080, ph, 0xEA;
-prmt.b32 w2, pl, ph, 0x5140;
-prmt.b32 w3, pl, ph, 0x7362;
-mul.rn.bf16x2 $0, w0, $5;
+mul.rn.bf16x2 $0, w0, $4;
 mul.rn.bf16x2 $1, w1, $5;
-mul.rn.bf16x2 $2, w2, $5;
-mul.rn.bf16x2 $3, w3, $5;
 }
 """)
 #: The asm's tables: low bytes of bf16(0, .5, 1, 1.5) and (2, 3, 4, 6), high bytes likewise,
@@ -98,16 +95,17 @@ def dequant_tile(packed, sf_code, luts, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
     (bf16 with ``ASM``; fp32 without, whose values are the same). ``luts``: :func:`load_tables`."""
     if ASM:
         t0, t1, t2, t3, t4 = luts
-        z = tl.zeros((BLOCK_N, BLOCK_K // 2), tl.int32)
+        # per element: the byte holding its code, and which nibble (element order along K)
+        byte = tl.reshape(tl.join(packed, packed), (BLOCK_N, BLOCK_K))
+        zero8 = tl.zeros((BLOCK_N, BLOCK_K // 2), tl.uint8)
+        nibble = tl.reshape(tl.join(zero8, zero8 + 255), (BLOCK_N, BLOCK_K))
+        z = tl.zeros((BLOCK_N, BLOCK_K), tl.int32)
         sf = sf_code.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        sfb = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, BLOCK_K // 16, 8)), (BLOCK_N, BLOCK_K // 2))
-        lo, hi = tl.inline_asm_elementwise(
-            _DEQUANT_ASM, "=r,=r,=r,=r," + "r," * 22 + "r", [packed, sfb, z + t0, z + t1, z + t2, z + t3, z + t4],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        sfb = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
+        return tl.inline_asm_elementwise(
+            _DEQUANT_ASM, "=r,=r," + "r," * 23 + "r", [byte, nibble, sfb, z + t0, z + t1, z + t2, z + t3, z + t4],
+            dtype=tl.bfloat16, is_pure=True, pack=4
         )
-        # lo[4q + p] is element 8q + p, hi[4q + p] element 8q + 4 + p
-        w = tl.join(tl.reshape(lo, (BLOCK_N, BLOCK_K // 8, 4)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 8, 4)))
-        return tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
     else:
         codes = packed.to(tl.int32)  # (luts unused: the interpreter runs no PTX)
         codes = tl.reshape(tl.join(codes & 15, codes >> 4), (BLOCK_N, BLOCK_K))
@@ -165,7 +163,7 @@ def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
             if DOT_FP32:
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(w, x, acc)
+                acc = tl.dot(w.to(tl.bfloat16), x, acc)
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             packed, sf, x = _load_step(codes_rows, scales_rows, a_rows, m_ok, k0, k_hi, True, BLOCK_K, EVEN_K, False)
@@ -173,5 +171,5 @@ def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
             if DOT_FP32:
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(w, x, acc)
+                acc = tl.dot(w.to(tl.bfloat16), x, acc)
     return acc

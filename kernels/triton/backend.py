@@ -7,13 +7,14 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 * ``quantize_row_col`` / ``amax_row_col`` (optional ops): :mod:`.quantize_dual`, one read of a
   ``[T, N]`` matrix for its row-wise and column-wise quantizations, bitwise.
 * ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows
-  (``DECODE_MAX_M`` / ``DECODE_MAX_N``) the decode GEMM on packed weights (:mod:`.decode_gemm`;
-  in strict mode its batch-invariant configuration, where :func:`strict_decode_ok`). Operands
+  (``DECODE_MAX_M`` / ``DECODE_MAX_N``, where :func:`decode_ok`) the decode GEMM on packed
+  weights (:mod:`.decode_gemm`; in strict mode its batch-invariant configuration, where
+  :func:`strict_decode_ok`). Operands
   quantized without an image get one from :mod:`.image`.
 * ``decode_grouped_gemm``: MoE decode on unsorted rows routed to experts, packed expert weights
-  (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); in strict mode, where
-  the strict decode configuration is not verified, the learner's strict grouped GEMM on rows
-  sorted on the device.
+  (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); where the decode kernels
+  (:func:`decode_ok`) or their strict configuration (:func:`strict_decode_ok`) are not verified
+  on this device, the learner's grouped GEMM on rows sorted on the device.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
   through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
@@ -66,6 +67,12 @@ DECODE_MAX_M = 16
 DECODE_MAX_N: int | None = None
 
 
+def decode_ok(device: torch.device) -> bool:
+    """May the backend dispatch to the decode kernels? Under the interpreter always (CI tests
+    them); on a GPU once ``decode_gemm.DECODE_GPU_VERIFIED`` is set."""
+    return device.type == "cpu" or _decode.DECODE_GPU_VERIFIED
+
+
 def strict_decode_ok(k: int, device: torch.device) -> bool:
     """May strict mode use the decode kernels' strict configuration for this K? Under the
     interpreter it is the contract's order, as the learner's strict GEMM there; on a GPU only
@@ -73,7 +80,7 @@ def strict_decode_ok(k: int, device: torch.device) -> bool:
     for K a whole number of its K steps (the learner's zero-padded tail steps are not mimicked)."""
     if device.type == "cpu":
         return interpreting()
-    return _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
+    return decode_ok(device) and _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -166,7 +173,7 @@ class TritonBackend:
             raise ValueError(f"nvfp4.gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
         a_img = image_2d(a)
         a_scale, b_scale = _global_decode(a), _global_decode(bm)
-        if (0 < a.rows <= DECODE_MAX_M and (DECODE_MAX_N is None or n <= DECODE_MAX_N) and bm.layout == "linear"
+        if (0 < a.rows <= DECODE_MAX_M and decode_ok(a.device) and (DECODE_MAX_N is None or n <= DECODE_MAX_N) and bm.layout == "linear"
                 and (not batch_invariant or strict_decode_ok(a.k, a.device))):
             out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
                                       bias, out_dtype, batch_invariant)
@@ -227,14 +234,16 @@ class TritonBackend:
         w = w_stacked.matrix()
         a_scale = _global_decode(a)
         w_scale = w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group" else w.global_decode
-        if batch_invariant and not strict_decode_ok(k, a.device):
-            return self._strict_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype)
+        if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
+            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant)
         return decode_grouped_gemm_forward(image_2d(a), w.codes, w.block_scales.view(torch.uint8), w_scale,
                                            expert_ids, a_scale, e, out_dtype, batch_invariant)
 
-    def _strict_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype):
-        """Strict decode through the learner's strict grouped GEMM: rows sorted by expert on the
-        device (stable), group sizes counted with ``scatter_add_`` (no sync), results put back."""
+    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant):
+        """Decode through the learner's grouped GEMM (strict: its strict config): rows sorted by
+        expert on the device (stable), group sizes counted with ``scatter_add_`` (no sync),
+        results put back. Needs the experts' bf16 images: the attached one (the learner's
+        ``"group"`` weights carry it) or one made here from all experts' bytes."""
         ids = expert_ids.to(torch.int64)
         order = torch.argsort(ids, stable=True)
         sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
@@ -248,7 +257,8 @@ class TritonBackend:
         w_scale = (w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group"
                    else w.global_decode.reshape(e, n)[:, 0].contiguous())
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
-                                          w_scale, None, out_dtype, True, canonical=STRICT_CANONICAL)
+                                          w_scale, None, out_dtype, batch_invariant,
+                                          canonical=batch_invariant and STRICT_CANONICAL)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out

@@ -193,6 +193,21 @@ def test_grouped_learner_group_weights_and_matrix_form(experts):
     assert_bitwise_equal(mat, base, "matrix form")
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_grouped_fallback_through_the_learners_grouped_gemm(experts, strict):
+    """Where the decode kernels are not verified on a device, the backend sorts the rows on the
+    device and runs the learner's grouped GEMM: same contract (bitwise in strict mode under the
+    interpreter, where the learner's strict GEMM is the canonical order; the bound otherwise)."""
+    _, qs = experts
+    st = dev(stack_expert_weights(qs))
+    ids = torch.tensor([4, 0, 4, 2, 4, 0, 5], dtype=torch.int32)
+    a = q(randn(len(ids), K, seed=45), with_image=True)
+    out = BACKEND._sorted_grouped_decode(dev(a), st, ids.to(DEVICE), E, N, K, torch.bfloat16, strict).cpu()
+    rows_within_bound(out, a, qs, ids)
+    if strict and INTERPRETING:
+        assert_bitwise_equal(out, nvfp4.decode_grouped_gemm_reference(a, stack_expert_weights(qs), ids), "fallback")
+
+
 def test_grouped_zero_rows_bad_ids_and_nan_rows(experts):
     _, qs = experts
     st = stack_expert_weights(qs)
