@@ -8,8 +8,11 @@ off) through its fc1/fc2 builders::
                        recipe=..., parallel_mode="column" | "row")
     forward(x [T, K], tokens_per_expert: list[int]) -> (y [T, N], bias or None)
 
-One call runs all local experts. Parameters are ``weight{i}`` / ``bias{i}`` as TE's grouped
-linear names them, so Megatron's expert sharded state dict (and its SwiGLU fc1 factory) apply
+One call runs all local experts: in NVFP4, or with ``precision="bf16"`` (the BF16 twin and the
+recipe's BF16 layers) through ``torch._grouped_mm`` (:func:`~minite_megatron.ops.grouped_linear.
+bf16_grouped_linear`; strict mode: the batch-invariant GEMM per expert). Parameters are
+``weight{i}`` / ``bias{i}`` as TE's grouped linear names them, allocated as consecutive slices of
+one ``[G, N, K]`` buffer so the grouped kernels read all experts without a stacked copy, so Megatron's expert sharded state dict (and its SwiGLU fc1 factory) apply
 unchanged and checkpoints are interchangeable with TE's and the sequential experts'. Expert
 linears do no communication (the token dispatcher does); with expert tensor parallelism the
 column output / row input is divided by the expert-TP size.
@@ -28,7 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from ..ops.grouped_linear import expert_weights, nvfp4_grouped_linear
+from ..ops.grouped_linear import bf16_grouped_linear, expert_weights, nvfp4_grouped_linear
 from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
@@ -94,8 +97,10 @@ class NVFP4GroupedLinear(MegatronModule):
 
         device = torch.cuda.current_device() if torch.cuda.is_available() and not config.use_cpu_initialization else "cpu"
         partition_dim = 0 if parallel_mode == "column" else 1
+        # one buffer, one slice per expert: the grouped GEMMs read [G, N, K] as a view
+        buffer = torch.empty(num_gemms, self.out_features, self.in_features, dtype=config.params_dtype, device=device)
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=config.params_dtype, device=device))
+            w = torch.nn.Parameter(buffer[i])
             if config.perform_initialization and config.use_cpu_initialization:
                 _initialize_affine_weight_cpu(
                     w, output_size, input_size, self.out_features if parallel_mode == "column" else self.in_features,
@@ -146,11 +151,12 @@ class NVFP4GroupedLinear(MegatronModule):
         return y, None
 
     def _bf16_forward(self, x, sizes, biases):
-        """High-precision experts (BF16 layers): one GEMM per expert, batch invariant in strict mode."""
-        if self.recipe.strict:
-            from ..strict.matmul import linear
-        else:
-            linear = torch.nn.functional.linear
+        """High-precision experts (the BF16 twin, BF16 layers): ``torch._grouped_mm``; in strict
+        mode the batch-invariant GEMM, one per expert."""
+        if not self.recipe.strict:
+            return bf16_grouped_linear(x, sizes, self.weights, biases)
+        from ..strict.matmul import linear
+
         outs = [
             linear(xe, w, None if biases is None else biases[g])
             for g, (xe, w) in enumerate(zip(torch.split(x, sizes), self.weights))
