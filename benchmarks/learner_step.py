@@ -17,6 +17,10 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 * ``strict``: ``Recipe(strict=True)`` (batch-invariant kernels, FP32 LM head);
 * ``local`` (not in the default list): Megatron's local spec (experts looped, unfused attention).
 
+A variant may carry design switches after a ``+`` (A/B runs of the memory design), e.g.
+``nvfp4+keep_images`` (the weight caches keep BF16 images in training, the design before
+issue 16) or ``nvfp4+release`` (``ops.weight_cache.RELEASE_AFTER_BACKWARD``).
+
 A step is one forward (``model(tokens, position_ids, None, labels=labels)``, mean token loss)
 and its backward, ``tokens`` tokens as ``tokens / seq_length`` sequences. With
 ``--weight-refresh step`` (default) every step starts from new weights (the weight caches are
@@ -261,7 +265,32 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
             "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
 
 
+#: ``+switch`` -> (module, attribute, value) set while the variant runs
+SWITCHES = {
+    "keep_images": ("minite_megatron.ops.weight_cache", "KEEP_IMAGES_IN_TRAINING", True),
+    "release": ("minite_megatron.ops.weight_cache", "RELEASE_AFTER_BACKWARD", True),
+}
+
+
 def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> dict:
+    import importlib
+
+    base, *switches = variant.split("+")
+    saved = []
+    try:
+        for sw in switches:
+            module, attr, value = SWITCHES[sw]
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        row = _run_variant(base, preset, batch, seq, args, device, dtype, out_dir, variant)
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+    return row
+
+
+def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, label) -> dict:
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
@@ -302,7 +331,7 @@ def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> di
         _zero_grads(model)
     step_ms = statistics.median(times)
     row = {
-        "variant": variant, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
+        "variant": label, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
         "tokens_per_s": batch * seq / step_ms * 1e3, "first_step_s": first_s, "build_s": build_s,
         "loss_first_step": first_loss, "params_gib": params_gib,
     }
@@ -316,7 +345,7 @@ def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> di
         row["step_ms_weights_cached"] = statistics.median(cached)
     row.update(memory_by_phase(run, model, data, cuda, args.weight_refresh))
     if args.profile:
-        path = os.path.join(out_dir, f"profile_{variant}_{batch * seq}.txt") if out_dir else None
+        path = os.path.join(out_dir, f"profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
         row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top)
     del run, model, data
     gc.collect()
@@ -357,6 +386,10 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
     env = environment()
     variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        base, *switches = v.split("+")
+        if base not in VARIANTS + ("local",) or any(sw not in SWITCHES for sw in switches):
+            sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local',)}, switches {tuple(SWITCHES)})")
     records = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         if tokens % args.seq_length:

@@ -57,25 +57,30 @@ def keep_images() -> bool:
     return KEEP_IMAGES_IN_TRAINING or not torch.is_grad_enabled()
 
 
-def _nbytes(q: NVFP4Tensor | None) -> tuple[int, int]:
-    if q is None:
-        return 0, 0
-    packed = q.codes.nbytes + q.block_scales.nbytes + q.global_decode.nbytes
-    return packed, (q.image.nbytes if q.image is not None and q.image._base is None else 0)
-
-
 def cached_bytes() -> dict[str, int]:
-    """Bytes held by every live cache: ``packed`` (codes, scales, global scales), ``images``,
-    ``transposed`` (relayouts kept for backends that need them) and ``entries``."""
+    """Bytes held by every live cache (each storage counted once): ``packed`` (codes, scales,
+    global scales), ``images``, ``transposed`` (relayouts kept for backends that need them) and
+    the number of ``entries``."""
     out = {"entries": 0, "packed": 0, "images": 0, "transposed": 0}
+    seen: set[int] = set()
+
+    def add(kind: str, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+
     for cache in list(_LIVE):
         if cache._q is None:
             continue
         out["entries"] += 1
-        packed, image = _nbytes(cache._q)
-        out["packed"] += packed
-        out["images"] += image
-        out["transposed"] += sum(_nbytes(cache._qt))
+        for q, packed in ((cache._q, "packed"), (cache._qt, "transposed")):
+            if q is not None:
+                for t in (q.codes, q.block_scales, q.global_decode):
+                    add(packed, t)
+                add("images" if packed == "packed" else "transposed", q.image)
     return out
 
 
