@@ -40,6 +40,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .modules.attention import MiniteDotProductAttention
 from .modules.grouped_linear import NVFP4GroupedLinear
+from .modules.moe import MiniteMoELayer
 from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
 from .modules.activation import MiniteActivation
 from .modules.norm import MiniteNorm
@@ -123,12 +124,13 @@ class MiniteSpecProvider(BackendSpecProvider):
         return TopKRouter
 
     def moe_layer(self):
-        """The MoE layer class: Megatron's, or in strict mode one with a deterministic combine."""
+        """The MoE layer class: Megatron's (without its identity token sort, ``modules.moe``), or
+        in strict mode one with a deterministic combine."""
         if self.recipe.strict:
             from .strict.megatron import StrictMoELayer
 
             return StrictMoELayer
-        return MoELayer
+        return MiniteMoELayer
 
     def activation_func(self):
         """The MLP activation module (used where ``config.use_te_activation_func``): it hands an

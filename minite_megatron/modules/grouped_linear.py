@@ -11,9 +11,11 @@ off) through its fc1/fc2 builders::
 One call runs all local experts: in NVFP4, or with ``precision="bf16"`` (the BF16 twin and the
 recipe's BF16 layers) through ``torch._grouped_mm`` (:func:`~minite_megatron.ops.grouped_linear.
 bf16_grouped_linear`; strict mode: the batch-invariant GEMM per expert). Parameters are
-``weight{i}`` / ``bias{i}`` as TE's grouped linear names them, allocated as consecutive slices of
-one ``[G, N, K]`` buffer so the grouped kernels read all experts without a stacked copy, so Megatron's expert sharded state dict (and its SwiGLU fc1 factory) apply
-unchanged and checkpoints are interchangeable with TE's and the sequential experts'. Expert
+``weight{i}`` / ``bias{i}`` as TE's grouped linear names them, so Megatron's expert sharded state
+dict (and its SwiGLU fc1 factory) apply unchanged and checkpoints are interchangeable with TE's
+and the sequential experts'. They are allocated as consecutive slices of one ``[G, N, K]``
+buffer (:meth:`NVFP4GroupedLinear.stacked_weights`), so the grouped kernels read all experts
+without a stacked copy and the weight cache keys on one version counter. Expert
 linears do no communication (the token dispatcher does); with expert tensor parallelism the
 column output / row input is divided by the expert-TP size.
 """
@@ -121,11 +123,28 @@ class NVFP4GroupedLinear(MegatronModule):
                 self.register_parameter(f"bias{i}", b)
         self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
         self._weights_cache = QuantizedWeightCache()
+        # the [G, N, K] buffer the weight{i} are slices of, while they still are (not a
+        # registered buffer: the parameters are the state)
+        self._weight_buffer = buffer.detach()
+        self._buffer_ptrs = [getattr(self, f"weight{i}").data_ptr() for i in range(num_gemms)]
 
     # ---- forward ------------------------------------------------------------------------------
     @property
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def stacked_weights(self) -> torch.Tensor | None:
+        """The experts' weights as one ``[G, N, K]`` tensor without a copy (the buffer they were
+        allocated in), or None once a parameter was moved or rebound (``param.data = ...``, a
+        device move): the ops then stack them (a copy per use)."""
+        buf = self._weight_buffer
+        if buf is None:
+            return None
+        ws = self.weights
+        if ws[0].dtype != buf.dtype or any(w.data_ptr() != p for w, p in zip(ws, self._buffer_ptrs)):
+            self._weight_buffer = None  # for good: let the old buffer go
+            return None
+        return buf
 
     @property
     def biases(self) -> list[torch.Tensor] | None:
@@ -143,7 +162,8 @@ class NVFP4GroupedLinear(MegatronModule):
         sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
         if self.precision == "nvfp4":
-            y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache)
+            y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache,
+                                     self.stacked_weights())
         else:
             y = self._bf16_forward(x, sizes, fused_bias)
         if self.use_bias and self.skip_bias_add:
@@ -154,7 +174,7 @@ class NVFP4GroupedLinear(MegatronModule):
         """High-precision experts (the BF16 twin, BF16 layers): ``torch._grouped_mm``; in strict
         mode the batch-invariant GEMM, one per expert."""
         if not self.recipe.strict:
-            return bf16_grouped_linear(x, sizes, self.weights, biases)
+            return bf16_grouped_linear(x, sizes, self.weights, biases, self.stacked_weights())
         from ..strict.matmul import linear
 
         outs = [
@@ -170,7 +190,8 @@ class NVFP4GroupedLinear(MegatronModule):
 
         if self.precision != "nvfp4":
             return None
-        return expert_weights(self._weights_cache, self.weights, self.recipe, backend_for(self.recipe, self.weight0.device), self.minite_ctx)
+        return expert_weights(self._weights_cache, self.weights, self.recipe, backend_for(self.recipe, self.weight0.device),
+                              self.minite_ctx, stacked=self.stacked_weights())
 
     def backward_dw(self) -> None:
         """Delayed wgrad is not used: weight gradients are computed in backward."""

@@ -61,17 +61,29 @@ def stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return w0.detach().as_strided((len(weights), *w0.shape), (step, *w0.stride()), w0.storage_offset())
 
 
-def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[G, N, K]`` of the expert weights: :func:`stacked_view`, or a stacked copy. Detached."""
+def stacked_weights(weights: Sequence[torch.Tensor], stacked: torch.Tensor | None = None) -> torch.Tensor:
+    """``[G, N, K]`` of the expert weights: ``stacked`` (a caller's known view of them),
+    :func:`stacked_view`, or a stacked copy. Detached."""
+    if stacked is not None:
+        return stacked.detach()
     view = stacked_view(weights)
     return view if view is not None else torch.stack([t.detach() for t in weights])
 
 
+def add_wgrads(weights: Sequence[torch.Tensor], dw: torch.Tensor, like: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`~.linear.add_wgrad` of every expert from the stacked ``dw`` ``[G, N, K]``; without
+    ``main_grad`` the gradients are views of ``dw`` (one ``unbind``, no per-expert kernel)."""
+    if all(getattr(w, "main_grad", None) is None for w in weights):
+        d = dw if dw.dtype == weights[0].dtype else dw.to(weights[0].dtype)
+        return list(d.unbind(0))
+    return [add_wgrad(w, dw[g], like) for g, w in enumerate(weights)]
+
+
 def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lctx=None,
-                            with_image: bool = True) -> NVFP4Tensor:
+                            with_image: bool = True, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert (the
     amax of each whole expert weight under expert tensor parallelism)."""
-    w = stacked_weights(weights)
+    w = stacked_weights(weights, stacked)
     if recipe.weight_tile == "2d":
         amax = None if lctx is None else lctx.amax(w, "group", rows_sharded=lctx.column, k_sharded=lctx.row)
         return backend.quantize(
@@ -88,11 +100,15 @@ def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
 
 
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
-                   with_image: bool | None = None) -> NVFP4Tensor:
+                   with_image: bool | None = None, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per weight version; the
-    BF16 image only where :func:`~.weight_cache.keep_images` says)."""
+    BF16 image only where :func:`~.weight_cache.keep_images` says). With ``stacked`` (the
+    experts' one-buffer view) the cache keys on that one tensor: a view shares its base's
+    version counter, so any in-place change of an expert is seen."""
     with_image = keep_images() if with_image is None else with_image
-    return cache.get(weights, lambda ws: quantize_expert_weights(ws, recipe, backend, lctx, with_image), extra=backend.name)
+    key = stacked if stacked is not None else weights
+    return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image, stacked),
+                     extra=backend.name)
 
 
 def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -101,19 +117,21 @@ def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
 
 class NVFP4GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: QuantizedWeightCache, has_bias, with_image, *params):
+    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: QuantizedWeightCache, has_bias, with_image,
+                stacked, *params):
         recipe = lctx.recipe
         backend = backend_for(recipe, x.device)
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        qw = expert_weights(cache, weights, recipe, backend, lctx, with_image)
+        qw = expert_weights(cache, weights, recipe, backend, lctx, with_image, stacked)
+        ctx.stacked = stacked
         qx = quantize_activation(x, lctx, backend)
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
         ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
         ctx.tokens_per_expert = list(tokens_per_expert)
-        ctx.needs_wgrad = any(ctx.needs_input_grad[6 : 6 + groups])
+        ctx.needs_wgrad = any(ctx.needs_input_grad[7 : 7 + groups])
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x, tokens_per_expert, lctx, backend, gradient=False)
@@ -134,7 +152,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dy = grad_out
         dx = None
         dws: list[torch.Tensor | None] = [None] * ctx.groups
-        qw = expert_weights(ctx.cache, weights, recipe, backend, lctx, with_image=False)
+        qw = expert_weights(ctx.cache, weights, recipe, backend, lctx, with_image=False, stacked=ctx.stacked)
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
                 qdy = quantize_dgrad_operand(dy, lctx, backend)
@@ -148,7 +166,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
                 dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]), recipe.strict)
                 del qdy_t, qx_t
-                dws = [add_wgrad(w, dw[g], grad_out) for g, w in enumerate(weights)]
+                dws = add_wgrads(weights, dw, grad_out)
         else:
             w_hat = qw.dequantize(dy.dtype)
             if ctx.needs_input_grad[0]:
@@ -161,7 +179,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dbias = []
         if ctx.has_bias:
             dbias = [d.sum(0).to(grad_out.dtype) for d in torch.split(dy, sizes)]
-        return (dx, None, None, None, None, None, *dws, *dbias)
+        return (dx, None, None, None, None, None, None, *dws, *dbias)
 
 
 def nvfp4_grouped_linear(
@@ -171,15 +189,18 @@ def nvfp4_grouped_linear(
     biases: Sequence[torch.Tensor] | None,
     lctx: LinearContext,
     cache: QuantizedWeightCache,
+    stacked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``."""
+    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``.
+    ``stacked``: the weights' ``[G, N, K]`` one-buffer view if the caller knows it (no copy,
+    an O(1) cache key)."""
     sizes = [int(s) for s in tokens_per_expert]
     if len(sizes) != len(weights):
         raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
     params = list(weights) + (list(biases) if biases is not None else [])
-    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, keep_images(), *params)
+    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, keep_images(), stacked, *params)
 
 
 # ---- the BF16 twin's grouped linear -------------------------------------------------------------
@@ -210,10 +231,10 @@ def _row_bias(biases, sizes, rows: int) -> torch.Tensor:
 
 class BF16GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sizes, has_bias, *params):
+    def forward(ctx, x, sizes, has_bias, stacked, *params):
         groups = len(sizes)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        w = stacked_weights(weights)
+        w = stacked_weights(weights, stacked)
         grouped = grouped_mm_supported(x) and w.dtype == x.dtype
         if grouped:
             offs = group_end_offsets(sizes, x.device)
@@ -225,6 +246,7 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
         if has_bias:
             y = y + _row_bias(biases, sizes, x.shape[0]).to(y.dtype)
         ctx.sizes, ctx.groups, ctx.has_bias, ctx.grouped = list(sizes), groups, has_bias, grouped
+        ctx.stacked = stacked  # a view of the parameters (never a copy: the backward re-stacks)
         ctx.save_for_backward(x, offs if offs is not None else torch.empty(0), *weights)
         return y
 
@@ -233,29 +255,29 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
         x, offs, *weights = ctx.saved_tensors
         sizes = ctx.sizes
         dy = grad_out.contiguous()
-        w = stacked_weights(weights)
+        w = stacked_weights(weights, ctx.stacked)
         dx = None
         dws = [None] * ctx.groups
         if ctx.grouped:
             if ctx.needs_input_grad[0]:
                 dx = torch._grouped_mm(dy, w, offs=offs)
-            if any(ctx.needs_input_grad[3 : 3 + ctx.groups]):
+            if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
                 for g, s in enumerate(sizes):
                     if s == 0:  # no rows: no contribution (do not rely on the kernel's empty groups)
                         dw[g].zero_()
-                dws = [add_wgrad(wt, dw[g], grad_out) for g, wt in enumerate(weights)]
+                dws = add_wgrads(weights, dw, grad_out)
         else:
             dys, xs = torch.split(dy, sizes), torch.split(x, sizes)
             if ctx.needs_input_grad[0]:
                 parts = [d @ w[g] for g, d in enumerate(dys)]
                 dx = torch.cat(parts) if parts else dy.new_zeros(0, w.shape[2])
-            if any(ctx.needs_input_grad[3 : 3 + ctx.groups]):
+            if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
                 dws = [add_wgrad(wt, d.t() @ xx, grad_out) for wt, d, xx in zip(weights, dys, xs)]
         dbias = []
         if ctx.has_bias:
             dbias = [d.sum(0).to(grad_out.dtype) for d in torch.split(dy, sizes)]
-        return (dx, None, None, *dws, *dbias)
+        return (dx, None, None, None, *dws, *dbias)
 
 
 def bf16_grouped_linear(
@@ -263,6 +285,7 @@ def bf16_grouped_linear(
     tokens_per_expert: Sequence[int],
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor] | None = None,
+    stacked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in the weights' precision.
 
@@ -271,6 +294,7 @@ def bf16_grouped_linear(
         tokens_per_expert: G non-negative ints summing to T.
         weights: G tensors ``[N, K]`` (one buffer's consecutive slices avoid a stacked copy).
         biases: G tensors ``[N]`` or None.
+        stacked: the weights' ``[G, N, K]`` one-buffer view, if the caller knows it.
     Returns:
         ``[T, N]`` in ``x.dtype``: one ``torch._grouped_mm`` for fprop, dgrad and wgrad each
         where it runs (CPU; bf16 on sm_90+), else one matmul per expert. Weight gradients go to
@@ -284,4 +308,6 @@ def bf16_grouped_linear(
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
     params = list(weights) + (list(biases) if biases is not None else [])
-    return BF16GroupedLinearFunction.apply(x, sizes, biases is not None, *params)
+    if stacked is None:
+        stacked = stacked_view(weights)
+    return BF16GroupedLinearFunction.apply(x, sizes, biases is not None, stacked, *params)
