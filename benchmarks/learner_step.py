@@ -19,7 +19,8 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 
 A variant may carry design switches after a ``+`` (A/B runs of the memory design), e.g.
 ``nvfp4+keep_images`` (the weight caches keep BF16 images in training, the design before
-issue 16) or ``nvfp4+release`` (``ops.weight_cache.RELEASE_AFTER_BACKWARD``).
+issue 16) or ``nvfp4+keep_codes`` (``ops.weight_cache.RELEASE_AFTER_BACKWARD = False``: the
+quantized weights stay after the backward, for the next micro-batch).
 
 A step is one forward (``model(tokens, position_ids, None, labels=labels)``, mean token loss)
 and its backward, ``tokens`` tokens as ``tokens / seq_length`` sequences. With
@@ -29,8 +30,10 @@ invalidated, as an optimizer step does), so the NVFP4 steps include quantizing e
 
 Reported per variant: the step time (CUDA events, after ``--warmup`` steps, median of
 ``--iters``), tokens/s, model TFLOP/s and MFU, peak memory (``max_memory_allocated``) by phase
-(parameters; forward; backward; what the weight caches hold), and with ``--profile N`` the top
-kernels by GPU time over N profiled steps (torch.profiler; full tables under ``--out``).
+(parameters; forward; backward; what the weight caches hold), the host time of a step (until
+the backward call returns: launches, Python, and any host synchronization inside), and with
+``--profile N`` the top kernels by GPU time over N profiled steps (torch.profiler; full tables,
+by GPU and by CPU time, under ``--out``).
 
 FLOPs (:func:`step_flops`): the model's matmuls only -- qkv / o projections, router, experts
 (top-k rows each), LM head, and attention's ``QK^T`` and ``PV`` with the causal half counted
@@ -261,6 +264,8 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
     if path:
         with open(path, "w") as fh:
             fh.write(prof.key_averages().table(sort_by=attr, row_limit=80))
+        with open(path.replace(".txt", "_cpu.txt"), "w") as fh:
+            fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=80))
     return {"top_kernels": rows[:top], "gpu_ms_per_step": total / 1e3 / steps,
             "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
 
@@ -268,7 +273,7 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
 #: ``+switch`` -> (module, attribute, value) set while the variant runs
 SWITCHES = {
     "keep_images": ("minite_megatron.ops.weight_cache", "KEEP_IMAGES_IN_TRAINING", True),
-    "release": ("minite_megatron.ops.weight_cache", "RELEASE_AFTER_BACKWARD", True),
+    "keep_codes": ("minite_megatron.ops.weight_cache", "RELEASE_AFTER_BACKWARD", False),
 }
 
 
@@ -320,19 +325,22 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
         _refresh(args.weight_refresh)
         run(*data).backward()
         _zero_grads(model)
-    times = []
+    times, host = [], []
     for _ in range(args.iters):
         _refresh(args.weight_refresh)
         start = clock.start()
+        t_host = time.perf_counter()
         loss = run(*data)
         loss.backward()
+        host.append((time.perf_counter() - t_host) * 1e3)
         times.append(clock.ms(start))
         del loss
         _zero_grads(model)
     step_ms = statistics.median(times)
     row = {
         "variant": label, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
-        "tokens_per_s": batch * seq / step_ms * 1e3, "first_step_s": first_s, "build_s": build_s,
+        "tokens_per_s": batch * seq / step_ms * 1e3, "host_ms": statistics.median(host),
+        "first_step_s": first_s, "build_s": build_s,
         "loss_first_step": first_loss, "params_gib": params_gib,
     }
     if variant == "nvfp4" and args.weight_refresh == "step" and args.cached_too:
@@ -399,13 +407,23 @@ def main(argv=None):
         rows = []
         for v in variants:
             print(f"... {v} at {tokens} tokens", flush=True)
-            row = run_variant(v, preset, batch, seq, args, device, dtype, args.out)
+            try:
+                row = run_variant(v, preset, batch, seq, args, device, dtype, args.out)
+            except Exception as e:  # one broken variant must not cost the others' numbers: report it
+                import traceback
+
+                traceback.print_exc()
+                rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:300]})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             row["model_tflops_per_s"] = flops / row["step_ms"] / 1e9
             row["mfu"] = row["model_tflops_per_s"] / args.peak_tflops
             rows.append(row)
             print(f"    {row['step_ms']:.2f} ms, peak {row['peak_gib']:.2f} GiB, first step {row['first_step_s']:.1f} s",
                   flush=True)
-        by = {r["variant"]: r for r in rows}
+        by = {r["variant"]: r for r in rows if "error" not in r}
         ratios = {}
         if "nvfp4" in by and "bf16" in by:
             ratios["nvfp4_over_bf16_time"] = by["nvfp4"]["step_ms"] / by["bf16"]["step_ms"]
@@ -414,10 +432,14 @@ def main(argv=None):
             ratios["strict_over_default_time"] = by["strict"]["step_ms"] / by["nvfp4"]["step_ms"]
         if "bf16" in by and "anchor" in by:
             ratios["bf16_over_anchor_time"] = by["bf16"]["step_ms"] / by["anchor"]["step_ms"]
-        print_table(f"learner step, {preset_name}, {tokens} tokens ({batch} x {seq}), {env['device']}", rows,
-                    ["variant", "step_ms", "tokens_per_s", "model_tflops_per_s", "mfu", "peak_gib", "peak_forward_gib",
+        print_table(f"learner step, {preset_name}, {tokens} tokens ({batch} x {seq}), {env['device']}",
+                    [r for r in rows if "error" not in r],
+                    ["variant", "step_ms", "host_ms", "tokens_per_s", "model_tflops_per_s", "mfu", "peak_gib", "peak_forward_gib",
                      "peak_backward_gib", "saved_for_backward_gib", "params_gib", "loss_first_step", "first_step_s"])
         print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items() if v is not None))
+        for r in rows:
+            if "error" in r:
+                print(f"FAILED {r['variant']}: {r['error']}")
         for r in rows:
             if "profile" in r:
                 pr = r["profile"]

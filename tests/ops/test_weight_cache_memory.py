@@ -24,7 +24,8 @@ def _linear(dtype=torch.bfloat16, seed=0):
     return x, w
 
 
-def test_training_cache_holds_codes_only_and_inference_keeps_the_image():
+def test_training_cache_holds_codes_only_and_inference_keeps_the_image(monkeypatch):
+    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", False)
     x, w = _linear()
     cache = QuantizedWeightCache()
     ctx = LinearContext(RECIPE, cache)
@@ -37,10 +38,10 @@ def test_training_cache_holds_codes_only_and_inference_keeps_the_image():
     assert cached_bytes()["images"] >= cache._q.image.nbytes
 
 
-def test_release_after_backward_leaves_no_quantized_weight(monkeypatch):
-    """With RELEASE_AFTER_BACKWARD, the entry is gone after the layer's backward, and the next
-    micro-batch re-quantizes to the same bits."""
-    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", True)
+def test_release_after_backward_leaves_no_quantized_weight():
+    """By default (RELEASE_AFTER_BACKWARD) the entry is gone after the layer's backward, and the
+    next micro-batch re-quantizes to the same bits."""
+    assert weight_cache.RELEASE_AFTER_BACKWARD
     x, w = _linear()
     cache = QuantizedWeightCache()
     ctx = LinearContext(RECIPE, cache)
