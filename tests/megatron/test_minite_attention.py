@@ -40,11 +40,12 @@ def _run(module, q, k, v, mask, seed=1):
     return [out.detach(), *grads]
 
 
-def _padding_mask(s, b, device="cpu"):
-    """Causal plus two hidden keys and one query that sees nothing (all-hidden row)."""
+def _padding_mask(s, b, device="cpu", empty_row=True):
+    """Causal plus two hidden keys and (``empty_row``) one query that sees nothing (all hidden)."""
     m = causal_mask(s).to(device).expand(b, 1, s, s).clone()
     m[0, ..., 2] = True
-    m[1, ..., 0, :] = True
+    if empty_row:
+        m[1, ..., 0, :] = True
     return m
 
 
@@ -158,20 +159,24 @@ def test_model_loss_and_grads_equal_megatron_attention_in_fp32(config):
 
 @pytest.mark.gpu
 def test_sdpa_attention_on_the_gpu_within_twice_megatrons_bf16_error(config):
+    """Output and gradients for Megatron's causal mask and a padding mask. An all-hidden query row
+    is left out of the comparison: Megatron averages it over every key (its gradients reach
+    every value), the minite rule gives zeros (regression, H200 2026-12-01: dv 9.4e-3 vs 4.4e-3
+    with such a row in the mask, all from that convention)."""
     s, b = 512, 2
     ours = MiniteDotProductAttention(config, 1, AttnMaskType.causal, "self").cuda()
     ref = DotProductAttention(config, 1, AttnMaskType.causal, "self").cuda()
-    for mask in (causal_mask(s).cuda(), _padding_mask(s, b, "cuda")):
+    for mask in (causal_mask(s).cuda(), _padding_mask(s, b, "cuda", empty_row=False)):
         q, k, v = _qkv(s, b, dtype=torch.bfloat16, seed=4, device="cuda")
         got = _run(ours, q, k, v, mask)
         meg = _run(ref, q, k, v, mask)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         exact = _run(ref, q64, k64, v64, mask)
-        if mask.shape[0] == b:  # compare the rows both conventions define
-            for t in (got, meg, exact):
-                t[0][0, 1] = 0
         for name, a, m, e in zip(("out", "dq", "dk", "dv"), got, meg, exact):
             assert bool(torch.isfinite(a).all()), name
             err = float((a.double() - e).norm() / e.norm())
             meg_err = float((m.double() - e).norm() / e.norm())
             assert err <= 2 * meg_err + 1e-6, f"{name}: sdpa error {err:.3e} vs Megatron bf16 {meg_err:.3e}"
+    q, k, v = _qkv(s, b, dtype=torch.bfloat16, seed=5, device="cuda")
+    out, *grads = _run(ours, q, k, v, _padding_mask(s, b, "cuda"))
+    assert bool((out[0, 1] == 0).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
