@@ -112,3 +112,30 @@ def test_grouped_mm_on_the_gpu_within_the_bf16_rule():
         err = float((a.double() - e).norm() / e.norm())
         ref = float((m.double() - e).norm() / e.norm())
         assert err <= 2 * ref + 1e-6, f"tensor {i}: grouped error {err:.3e} vs sequential {ref:.3e}"
+
+
+def test_precision_flag_builds_the_bf16_twin():
+    """``--minite-precision bf16`` (generated from the recipe field) gives a recipe whose specs
+    build every linear and the experts in BF16, with the SDPA core attention; a bad value names
+    the flag."""
+    import argparse
+
+    from minite_megatron.modules.attention import MiniteDotProductAttention
+    from minite_megatron.recipe import Recipe, RecipeError, add_recipe_args, recipe_from_args
+    from minite_megatron.specs import get_gpt_layer_minite_spec
+
+    parser = add_recipe_args(argparse.ArgumentParser())
+    recipe = recipe_from_args(parser.parse_args(["--minite-precision", "bf16"]))
+    assert recipe.precision == "bf16" and not recipe.quantized
+    spec = get_gpt_layer_minite_spec(recipe, num_experts=4, qk_layernorm=True)
+    attn = spec.submodules.self_attention.submodules
+    assert attn.linear_qkv.keywords["precision"] == "bf16" and attn.linear_proj.keywords["precision"] == "bf16"
+    assert attn.core_attention is MiniteDotProductAttention
+    experts = spec.submodules.mlp.keywords["submodules"].experts.keywords["submodules"]
+    assert experts.linear_fc1.keywords["precision"] == "bf16" and experts.linear_fc2.keywords["precision"] == "bf16"
+    assert spec.submodules.input_layernorm.keywords["offer_to"] is None  # no NVFP4 handoff in the twin
+    assert Recipe().precision == "nvfp4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--minite-precision", "fp8"])
+    with pytest.raises(RecipeError, match="--minite-precision"):
+        Recipe(precision="fp8")
