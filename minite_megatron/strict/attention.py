@@ -112,7 +112,7 @@ def attention_torch(q, k, v, scale: float, causal: bool, mask: torch.Tensor | No
     return out.view(b, hq, sq, dv)
 
 
-# [(weak reference to the mask, (version, sq, sk, shape), the mask to use or None)]: the last mask seen
+# [(weak reference to the mask, (version, sq, sk, shape), whether it hides a causally visible key)]: the last mask
 _MASK_MEMO: list = [None]
 
 
@@ -137,11 +137,11 @@ def effective_mask(mask: torch.Tensor | None, sq: int, sk: int, causal: bool) ->
     memo = _MASK_MEMO[0]
     key = (mask._version, sq, sk, tuple(mask.shape))
     if memo is not None and memo[0]() is mask and memo[1] == key:
-        return memo[2]
-    hides_visible = bool((mask & visible_keys(1, 1, sq, sk, True, None, mask.device)).any())
-    result = mask if hides_visible else None
-    _MASK_MEMO[0] = (weakref.ref(mask), key, result)
-    return result
+        hides_visible = memo[2]
+    else:
+        hides_visible = bool((mask & visible_keys(1, 1, sq, sk, True, None, mask.device)).any())
+        _MASK_MEMO[0] = (weakref.ref(mask), key, hides_visible)  # no strong reference to the mask
+    return mask if hides_visible else None
 
 
 def sdpa_attention(
