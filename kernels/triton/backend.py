@@ -90,6 +90,16 @@ def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
     return q.row_global_decode().contiguous()
 
 
+def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
+    """bf16 ``[G, N, K]`` image of grouped weights: the attached one, or one built now."""
+    if b.image is not None:
+        return b.image
+    groups, n, k = b.shape
+    lin = b.linear()
+    return image_op(lin.codes.reshape(groups * n, k // 2),
+                    lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
+
+
 class TritonBackend:
     """NVFP4 contract on Triton kernels (see the module docstring)."""
 
@@ -182,6 +192,32 @@ class TritonBackend:
                                canonical=batch_invariant and STRICT_CANONICAL)
         return out.reshape(*a.shape[:-1], n)
 
+    def gemm_nt(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """``a @ b`` for ``b`` ``[N, K]`` (16x16 tiles, tensor scale) -> ``[..., K]``: the dgrad
+        GEMM ``dY @ W``, equal to ``gemm(a, b.transpose())`` bit for bit, reading ``b``'s image
+        transposed (a strided view; built just in time if ``b`` has none) instead of a relayout."""
+        if b.tile != (BLOCK, BLOCK) or b.global_scale != "tensor" or len(b.shape) != 2:
+            raise ValueError("gemm_nt: b must be a [N, K] NVFP4 tensor with 16x16 tiles and a tensor scale")
+        if a.k != b.shape[0]:
+            raise ValueError(f"gemm_nt: a has K={a.k}, b has {b.shape[0]} rows")
+        self._require(a.device)
+        n_out = b.shape[1]
+        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and n_out <= DECODE_MAX_N:
+            return self.gemm(a, b.transpose(), bias, out_dtype, batch_invariant)  # the decode kernel reads codes
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        bm = b.linear()
+        out = gemm_forward(image_2d(a), image_2d(bm).t(), _global_decode(a), _global_decode(bm), bias, out_dtype,
+                           batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+        return out.reshape(*a.shape[:-1], n_out)
+
     # ---- grouped (MoE) GEMMs --------------------------------------------------------------
     def grouped_gemm(
         self,
@@ -201,14 +237,7 @@ class TritonBackend:
             raise ValueError(f"grouped_gemm: K mismatch, a has K={a.k} and b has K={b.k}")
         self._require(a.device)
         am = a.matrix()
-        groups, n, k = b.shape
-        if b.image is not None:
-            b_img = b.image
-        else:
-            lin = b.linear()
-            b_img = image_op(lin.codes.reshape(groups * n, k // 2),
-                             lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
-        return grouped_gemm_forward(image_2d(am), b_img, group_sizes, _global_decode(am), b.global_decode,
+        return grouped_gemm_forward(image_2d(am), _grouped_image(b), group_sizes, _global_decode(am), b.global_decode,
                                     bias, out_dtype, batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
 
     def decode_grouped_gemm(
@@ -262,6 +291,30 @@ class TritonBackend:
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
+
+    def grouped_gemm_nt(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        group_sizes: Sequence[int] | torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """MoE dgrad ``dx_g = dy_g @ W_g``: ``a`` [M, N] rows sorted by group, ``b`` [G, N, K]
+        (16x16 tiles, ``"group"`` scales) -> ``[M, K]``; equal to ``grouped_gemm(a, b.transpose())``
+        bit for bit, reading ``b``'s image transposed (built just in time if ``b`` has none)."""
+        if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
+            raise TypeError("grouped_gemm_nt takes two NVFP4Tensor operands (quantize them first)")
+        if b.global_scale != "group" or len(b.shape) != 3 or b.tile != (BLOCK, BLOCK):
+            raise ValueError("grouped_gemm_nt: b must be a [G, N, K] tensor with 16x16 tiles and global_scale='group'")
+        if a.k != b.shape[1]:
+            raise ValueError(f"grouped_gemm_nt: a has K={a.k}, b has N={b.shape[1]}")
+        self._require(a.device)
+        am = a.matrix()
+        return grouped_gemm_forward(image_2d(am), _grouped_image(b).transpose(1, 2), group_sizes, _global_decode(am),
+                                    b.global_decode, bias, out_dtype, batch_invariant,
+                                    canonical=batch_invariant and STRICT_CANONICAL)
 
     def grouped_wgrad(
         self,

@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
+from ..modules.moe import IdentitySortSkip
 from .collectives import invariant_reduce_scatter
 
 
@@ -77,7 +78,7 @@ class StrictAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return hidden_states
 
 
-class StrictAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+class StrictAlltoAllTokenDispatcher(IdentitySortSkip, MoEAlltoAllTokenDispatcher):
     """All-to-all dispatcher with :func:`deterministic_unpermute` (the all-to-alls only move rows)."""
 
     def combine_postprocess(self, permutated_local_input_tokens):
