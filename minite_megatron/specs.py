@@ -14,6 +14,7 @@ strict mode. The builders below only ever call ``backend.X()``.
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -120,12 +121,20 @@ class MiniteSpecProvider(BackendSpecProvider):
         return TopKRouter
 
     def moe_layer(self):
-        """The MoE layer class: Megatron's, or in strict mode one with a deterministic combine."""
+        """The MoE layer class: Megatron's with a deterministic combine in both modes
+        (:mod:`minite_megatron.strict.moe`: the learner and the rollout engine add a token's
+        expert outputs in the same order; strict mode also refuses what it cannot make
+        deterministic). ``MINITE_MEGATRON_COMBINE=1`` keeps Megatron's atomic combine in default
+        mode (the benchmark's before/after comparison)."""
         if self.recipe.strict:
             from .strict.megatron import StrictMoELayer
 
             return StrictMoELayer
-        return MoELayer
+        if os.environ.get("MINITE_MEGATRON_COMBINE") == "1":
+            return MoELayer
+        from .strict.moe import DeterministicMoELayer
+
+        return DeterministicMoELayer
 
     def activation_func(self):
         """The MLP activation module (used where ``config.use_te_activation_func``): it hands an
