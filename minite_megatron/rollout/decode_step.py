@@ -60,6 +60,20 @@ from .decode_weights import StaticWeight, stacked_nvfp4
 from .support import is_nvfp4_linear, unwrap_gpt
 
 
+def module_call(module, args: tuple, compute, fire: bool):
+    """``compute()`` standing in for ``module(*args)``: with ``fire``, the module's forward
+    pre-hooks and hooks run around it as if the module had been called (a diagnostics tracer
+    records its output; eager steps only -- a CUDA graph cannot replay Python hooks)."""
+    if not fire:
+        return compute()
+    for hook in list(module._forward_pre_hooks.values()):
+        hook(module, args)
+    out = compute()
+    for hook in list(module._forward_hooks.values()):
+        hook(module, args, out)
+    return out
+
+
 class KVCache:
     """Static keys and values of every layer: ``[S, B, ng, hn]`` views of one flat buffer per
     layer (contiguous for every batch bucket ``B <= max_batch``), zeroed by :meth:`reset`."""
@@ -98,10 +112,14 @@ class LinearStep:
             self.weight = StaticWeight(module.quantized_weight)
             weights.append(self.weight)
 
-    def __call__(self, x: torch.Tensor):
+    def __call__(self, x: torch.Tensor, fire: bool = False):
         m = self.module
         if not self.nvfp4:
             return m(x)
+        return module_call(m, (x,), lambda: self._nvfp4(x), fire)
+
+    def _nvfp4(self, x):
+        m = self.module
         bias = None if (m.bias is None or m.skip_bias_add) else m.bias
         out = nvfp4_linear_step(x, self.weight.value, None if self.row else bias, m.minite_ctx, self.invariant)
         if self.row and bias is not None:  # Megatron's RowParallelLinear adds its bias after the reduction
@@ -170,9 +188,12 @@ class MLPStep:
         self.fc1 = LinearStep(mlp.linear_fc1, invariant, weights)
         self.fc2 = LinearStep(mlp.linear_fc2, invariant, weights)
 
-    def __call__(self, x: torch.Tensor):
-        h, b = self.fc1(x)
-        return self.fc2(mlp_activation(self.mlp, h, b, None))
+    def __call__(self, x: torch.Tensor, fire: bool = False):
+        def compute():
+            h, b = self.fc1(x, fire)
+            return self.fc2(mlp_activation(self.mlp, h, b, None), fire)
+
+        return module_call(self.mlp, (x,), compute, fire)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------
@@ -223,58 +244,99 @@ class ExpertsStep:
                     self.w1 = StaticWeight(lambda: [m.weight for m in fc1s])
                     self.w2 = StaticWeight(lambda: [m.weight for m in fc2s])
         if self.kind == "dense" and strict:
-            self.kind = "loop"
+            self.kind = "loop"  # one batch-invariant GEMM per expert
         self.invariant = bool(strict or invariant)
         for w in ("w1", "w2"):
             if hasattr(self, w):
                 weights.append(getattr(self, w))
 
-    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, H], ``experts``/``weights`` [T, k] -> fc2 outputs ``[T, k, H]``."""
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fire: bool = False) -> torch.Tensor:
+        """``x`` [T, H], ``experts``/``weights`` [T, k] -> fc2 outputs ``[T, k, H]``.
+
+        Rows are (token, expert) pairs token-major; with ``fire`` (tracing) they are computed in
+        Megatron's expert-major permutation, as the hooks of the expert modules expect."""
         t, k = experts.shape
         tok = torch.arange(t, device=x.device).repeat_interleave(k)
-        ids = experts.reshape(-1)
-        probs = weights.reshape(-1)
-        if self.kind == "nvfp4":
-            return self._nvfp4(x, tok, ids, probs).view(t, k, -1)
-        if self.kind == "dense":
-            return self._dense(x, tok, ids, probs).view(t, k, -1)
-        return self._loop(x, tok, ids, probs).view(t, k, -1)
+        ids, probs = experts.reshape(-1), weights.reshape(-1)
+        perm = None
+        if fire:
+            perm = torch.argsort(ids * t + tok)
+            tok, ids, probs = tok[perm], ids[perm], probs[perm]
+        if self.kind == "nvfp4" and isinstance(self.experts, TEGroupedMLP):
+            y = module_call(self.experts, (x,), lambda: self._nvfp4(x, tok, ids, probs, fire), fire)
+        elif self.kind == "nvfp4" and not fire:
+            y = self._nvfp4(x, tok, ids, probs, False)
+        elif isinstance(self.experts, TEGroupedMLP):
+            y = module_call(self.experts, (x,), lambda: self._sorted(x, tok, ids, probs, fire), fire)
+        elif self.kind == "dense" and not fire:
+            y = self._sorted(x, tok, ids, probs, False)
+        else:
+            y = self._loop(x, tok, ids, probs)
+        if perm is not None:
+            y = torch.empty_like(y).index_copy_(0, perm, y)
+        return y.view(t, k, -1)
 
-    def _nvfp4(self, x, tok, ids, probs):
+    def _fc(self, module, x, compute, fire: bool):
+        """A grouped linear's output, its hooks fired (``TEGroupedMLP`` experts only)."""
+        if fire and isinstance(self.experts, TEGroupedMLP):
+            return module_call(module, (x, None), lambda: (compute(), None), True)[0]
+        return compute()
+
+    def _nvfp4(self, x, tok, ids, probs, fire: bool):
         backend = backend_for(self.recipe, x.device)
-        qx = _gather_rows(quantize_activation(x, self.lctx1, backend), tok)  # per-token scales: gather = permute
         ids32 = ids.to(torch.int32)
-        h = backend.decode_grouped_gemm(qx, self.w1.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
-        a = mlp_activation(self.owner, h, None, probs)
-        qa = quantize_activation(a, self.lctx2, backend)
-        return backend.decode_grouped_gemm(qa, self.w2.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
+        grouped = isinstance(self.experts, TEGroupedMLP)
+        fc1 = self.experts.linear_fc1 if grouped else None
+        fc2 = self.experts.linear_fc2 if grouped else None
 
-    def _dense(self, x, tok, ids, probs):
+        def first():
+            if fire:  # the permuted rows, quantized as the learner quantizes them (same bits per row)
+                qx = quantize_activation(x[tok], self.lctx1, backend)
+            else:  # per-token scales: quantizing the tokens once and gathering is the same
+                qx = _gather_rows(quantize_activation(x, self.lctx1, backend), tok)
+            return backend.decode_grouped_gemm(qx, self.w1.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
+
+        h = self._fc(fc1, x[tok] if fire else x, first, fire)
+        a = mlp_activation(self.owner, h, None, probs)
+
+        def second():
+            qa = quantize_activation(a, self.lctx2, backend)
+            return backend.decode_grouped_gemm(qa, self.w2.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
+
+        return self._fc(fc2, a, second, fire)
+
+    def _sorted(self, x, tok, ids, probs, fire: bool):
+        """BF16 experts on rows sorted by expert: ``torch._grouped_mm`` (device offsets, no sync),
+        or for strict experts one batch-invariant GEMM per expert (host loop)."""
         order = torch.argsort(ids, stable=True)
-        e = self.w1.value.shape[0]
-        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
-            0, ids, torch.ones_like(ids, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        xs = x[tok[order]]
-        h = torch._grouped_mm(xs, self.w1.value.transpose(1, 2), offs=offs)
-        a = mlp_activation(self.owner, h, None, probs[order])
-        y = torch._grouped_mm(a, self.w2.value.transpose(1, 2), offs=offs)
+        xs, ps = x[tok[order]], probs[order]
+        grouped = isinstance(self.experts, TEGroupedMLP)
+        if self.kind == "dense":
+            e = self.w1.value.shape[0]
+            counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=torch.int32))
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+            def gemm(linear, w, inp):
+                return torch._grouped_mm(inp, w.value.transpose(1, 2), offs=offs)
+        else:
+            sizes = torch.bincount(ids, minlength=self.experts.num_local_experts).tolist()
+
+            def gemm(linear, w, inp):
+                parts = torch.split(inp, sizes)
+                return torch.cat([_grouped_bf16_expert(linear, g, p) for g, p in enumerate(parts) if p.shape[0]])
+
+        fc1 = self.experts.linear_fc1 if grouped else None
+        fc2 = self.experts.linear_fc2 if grouped else None
+        h = self._fc(fc1, xs, lambda: gemm(fc1, getattr(self, "w1", None), xs), fire)
+        a = mlp_activation(self.owner, h, None, ps)
+        y = self._fc(fc2, a, lambda: gemm(fc2, getattr(self, "w2", None), a), fire)
         return torch.empty_like(y).index_copy_(0, order, y)
 
     def _loop(self, x, tok, ids, probs):
-        """Each expert's own modules on its rows (eager only: the row counts are read on the host)."""
+        """Each local expert's own module on its rows (``SequentialMLP``; eager only: the row
+        counts are read on the host). Hooks fire as in the learner's forward."""
         out = None
-        if isinstance(self.experts, TEGroupedMLP):
-            fc1, fc2 = self.experts.linear_fc1, self.experts.linear_fc2
-            for e in ids.unique().tolist():
-                rows = (ids == e).nonzero().reshape(-1)
-                h = _grouped_bf16_expert(fc1, e, x[tok[rows]])
-                a = mlp_activation(self.owner, h, None, probs[rows])
-                y = _grouped_bf16_expert(fc2, e, a)
-                out = y.new_empty(ids.numel(), y.shape[-1]) if out is None else out
-                out[rows] = y
-            return out
         for e in ids.unique().tolist():
             rows = (ids == e).nonzero().reshape(-1)
             y, _ = self.experts.local_experts[e](x[tok[rows]], probs[rows])
@@ -301,16 +363,19 @@ class MoEStep:
         self.experts = ExpertsStep(moe.experts, invariant, weights)
         self.shared = MLPStep(moe.shared_experts, invariant, weights) if moe.use_shared_expert else None
 
-    def __call__(self, x: torch.Tensor):
-        s, b, h = x.shape
-        probs, routing_map = self.moe.router(x)
-        experts, weights = routed_experts(routing_map, probs, self.topk)
-        rows = self.experts(x.reshape(s * b, h), experts, weights)
-        out = ordered_sum(rows).view(s, b, h)
-        if self.shared is not None:
-            shared, _ = self.shared(x)
-            out = out + shared
-        return out, None
+    def __call__(self, x: torch.Tensor, fire: bool = False):
+        def compute():
+            s, b, h = x.shape
+            probs, routing_map = self.moe.router(x)
+            experts, weights = routed_experts(routing_map, probs, self.topk)
+            rows = self.experts(x.reshape(s * b, h), experts, weights, fire)
+            out = ordered_sum(rows).view(s, b, h)
+            if self.shared is not None:
+                shared, _ = self.shared(x, fire)
+                out = out + shared
+            return out, None
+
+        return module_call(self.moe, (x,), compute, fire)
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -338,9 +403,12 @@ class AttentionStep:
             k = attn.k_layernorm(k)
         return q, k, v
 
-    def __call__(self, x, freqs, hidden, rows, positions, cache: KVCache):
+    def __call__(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool = False):
+        return module_call(self.attn, (x,), lambda: self._attend(x, freqs, hidden, rows, positions, cache, fire), fire)
+
+    def _attend(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool):
         attn = self.attn
-        mixed, bias = self.qkv(x)
+        mixed, bias = self.qkv(x, fire)
         if bias is not None:
             mixed = mixed + bias
         q, k, v = self.split(mixed)
@@ -360,7 +428,7 @@ class AttentionStep:
             ctx = ctx.permute(2, 0, 1, 3).reshape(1, x.shape[1], -1)
         else:
             ctx = attn.core_attention(q, kc, vc, hidden, attn_mask_type=AttnMaskType.no_mask)
-        return self.proj(ctx)
+        return self.proj(ctx, fire)
 
 
 class LayerStep:
@@ -372,14 +440,14 @@ class LayerStep:
         self.mlp = MoEStep(layer.mlp, invariant, weights) if isinstance(layer.mlp, MoELayer) else MLPStep(
             layer.mlp, invariant, weights)
 
-    def __call__(self, h, freqs, hidden, rows, positions, cache):
+    def __call__(self, h, freqs, hidden, rows, positions, cache, fire: bool = False):
         layer = self.layer
         fusion = layer.config.bias_dropout_fusion
         residual = h
-        out = self.attention(layer.input_layernorm(h), freqs, hidden, rows, positions, cache)
+        out = self.attention(layer.input_layernorm(h), freqs, hidden, rows, positions, cache, fire)
         h = layer.self_attn_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
         residual = h
-        out = self.mlp(layer.pre_mlp_layernorm(h))
+        out = self.mlp(layer.pre_mlp_layernorm(h), fire)
         return layer.mlp_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
 
 
@@ -458,9 +526,10 @@ class DecodeModel:
                 h.remove()
 
     # ---- decode -------------------------------------------------------------------------------
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, fire_hooks: bool = False) -> torch.Tensor:
         """Logits ``[B, V]`` for ``tokens`` ``[B]`` (int64) at ``positions`` ``[B]`` (their keys and
-        values written into the cache there); no host sync."""
+        values written into the cache there); no host sync (except with ``fire_hooks``: the
+        modules' forward hooks run as in a module call, for a diagnostics tracer)."""
         gpt = self.gpt
         b = tokens.shape[0]
         h = gpt.embedding(input_ids=tokens.view(b, 1), position_ids=positions.view(b, 1))  # [1, B, H]
@@ -470,7 +539,7 @@ class DecodeModel:
         hidden = (keys.view(1, -1) > positions.view(-1, 1)).view(b, 1, 1, -1)  # True = after the row's position
         rows = torch.arange(b, device=tokens.device)
         for layer in self.layers:
-            h = layer(h, freqs, hidden, rows, positions, cache)
+            h = layer(h, freqs, hidden, rows, positions, cache, fire_hooks)
         if gpt.decoder.final_layernorm is not None:
             h = gpt.decoder.final_layernorm(h)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None

@@ -28,6 +28,9 @@ from .logprobs import token_logprobs
 from .rollout import Rollout
 from .sampling import SamplingConfig, nonfinite_rows, sample_tokens
 
+PADDING_SEQ_ID = 1 << 25
+"""Sequence ids a diagnostics tracer sees for the prefill's padding positions (beyond any real id)."""
+
 CHECK_EVERY = 16
 """Decode steps between two host checks of "every row is done" (one sync each)."""
 
@@ -98,12 +101,12 @@ class FastGenerator:
         self._layout = layout
 
     # ---- one batch ----------------------------------------------------------------------------
-    def _body(self, rows: int, cfg: SamplingConfig):
+    def _body(self, rows: int, cfg: SamplingConfig, fire_hooks: bool = False):
         st, eod = self.state, self.eod_id
 
         def body():
             tok, pos, done = st.tokens[:rows], st.positions[:rows], st.done[:rows]
-            logits = self.runner.step(tok, pos, self.cache)
+            logits = self.runner.step(tok, pos, self.cache, fire_hooks)
             nxt = sample_tokens(logits, cfg, self.generator, self.vocab_size)
             nxt = torch.where(done, eod, nxt)
             lp = token_logprobs(logits, nxt, self.strict, cfg.logprob_temperature, check=False)
@@ -149,8 +152,11 @@ class FastGenerator:
 
         # prefill: the learner's forward over the prompts, filling the cache in the bucket's layout
         self.cache.reset()
-        if tracer is not None:
-            tracer.set_tokens(torch.arange(b).view(1, b) + seq_offset, torch.arange(longest).view(-1, 1))
+        if tracer is not None:  # prompt padding gets sequence ids of its own (never a real token's key)
+            pos = torch.arange(longest).view(-1, 1)
+            seq = torch.where(pos < lengths.view(1, b), torch.arange(b).view(1, b) + seq_offset,
+                              torch.arange(b).view(1, b) + PADDING_SEQ_ID)
+            tracer.set_tokens(seq, pos)
         logits = self.runner.prefill(grid, self.cache, rows)
         prompt_lp = token_logprobs(logits[:, :-1], grid[:, 1:], self.strict, cfg.logprob_temperature, check=False)
         last = logits[torch.arange(b, device=dev), lengths_dev - 1]
@@ -170,7 +176,7 @@ class FastGenerator:
         st.out_logprobs[:b, 0] = first_lp
 
         steps = 1
-        body = None if graph is not None else self._body(rows, cfg)
+        body = None if graph is not None else self._body(rows, cfg, fire_hooks=tracer is not None)
         while steps < max_new_tokens:
             if steps % CHECK_EVERY == 0 and stop_at_eod and bool(st.done[:b].all()):
                 break
