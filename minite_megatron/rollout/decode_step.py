@@ -231,7 +231,8 @@ class ExpertsStep:
             fc1s, fc2s = [e.linear_fc1 for e in local], [e.linear_fc2 for e in local]
             if all(is_nvfp4_linear(m) for m in fc1s + fc2s):
                 self.kind = "nvfp4"
-                self.w1, self.w2 = StaticWeight(stacked_nvfp4(fc1s)), StaticWeight(stacked_nvfp4(fc2s))
+                self.w1 = StaticWeight(stacked_nvfp4(fc1s), keep_image=False)
+                self.w2 = StaticWeight(stacked_nvfp4(fc2s), keep_image=False)
                 self.lctx1, self.lctx2 = fc1s[0].minite_ctx, fc2s[0].minite_ctx
                 self.recipe = fc1s[0].recipe
                 strict = self.recipe.strict

@@ -4,8 +4,8 @@ A CUDA graph replays the device pointers it was captured with, while the learner
 caches (:class:`~minite_megatron.ops.weight_cache.QuantizedWeightCache`) hand out a *new*
 quantized tensor after every optimizer step. :class:`StaticWeight` therefore holds its own
 copy of the bytes the learner's forward uses -- a module's ``quantized_weight()`` (the very
-codes, block scales, global scale and, where a GEMM reads it, bf16 image of the learner's
-cache; never re-quantized), or a stack of expert weights -- and :meth:`StaticWeight.refresh`
+codes, block scales, global scale of the learner's cache, never re-quantized, and for dense
+linears the exact bf16 image an image GEMM reads), or a stack of expert weights -- and :meth:`StaticWeight.refresh`
 copies a new version into the same memory. Parameters the decode step reads directly (norms,
 router, embeddings, LM head, BF16 linears) are updated in place by the optimizer and need
 nothing.
@@ -30,11 +30,18 @@ from ..ops.weight_cache import QuantizedWeightCache
 _FIELDS = ("codes", "block_scales", "global_decode", "image")
 
 
+def _image(q: NVFP4Tensor) -> torch.Tensor:
+    """The bf16 image of a quantized weight: the attached one, or built from its codes (exact;
+    the learner's training forward keeps none, :mod:`~minite_megatron.ops.weight_cache`)."""
+    return q.image if q.image is not None else q.bf16_image().reshape(q.shape)
+
+
 def _copy_nvfp4(dst: NVFP4Tensor, src: NVFP4Tensor) -> None:
     for f in _FIELDS:
-        d, s = getattr(dst, f), getattr(src, f)
+        d = getattr(dst, f)
         if d is None:
             continue
+        s = _image(src) if f == "image" else getattr(src, f)
         if s is None or tuple(s.shape) != tuple(d.shape) or s.dtype != d.dtype:
             raise RuntimeError(f"decode weights: the new {f} ({None if s is None else tuple(s.shape)}) does not "
                                f"fit the captured buffer {tuple(d.shape)}; re-create the engine")
@@ -42,7 +49,7 @@ def _copy_nvfp4(dst: NVFP4Tensor, src: NVFP4Tensor) -> None:
 
 
 def _clone_nvfp4(q: NVFP4Tensor, keep_image: bool) -> NVFP4Tensor:
-    image = q.image.clone() if (keep_image and q.image is not None) else None
+    image = _image(q).clone() if keep_image else None
     return replace(q, codes=q.codes.clone(), block_scales=q.block_scales.clone(),
                    global_decode=q.global_decode.clone(), image=image)
 
