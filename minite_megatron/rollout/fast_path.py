@@ -83,7 +83,7 @@ class FastGenerator:
         self.buckets = buckets_for(max_batch_size)
         self.graphs = StepGraphs(self.generator, self.runner.capturing) if use_graphs else None
         self._layout = None
-        self.last_timing: dict = {}
+        self.last_timing: dict = {}  # GPU: prefill_ms, decode_ms, decode_steps of the last batch
 
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(int(seed))
@@ -150,6 +150,9 @@ class FastGenerator:
             grid[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         grid, lengths_dev = grid.to(dev), lengths.to(dev)
 
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if dev.type == "cuda" else None
+        if events:
+            events[0].record()
         # prefill: the learner's forward over the prompts, filling the cache in the bucket's layout
         self.cache.reset()
         if tracer is not None:  # prompt padding gets sequence ids of its own (never a real token's key)
@@ -175,6 +178,8 @@ class FastGenerator:
         st.out_tokens[:b, 0] = first
         st.out_logprobs[:b, 0] = first_lp
 
+        if events:
+            events[1].record()
         steps = 1
         body = None if graph is not None else self._body(rows, cfg, fire_hooks=tracer is not None)
         while steps < max_new_tokens:
@@ -188,6 +193,12 @@ class FastGenerator:
                 body()
             steps += 1
 
+        if events:
+            events[2].record()
+            events[2].synchronize()
+            self.last_timing = {"prefill_ms": events[0].elapsed_time(events[1]),
+                                "decode_ms": events[1].elapsed_time(events[2]), "decode_steps": steps - 1,
+                                "rows": rows, "graphed": graph is not None}
         if bool(st.bad[:b].any()):
             bad = st.bad[:b].nonzero().reshape(-1).tolist()
             raise RuntimeError(f"rollout: non-finite logits (NaN or +inf) in batch rows {bad}; the model's "

@@ -154,6 +154,7 @@ class DeterministicMoELayer(MoELayer):
         dispatcher = cls(self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
         if self.use_shared_expert and self.shared_expert_overlap:
             dispatcher.set_shared_experts(self.shared_experts)
+        self.megatron_token_dispatcher = self.token_dispatcher  # Megatron's, for before/after comparisons
         self.token_dispatcher = dispatcher
         self.deterministic_combine = True
 
