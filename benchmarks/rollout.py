@@ -201,7 +201,7 @@ def default_mode_variants(model, preset, args) -> list[dict]:
     with torch.no_grad():
         for w, s in zip(routers, saved):
             w.copy_(s)
-    if args.megatron:
+    if args.megatron and time.perf_counter() - args._t0 < args.time_budget:
         variant("Megatron's static engine", fast=False)
     return out
 
@@ -256,41 +256,67 @@ def combine_cost(model, tokens: int) -> dict:
 
 
 def gemm_order_checks(model) -> dict:
-    """Do the decode GEMMs' invariant configurations give the learner's full-batch bits?"""
-    from minite_megatron.nvfp4 import get_backend
+    """Which decode GEMMs give the learner's bits, on the model's own weights (first layer).
+
+    ``learner_default`` / ``learner_strict``: the learner's GEMM over 4096 rows (grouped: 64 rows
+    per expert) without / with ``batch_invariant``; the decode kernels on 8 of those rows: the
+    split-K default, the invariant path as the backend dispatches it, and the decode kernels'
+    strict configuration (``decode_gemm.STRICT_DECODE_VERIFIED`` forced on for the check)."""
+    import minite_kernels.triton.decode_gemm as dg
+
     from minite_megatron.ops.linear import backend_for
+    from minite_megatron.rollout.decode_step import _gather_rows
 
     out = {}
     layer = model.decoder.layers[0]
-    for name in ("linear_qkv", "linear_proj"):
-        lin = getattr(layer.self_attention, name)
-        backend = backend_for(lin.recipe, lin.weight.device)
-        qw = lin.quantized_weight()
-        x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
-        big = backend.gemm(backend.quantize(x, global_scale="row", with_image=True), qw, None, torch.bfloat16, False)
-        small = backend.quantize(x[:8], global_scale="row", with_image=True)
-        out[f"{name}_invariant_equals_learner"] = bool(torch.equal(big[:8], backend.gemm(small, qw, None, torch.bfloat16, True)))
-        out[f"{name}_splitk_equals_learner"] = bool(torch.equal(big[:8], backend.gemm(small, qw, None, torch.bfloat16, False)))
-    experts = getattr(layer.mlp, "experts", None)
-    if experts is not None and hasattr(experts, "linear_fc1"):
-        fc1 = experts.linear_fc1
-        backend = backend_for(fc1.recipe, fc1.weight0.device)
-        qw = fc1.quantized_weight()
-        e = qw.shape[0]
-        sizes = [64] * e
-        x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
-        qx = backend.quantize(x, global_scale="row", with_image=True)
-        learner = backend.grouped_gemm(qx, qw, sizes, None, torch.bfloat16, False)
-        rows = torch.arange(0, 64 * e, 64 * e // 16, device="cuda")
-        ids = (rows // 64).to(torch.int32)
-        from minite_megatron.rollout.decode_step import _gather_rows
-
-        qr = _gather_rows(qx, rows)
-        for inv in (True, False):
-            got = backend.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
-            out[f"experts_fc1_{'invariant' if inv else 'fast'}_equals_learner"] = bool(torch.equal(got, learner[rows]))
-    _ = get_backend
+    flag = dg.STRICT_DECODE_VERIFIED
+    try:
+        for name in ("linear_qkv", "linear_proj"):
+            lin = getattr(layer.self_attention, name)
+            backend = backend_for(lin.recipe, lin.weight.device)
+            qw = lin.quantized_weight()
+            x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
+            qx = backend.quantize(x, global_scale="row", with_image=True)
+            small = backend.quantize(x[:8], global_scale="row", with_image=True)
+            ld = backend.gemm(qx, qw, None, torch.bfloat16, False)[:8]
+            ls = backend.gemm(qx, qw, None, torch.bfloat16, True)[:8]
+            dg.STRICT_DECODE_VERIFIED = False
+            inv = backend.gemm(small, qw, None, torch.bfloat16, True)
+            fast = backend.gemm(small, qw, None, torch.bfloat16, False)
+            dg.STRICT_DECODE_VERIFIED = True
+            strict_kernel = backend.gemm(small, qw, None, torch.bfloat16, True)
+            out[name] = {"learner_default_equals_strict": bool(torch.equal(ld, ls)),
+                         "image_invariant_equals_learner": bool(torch.equal(inv, ls)),
+                         "decode_splitk_equals_learner": bool(torch.equal(fast, ld)),
+                         "decode_strict_kernel_equals_learner": bool(torch.equal(strict_kernel, ls))}
+            dg.STRICT_DECODE_VERIFIED = flag
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "linear_fc1"):
+            fc1 = experts.linear_fc1
+            backend = backend_for(fc1.recipe, fc1.weight0.device)
+            qw = fc1.quantized_weight()
+            e = qw.shape[0]
+            x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
+            qx = backend.quantize(x, global_scale="row", with_image=True)
+            ld = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, False)
+            ls = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, True)
+            rows = torch.arange(0, 64 * e, 64 * e // 16, device="cuda")
+            ids = (rows // 64).to(torch.int32)
+            qr = _gather_rows(qx, rows)
+            res = {"learner_default_equals_strict": bool(torch.equal(ld, ls))}
+            for label, inv, verified in (("decode_fast", False, False), ("decode_invariant_fallback", True, False),
+                                         ("decode_strict_kernel", True, True)):
+                dg.STRICT_DECODE_VERIFIED = verified
+                got = backend.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
+                res[f"{label}_equals_learner"] = bool(torch.equal(got, (ls if inv else ld)[rows]))
+            out["experts_fc1"] = res
+    finally:
+        dg.STRICT_DECODE_VERIFIED = flag
     return out
+
+
+def strict_kernels_verified(checks: dict) -> bool:
+    return bool(checks) and all(v.get("decode_strict_kernel_equals_learner", True) for v in checks.values())
 
 
 def main(argv=None):
@@ -310,9 +336,13 @@ def main(argv=None):
     ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
                     help="Megatron's static engine as a variant (slow)")
     ap.add_argument("--learner-tokens", type=int, default=4096)
+    ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
+                    help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args._t0 = time.perf_counter()
 
     from minite_megatron.training.presets import PRESETS, init_single_process
 
@@ -328,28 +358,60 @@ def main(argv=None):
                "preset": args.preset, "new_tokens": args.new, "prompt_lengths": [args.prompt_min, args.prompt_max],
                "copy_gbps": copy_gbps, "rows": [], **environment()}
     t0 = time.perf_counter()
-    for name in args.engines.split(","):
-        print(f"# {name}", flush=True)
-        if name == "bf16":
-            model = local_bf16_gpt(preset, max_seq, device, dtype)
-        else:
-            model = minite_gpt(preset, name == "strict", max_seq, device, dtype)
+
+    def left() -> bool:
+        return time.perf_counter() - t0 < args.time_budget
+
+    def guarded(label, fn):
+        if not left():
+            results.setdefault("skipped", []).append(f"{label} (time budget)")
+            return None
         try:
-            results["rows"] += run_engine(name, model, preset, args, batches, copy_gbps,
-                                          "sdpa" if name == "bf16" else "module")
-            if name == "nvfp4" and args.variants:
-                results["default_mode_variants"] = default_mode_variants(model, preset, args)
-                if gpu:
-                    results["gemm_order"] = gemm_order_checks(model)
-                    results["combine_cost"] = combine_cost(model, args.learner_tokens)
-        except Exception as e:  # keep the other engines' numbers
+            return fn()
+        except Exception as e:  # keep the other sections' numbers
             import traceback
 
             traceback.print_exc()
-            results.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
-        del model
+            results.setdefault("errors", []).append(f"{label}: {type(e).__name__}: {e}")
+            return None
+
+    models = {}
+    if "nvfp4" in args.engines or args.variants:
+        models["nvfp4"] = minite_gpt(preset, False, max_seq, device, dtype)
+    if gpu and args.variants:
+        # first: do the decode kernels' strict configurations give the learner's bits here? If they
+        # do, the engines below use them (the backend otherwise keeps the image GEMM in strict mode)
+        checks = guarded("gemm_order", lambda: gemm_order_checks(models["nvfp4"]))
+        if checks:
+            results["gemm_order"] = checks
+            print("gemm_order:", checks, flush=True)
+            if args.trust_verified and strict_kernels_verified(checks):
+                import minite_kernels.triton.decode_gemm as dg
+
+                dg.STRICT_DECODE_VERIFIED = True
+                results["strict_decode_verified_in_run"] = True
+    for name in args.engines.split(","):
+        print(f"# {name}", flush=True)
+
+        def engine_rows(name=name):
+            model = models.get(name)
+            if model is None:
+                model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"
+                         else minite_gpt(preset, name == "strict", max_seq, device, dtype))
+            try:
+                return run_engine(name, model, preset, args, batches, copy_gbps, "sdpa" if name == "bf16" else "module")
+            finally:
+                if name != "nvfp4":
+                    del model
+                    if gpu:
+                        torch.cuda.empty_cache()
+
+        results["rows"] += guarded(name, engine_rows) or []
+    if args.variants:
+        results["default_mode_variants"] = guarded("variants", lambda: default_mode_variants(models["nvfp4"], preset, args))
         if gpu:
-            torch.cuda.empty_cache()
+            results["combine_cost"] = guarded("combine_cost", lambda: combine_cost(models["nvfp4"], args.learner_tokens))
+    models.clear()
     bf16 = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "bf16"}
     default = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "nvfp4"}
     for r in results["rows"]:

@@ -216,8 +216,11 @@ class ExpertsStep:
             fc1, fc2 = experts.linear_fc1, experts.linear_fc2
             self.kind = "nvfp4" if fc1.precision == "nvfp4" else "dense"
             if self.kind == "nvfp4":
-                self.w1 = StaticWeight(fc1.quantized_weight, keep_image=False)
-                self.w2 = StaticWeight(fc2.quantized_weight, keep_image=False)
+                # images only where the learner's order may need them (a backend's fallback
+                # for an unverified strict decode kernel multiplies images)
+                keep = bool(invariant or fc1.recipe.strict)
+                self.w1 = StaticWeight(fc1.quantized_weight, keep_image=keep)
+                self.w2 = StaticWeight(fc2.quantized_weight, keep_image=keep)
                 self.lctx1, self.lctx2 = fc1.minite_ctx, fc2.minite_ctx
                 self.recipe = fc1.recipe
             else:
@@ -493,13 +496,23 @@ class DecodeModel:
 
     @contextlib.contextmanager
     def capturing(self):
-        """While capturing a graph: Megatron's global memory buffer is this runner's own."""
+        """While warming up and capturing a graph: Megatron's global memory buffer is this runner's
+        own, and its CUDA RNG tracker's ``fork`` (which ``DotProductAttention`` enters around its
+        attention dropout, an identity at inference) does not read the generator state, which a
+        capture forbids."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
         saved = parallel_state._GLOBAL_MEMORY_BUFFER
         parallel_state._GLOBAL_MEMORY_BUFFER = self.graph_memory
+        tracker = get_cuda_rng_tracker()
+        had_own = "fork" in vars(tracker)
+        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
         try:
             yield
         finally:
             parallel_state._GLOBAL_MEMORY_BUFFER = saved
+            if not had_own:
+                del tracker.fork
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, cache: KVCache, bucket: int | None = None) -> torch.Tensor:

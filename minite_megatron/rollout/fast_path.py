@@ -20,6 +20,8 @@ Rows finish at EOD (``stop_at_eod``) or after ``max_new_tokens``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .cuda_graphs import StepGraphs
@@ -27,6 +29,8 @@ from .decode_step import DecodeModel, KVCache
 from .logprobs import token_logprobs
 from .rollout import Rollout
 from .sampling import SamplingConfig, nonfinite_rows, sample_tokens
+
+log = logging.getLogger(__name__)
 
 PADDING_SEQ_ID = 1 << 25
 """Sequence ids a diagnostics tracer sees for the prefill's padding positions (beyond any real id)."""
@@ -141,7 +145,13 @@ class FastGenerator:
         rows = next(x for x in self.buckets if x >= b) if graphed else b
         graph = None
         if graphed and max_new_tokens > 1:
-            graph = self.graphs.get((rows, cfg), self._body(rows, cfg), self._reset_scratch(rows))
+            try:
+                graph = self.graphs.get((rows, cfg), self._body(rows, cfg), self._reset_scratch(rows))
+            except Exception as e:  # an op that cannot be captured: say so, run the same steps eagerly
+                log.warning("rollout: CUDA-graph capture of the decode step failed (%s: %s); decode steps run eagerly",
+                            type(e).__name__, e)
+                self.graphs, self.use_graphs, graphed, rows = None, False, False, b
+                torch.cuda.synchronize()
         st, dev = self.state, self.device
         lengths = torch.tensor([len(p) for p in prompts])
         longest = int(lengths.max())

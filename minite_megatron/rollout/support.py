@@ -170,6 +170,8 @@ def graph_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"the model is on {device.type} (CUDA graphs need a GPU)"
     gpt = unwrap_gpt(model)
+    if gpt.training and (gpt.config.attention_dropout or gpt.config.hidden_dropout):
+        return "the model is in training mode with dropout (a captured step cannot fork the RNG tracker)"
     for m in gpt.modules():
         recipe = getattr(m, "recipe", None)
         if recipe is not None and getattr(recipe, "nonfinite", "propagate") == "raise":
