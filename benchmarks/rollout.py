@@ -264,12 +264,17 @@ def gemm_order_checks(model) -> dict:
     strict configuration (``decode_gemm.STRICT_DECODE_VERIFIED`` forced on for the check)."""
     import minite_kernels.triton.decode_gemm as dg
 
-    from minite_megatron.ops.linear import backend_for
-    from minite_megatron.rollout.decode_step import _gather_rows
-
     out = {}
     layer = model.decoder.layers[0]
     flag = dg.STRICT_DECODE_VERIFIED
+    with torch.no_grad():
+        return _gemm_order_checks(layer, dg, flag, out)
+
+
+def _gemm_order_checks(layer, dg, flag, out):
+    from minite_megatron.ops.linear import backend_for
+    from minite_megatron.rollout.decode_step import _gather_rows
+
     try:
         for name in ("linear_qkv", "linear_proj"):
             lin = getattr(layer.self_attention, name)
