@@ -9,7 +9,10 @@ draws fresh noise from it and ``generator.manual_seed`` between replays reseeds 
 
 Capture protocol (PyTorch's): two warm-up runs on a side stream (Triton compiles its kernels,
 cuBLAS creates its workspaces), then the capture; the warm-ups mutate the static buffers, so the
-caller sets the real state up *after* :meth:`get` returns. While warming up and capturing, the
+caller sets the real state up *after* :meth:`get` returns, and they draw noise from the
+generator, whose state is restored afterwards (a first call draws what later calls with the same
+seed draw). A graph's noise has its bucket's shape: sampled tokens depend on the bucket (the
+same call, bucket and seed give the same rollouts; greedy tokens never depend on it). While warming up and capturing, the
 runner's :meth:`~.decode_step.DecodeModel.capturing` context is active.
 """
 
@@ -43,6 +46,8 @@ class StepGraphs:
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
+        # the warm-ups draw sampling noise: put the generator back where the caller seeded it
+        rng_state = self.generator.get_state() if self.generator is not None else None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with self.capturing(), torch.cuda.stream(stream):
@@ -57,5 +62,7 @@ class StepGraphs:
         with self.capturing(), torch.cuda.graph(graph, pool=self.pool):
             body()
         handoff.clear()  # an offer made inside the capture refers to graph memory
+        if rng_state is not None:
+            self.generator.set_state(rng_state)
         self._graphs[key] = graph
         return graph

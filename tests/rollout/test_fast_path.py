@@ -176,8 +176,10 @@ def test_buckets():
 @pytest.mark.gpu
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "default"])
 def test_cuda_graphs_equal_eager_steps_and_strict_gap_is_zero(strict):
-    """On the GPU: the captured decode steps give the eager steps' tokens and log-probs bit for bit
-    (several buckets, reused graphs), and in strict mode the learner's teacher-forced log-probs."""
+    """On the GPU: captured decode steps give the eager steps' tokens and log-probs bit for bit
+    (greedy at every batch size, sampled where the batch fills its bucket: the noise has the
+    bucket's shape), a graph's first call draws what later calls draw, graphs are reused per
+    bucket, and in strict mode the log-probs are the learner's teacher-forced ones."""
     from minite_megatron.training.presets import init_single_process
 
     init_single_process()
@@ -185,9 +187,9 @@ def test_cuda_graphs_equal_eager_steps_and_strict_gap_is_zero(strict):
     graphed = RolloutEngine(model, eod_id=0, max_batch_size=4)
     eager = RolloutEngine(model, eod_id=0, max_batch_size=4, cuda_graphs=False)
     assert graphed._fast.use_graphs and not eager._fast.use_graphs
-    for n in (1, 3, 4, 5):
-        a = graphed.generate(PROMPTS[:n], 12, temperature=1.0, seed=n)
-        b = eager.generate(PROMPTS[:n], 12, temperature=1.0, seed=n)
+    for n, temperature in ((1, 1.0), (3, 0.0), (4, 1.0), (5, 0.0), (4, 1.0)):
+        a = graphed.generate(PROMPTS[:n], 12, temperature=temperature, seed=n)
+        b = eager.generate(PROMPTS[:n], 12, temperature=temperature, seed=n)
         for x, y in zip(a, b):
             assert x.tokens == y.tokens
             assert_bitwise_equal(x.log_probs, y.log_probs)
@@ -196,4 +198,4 @@ def test_cuda_graphs_equal_eager_steps_and_strict_gap_is_zero(strict):
                 learner = teacher_forced_logprobs(model, [r.tokens for r in a])
             for x, lp in zip(a, learner):
                 assert_bitwise_equal(x.log_probs, lp)
-    assert len(graphed._fast.graphs) == 3  # buckets 1, 4 (n = 3, 4, 5 -> 4, 4, 4+1)
+    assert len(graphed._fast.graphs) == 4  # (bucket, sampler): (1, T=1), (4, greedy), (4, T=1), (1, greedy)
