@@ -73,7 +73,8 @@ class RolloutEngine:
             ``core_attention``, as the learner runs it) or ``"sdpa"`` (torch's
             ``scaled_dot_product_attention``; not allowed in strict mode).
         invariant_gemm: in default mode, decode GEMMs in the learner's accumulation order (the
-            batch-invariant configurations) instead of the split-K decode kernels (default: True).
+            batch-invariant configurations) instead of the split-K decode kernels (default: True;
+            on the H200 it measured correct and faster, BENCHMARKS.md run 7).
     Raises:
         ValueError for an ``eod_id`` outside the vocabulary, bad options, or ``fast=True`` where
         the fast path cannot run.
