@@ -15,6 +15,7 @@ fair BF16 twin: the same modules with every linear in BF16. The builders below o
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -124,13 +125,20 @@ class MiniteSpecProvider(BackendSpecProvider):
         return TopKRouter
 
     def moe_layer(self):
-        """The MoE layer class: Megatron's (without its identity token sort, ``modules.moe``), or
-        in strict mode one with a deterministic combine."""
+        """The MoE layer class: Megatron's with a deterministic combine in both modes
+        (:mod:`minite_megatron.strict.moe`: the learner and the rollout engine add a token's
+        expert outputs in the same order; strict mode also refuses what it cannot make
+        deterministic). ``MINITE_MEGATRON_COMBINE=1`` keeps Megatron's atomic combine in default
+        mode (the benchmark's before/after comparison)."""
         if self.recipe.strict:
             from .strict.megatron import StrictMoELayer
 
             return StrictMoELayer
-        return MiniteMoELayer
+        if os.environ.get("MINITE_MEGATRON_COMBINE") == "1":
+            return MiniteMoELayer
+        from .strict.moe import DeterministicMoELayer
+
+        return DeterministicMoELayer
 
     def activation_func(self):
         """The MLP activation module (used where ``config.use_te_activation_func``): it hands an
