@@ -195,6 +195,23 @@ def pass_extent(
     return rows_lo, rows_hi, kt_lo, kt_hi
 
 
+@cute.jit
+def k96_tiles(k: cutlass.Int32):
+    """768-wide k-tiles of the K = 96 kernel for a reduction of ``k``: ``ceil(k / 768)``; TMA
+    zero-fills the codes and scales of the last tile past K. Device code; the CPU tests run it
+    on the host."""
+    return (k + TILE_K_SM103 - 1) // TILE_K_SM103
+
+
+@cute.jit
+def k96_issues(kt: cutlass.Int32, k_start: cutlass.Constexpr, k: cutlass.Int32):
+    """Whether the K = 96 MMA of k-tile ``kt`` that starts ``k_start`` elements into it is
+    issued: iff it starts before K. An MMA reaching past K reads zeros there (TMA fill); one
+    starting at or past K would add only zeros and is skipped. The first MMA of every k-tile
+    starts before K. Device code; the CPU tests run it on the host."""
+    return kt * TILE_K_SM103 + k_start < k
+
+
 def epilogue_partition(tiled_mma, tCtAcc, c_shape, tile_mn, m_tile, n_tile, tidx):
     """The epilogue's view of one output tile, split into 128 x 32 subtiles.
 
@@ -656,7 +673,7 @@ class Nvfp4BlockScaledGemmKernel:
         k_tiles = cute.size(gA, mode=[3])
         k = cute.size(mA, mode=[1])
         if cutlass.const_expr(self.k96):
-            k_tiles = (k + TILE_K_SM103 - 1) // TILE_K_SM103  # 768-wide; the tail is zero-filled
+            k_tiles = k96_tiles(k)
 
         thr_mma = tiled_mma.get_slice(0)
         one_cta = cute.make_layout(1)
@@ -942,7 +959,6 @@ class Nvfp4BlockScaledGemmKernel:
                 tCtAcc = tCtAcc_all[(None, 0, 0, acc_state.index)]
                 mma96.set(tcgen05.Field.ACCUMULATE, False)
                 for kt in cutlass.range(kt_lo, kt_hi, unroll=1):
-                    k_base = kt * TILE_K_SM103
                     held = [None] * (TILE_K_SM103 // SMEM_BUFFER_K)  # ring state of this tile's buffers
                     for j in cutlass.range_constexpr(len(K96_SCHEDULE)):
                         step = K96_SCHEDULE[j]
@@ -966,7 +982,7 @@ class Nvfp4BlockScaledGemmKernel:
                             k96_mma(mma96, tCtAcc, a_cur, a_next, b_cur, b_next)
                             mma96.set(tcgen05.Field.ACCUMULATE, True)
                         else:
-                            if k_base + step.k_start < k:  # past K: the tail MMAs are skipped
+                            if k96_issues(kt, step.k_start, k):  # past K: the tail MMAs are skipped
                                 k96_mma(mma96, tCtAcc, a_cur, a_next, b_cur, b_next)
                         for r in cutlass.range_constexpr(len(step.releases)):
                             ab_pipeline.consumer_release(held[step.releases[r]])
