@@ -48,6 +48,21 @@ expert's rows of its tile. A tile straddling k experts is thus reduced by k CTAs
 side, not by k passes in a row in one CTA. No host sync, no padding of the token dimension,
 one launch.
 
+sm_103a K = 96 variant (``config.mma_k == 96``; dense and row-grouped only), 7 warps:
+    warp 5     TMA: A and B in 256-wide buffers (each one K = 64 stage: same boxes, same layout),
+               three per 768-wide k-tile.
+    warp 6     TMA: the scales, in their own ring of 192-wide stages (sm_103 scale smem layouts).
+    warp 4     per k-tile, the eight ``SM103MmaMXF4NVF4Op`` MMAs of :data:`.tiles.K96_SCHEDULE`
+               (K = 96 each; bit 31 of the instruction descriptor): MMA j reads bytes 48 j ..
+               48 j + 47 of each row of the tile's 384 through a byte view of the buffers and
+               sm_103 circular descriptors (MMAs 2 and 5 continue into the next buffer); a
+               scale stage is copied to tensor memory before its first of two MMAs, whose
+               scales start at column 0 or 6 of it. MMAs starting at or past K are skipped
+               (:func:`k96_issues`); the buffers past K are zero-filled by TMA.
+    warps 0-3  the same epilogue.
+K rule: a multiple of 32 (16-byte TMA rows). Global layouts, scales included, are those of the
+K = 64 kernel.
+
 Tail handling: TMA zero-fills A/B/scale reads beyond M, N, K; the swizzled scale layout is
 padded to 128 rows and 4 columns (zeros), so padded K contributes exact zeros; stores are
 predicated on ``m < M``, ``n < N`` and the pass's rows (:func:`stores_element`).
@@ -282,6 +297,8 @@ class Nvfp4BlockScaledGemmKernel:
     fit beside the epilogue's staging tiles (at most 16), two accumulator stages when the
     tensor memory holds them (``tile_n == 128``; every CTA now runs at most one pass, so the
     second is idle until a persistent schedule overlaps tiles). Tensor memory: accumulators, then one k-tile of SFA and of SFB columns.
+    ``config.mma_k == 96`` (sm_103a): 768-wide k-tiles of eight K = 96 MMAs, a second TMA warp
+    and ring for the scales (see the module docstring and :meth:`_setup_k96`).
     """
 
     arch = "sm_100"
