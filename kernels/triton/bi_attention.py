@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .bi_common import interpreting, tile_dot
+from ..custom_op import custom_op
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages): one config for every call on a GPU (the learner,
 #: prefill and decode alike) -- flash-attention-sized tiles for the wgmma tensor cores; the
@@ -166,7 +167,7 @@ def _bi_attention_kernel(
              out, mask=qmask[:, None] & (offs_dv < Dv)[None, :])
 
 
-@torch.library.custom_op("minite::bi_attention", mutates_args=())
+@custom_op("minite::bi_attention", mutates_args=())
 def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .bi_common import finish, interpreting, kernel_out_dtype, tile_dot
+from ..custom_op import custom_op
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The tensor-core path (bf16 / fp16 operands of
 #: one dtype: strict mode's FP32-output LM head and router) ran the FMA tile until issue 16 round
@@ -97,7 +98,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
     return finish(out, out_dtype)
 
 
-@torch.library.custom_op("minite::bi_matmul", mutates_args=())
+@custom_op("minite::bi_matmul", mutates_args=())
 def _bi_matmul_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return _launch(x, w, bias, out_dtype)
 
