@@ -39,6 +39,7 @@ import triton.language as tl
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 MAX_M = 64
 MAX_SPLIT = 32
@@ -203,7 +204,7 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
     )
 
 
-@torch.library.custom_op("minite::decode_gemm", mutates_args=())
+@custom_op("minite::decode_gemm", mutates_args=())
 def decode_gemm_op(
     a_img: torch.Tensor,
     b_codes: torch.Tensor,

@@ -34,6 +34,7 @@ from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -172,7 +173,7 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
     )
 
 
-@torch.library.custom_op("minite::decode_grouped_gemm", mutates_args=())
+@custom_op("minite::decode_grouped_gemm", mutates_args=())
 def decode_grouped_gemm_op(
     a_img: torch.Tensor,
     w_codes: torch.Tensor,

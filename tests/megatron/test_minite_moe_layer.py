@@ -42,3 +42,19 @@ def test_identity_sort_skip_is_bitwise_megatrons_moe_layer():
     assert_bitwise_equal(loss, ref_loss, "loss")
     for name in ref_grads:
         assert_bitwise_equal(grads[name], ref_grads[name], name)
+
+
+def test_deterministic_moe_layer_with_the_combine_kernel_is_bitwise_megatrons(monkeypatch):
+    """The deterministic combine (Triton kernel, interpreted) and the ordered permutation backward
+    give Megatron's loss and every gradient bit for bit on a CPU, where Megatron's
+    ``scatter_add_`` / ``index_add_`` add in the same (increasing row) order."""
+    from minite_megatron.strict import moe as strict_moe
+
+    init_single_process()
+    monkeypatch.setattr(strict_moe, "KERNEL_ON_CPU", True)
+    loss, grads, dispatchers = _run(strict_moe.DeterministicMoELayer)
+    assert dispatchers and all(isinstance(d, strict_moe.StrictAlltoAllTokenDispatcher) for d in dispatchers)
+    ref_loss, ref_grads, _ = _run(MoELayer)
+    assert_bitwise_equal(loss, ref_loss, "loss")
+    for name in ref_grads:
+        assert_bitwise_equal(grads[name], ref_grads[name], name)
