@@ -97,9 +97,12 @@ def issue_report(text: str, weights_per_thread: int) -> dict:
     ops = kernel_opcodes(text)
     mma = [i for i, o in enumerate(ops) if o in ("HGMMA", "HMMA")]
     first = mma[0] if mma else len(ops)
+    bar = ops.index("BAR") if "BAR" in ops else len(ops)
+    wide = [m.group(1) for m in re.finditer(r"\bLDG\.E(\.64|\.128)?\b", text)]
     return {"instructions": len(ops), "per_weight": len(ops) / weights_per_thread,
             "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA"), "LDG": ops.count("LDG"),
-            "LDG_before_first_mma": ops[:first].count("LDG"), "MOV": ops.count("MOV") + ops.count("IMAD_MOV")}
+            "LDG_before_first_mma": ops[:first].count("LDG"), "LDG_before_first_BAR": ops[:bar].count("LDG"),
+            "vector_loads": sum(1 for w in wide if w)}
 
 
 def ptxas_resources(kernel, arch: str = "sm_90a") -> dict:

@@ -109,12 +109,16 @@ def _decode_gemm_kernel(
 #: SASS (4.1 instructions per weight at 8 steps, registers for 4 programs per SM) and Little's
 #: law (~36 KB of loads in flight per SM: qkv M=1 -> 320 programs x 16 KB, one wave).
 GPU_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=4, per_sm=2, min_m_pad=16)
-#: The strict configuration: no split, the whole K per program in 16-wide wgmma steps from a
-#: zero accumulator (the learner's strict chain), M padded to 64 (PAD_ROWS: a zero-padded copy,
-#: so the generated code is the same for every M; on the H200 a 64x16 MMA had rounded
-#: differently from the learner's 64x128 one in the last fp32 bits, 64x64 had not -- 2026-12-01,
-#: measured with the earlier, layout-dependent dequant).
-GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=6, M_PAD=64, PAD_ROWS=True)
+#: The strict configuration: no split, the whole K per program (unrolled) in 16-wide wgmma steps
+#: from a zero accumulator (the learner's strict chain), M padded to the next power of two >= 16
+#: (``M_PAD`` None). Alternatives the GPU check compares bit for bit
+#: (``benchmarks/decode_gemm.py`` STRICT_VARIANTS): M_PAD 64 with masked rows, and M_PAD 64 with
+#: PAD_ROWS (a zero-padded copy, so the code is the same for every M). On the H200 (2026-12-01,
+#: with the earlier, layout-dependent dequant) 64x64 MMAs matched the learner's 64x128 ones and
+#: 64x16 did not in the last fp32 bits; that dequant was itself wrong for some layouts, so the
+#: evidence is re-measured. M_PAD 64 costs 4x the activation tile (registers, shared memory:
+#: DEPTH 2 there) and spills at K = 4096 (CPU-AOT, 2026-12-02).
+GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, M_PAD=None)
 #: The decode kernels' dequantization asm in its element-wise form (``_decode_common``) has not
 #: run on a GPU yet. Until ``tests/kernels/triton/test_triton_decode.py`` passes on a GPU and
 #: this is set True, the triton backend keeps its verified paths on CUDA (the image GEMM; the
