@@ -53,6 +53,9 @@ L2_BYTES = 60 * 2**20
 SMOKE = False
 WARM_ONLY = False
 ACT_QUANT = True
+IMAGE_GEMM = True
+DENSE = list(SHAPES)
+STRICT_MAX_K = 0  # dense table: time strict only where K <= this (0: every K)
 SHARD = (0, 1)
 DEADLINE = float("inf")
 DEV = torch.device("cuda")
@@ -237,10 +240,12 @@ def sec_check(res):
 
 
 def within_bound(got, qa, qw):
-    """(every element within ``fp32_accumulation_bound`` + one output rounding, max error / bound)."""
+    """(every element within ``fp32_accumulation_bound`` + one rounding to ``got``'s dtype, max
+    error / tolerance)."""
     exact, bound = nvfp4.fp32_accumulation_bound(qa, qw)
     err = (got.double() - exact).abs()
-    tol = bound + 2.0**-24 * exact.abs()
+    half_ulp = 2.0**-24 if got.dtype == torch.float32 else 2.0**-8
+    tol = bound * (1 + 2 * half_ulp) + half_ulp * (exact.abs() + bound)
     return bool((err <= tol).all()), float((err / (tol + 1e-300)).max())
 
 
@@ -340,7 +345,7 @@ def sec_sweep(res, verified):
                 cfg = default_cfg(entry, m, n, k, sms())
                 t = timed(lambda: [run_decode(qx, q, cfg, out=outs) for q in qws]) / len(qws)
                 try:
-                    got = run_decode(qx, ref_img, cfg, torch.float32)
+                    got = run_decode(qx, ref_img, cfg)
                 except ConfigFailed:
                     got = None
                 if not WARM_ONLY:
@@ -380,14 +385,16 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
     (``select_config``: what the backend runs) and, where the sweep chose another, that one too.
     The first weight copy's outputs are checked (default: the bound; strict: the learner's bits)."""
     rows = []
-    for name, (k, n) in SHAPES.items():
-        if SMOKE:
-            k, n = 64, 32
+    for name in DENSE:
+        k, n = (64, 32) if SMOKE else SHAPES[name]
         nb = copies_for(n * k * 2)
         ws = [rnd(n, k, scale=0.02).to(BF16) for _ in range(nb)]
         qws = weights(n, k, copies_for(n * k // 2))
         wbytes = n * k // 2 + n * k // 16
         check_w = quantize_forward(rnd(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
+        qws_img = ([quantize_forward(rnd(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
+                    for _ in range(copies_for(n * k * 2))] if IMAGE_GEMM else [])
+        img_scales = [q.global_decode.reshape(-1) for q in qws_img]
         for m in ms:
             x = rnd(m, k).to(BF16)
             qx = quantize_forward(x, with_image=True)
@@ -400,16 +407,24 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
                 row["bf16_us"] = 1e3 * timed(lambda: [torch.mm(x, w.t()) for w in ws]) / len(ws)
             if mine():
                 row["nvfp4_us"] = 1e3 * timed(lambda: [run_decode(qx, q, cfg, out=out) for q in qws]) / len(qws)
-                got = try_decode(qx, check_w, cfg, torch.float32)
+                got = try_decode(qx, check_w, cfg)
                 if not WARM_ONLY and got is not None:
                     row["within_bound"] = within_bound(got, qx, check_w)[0]
-            if mine():
+            if mine() and (not STRICT_MAX_K or k <= STRICT_MAX_K):
                 row["strict_us"] = 1e3 * timed(lambda: [run_decode(qx, q, scfg, out=out) for q in qws]) / len(qws)
-                got = try_decode(qx, check_w, scfg, torch.float32)
+                got = try_decode(qx, check_w, scfg)
                 if not WARM_ONLY and got is not None:
-                    learner = gemm_forward(qx.image, check_w.image, qx.global_decode, check_w.global_decode, None,
-                                           torch.float32, batch_invariant=True)
+                    learner = gemm_forward(qx.image, check_w.image, qx.global_decode, check_w.global_decode, None, BF16,
+                                           batch_invariant=True)
                     row["strict_bits_differ"] = _bits_differ(got, learner)
+            if mine() and IMAGE_GEMM:
+                # the backend's path without the decode kernel: the image GEMM on bf16 weight images
+                imgs = [q.image for q in qws_img]
+                row["image_gemm_us"] = 1e3 * timed(lambda: [gemm_forward(qx.image, im, qx.global_decode, sb, None, BF16)
+                                                           for im, sb in zip(imgs, img_scales)]) / len(imgs)
+                row["image_strict_us"] = 1e3 * timed(lambda: [gemm_forward(qx.image, im, qx.global_decode, sb, None, BF16,
+                                                                           batch_invariant=True)
+                                                              for im, sb in zip(imgs, img_scales)]) / len(imgs)
             if alt is not None and _name(alt) != _name(cfg) and mine():
                 row["chosen_config"] = _name(alt)
                 row["chosen_us"] = 1e3 * timed(lambda: [run_decode(qx, q, alt, out=out) for q in qws]) / len(qws)
@@ -426,13 +441,17 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
                 row["nvfp4_weight_GBps"] = wbytes / row["nvfp4_us"] / 1e3
                 row["pct_of_copy_bw"] = 100 * row["nvfp4_weight_GBps"] / copy_gbps if copy_gbps else None
                 row["bf16_weight_GBps"] = n * k * 2 / row["bf16_us"] / 1e3
+                if "image_gemm_us" in row:
+                    row["decode_vs_image_gemm"] = row["image_gemm_us"] / row["nvfp4_us"]
+                    row["strict_vs_image_strict"] = row["image_strict_us"] / row.get("strict_us", float("nan"))
             rows.append(row)
-        del ws, qws
+        del ws, qws, qws_img
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     res["dense"] = rows
     print_table("decode GEMM per call (CUDA-graph replays; weights rotated through > 4x L2)", rows,
                 ["shape", "M", "bf16_us", "nvfp4_us", "speedup", "within_bound", "strict_us", "strict_over_default",
-                 "strict_bits_differ", "chosen_us", "nvfp4_weight_GBps", "pct_of_copy_bw", "bf16_weight_GBps"])
+                 "strict_bits_differ", "image_gemm_us", "image_strict_us", "chosen_us", "nvfp4_weight_GBps",
+                 "pct_of_copy_bw", "bf16_weight_GBps"])
 
 
 # ---- grouped --------------------------------------------------------------------------------------
@@ -484,7 +503,7 @@ SECTIONS = ("check", "sweep", "dense", "grouped")
 
 
 def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT
+    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--m", default="1,2,4,8,16,32,64")
@@ -494,10 +513,17 @@ def main(argv=None):
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--no-act-quant", action="store_true", help="skip the with-activation-quantize column")
+    p.add_argument("--no-image-gemm", action="store_true", help="skip the image-GEMM columns (the backend's "
+                   "path without the decode kernel)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="dense shapes to time")
+    p.add_argument("--strict-max-k", type=int, default=0,
+                   help="dense table: strict decode only where K <= this (the K = 4096 kernel compiles ~1 min)")
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="stop timing (NaN, saved as null) this many seconds after the start")
     args = p.parse_args(argv)
-    SMOKE, WARM_ONLY, ACT_QUANT = args.smoke, args.warm_only, not args.no_act_quant
+    SMOKE, WARM_ONLY, ACT_QUANT, IMAGE_GEMM = args.smoke, args.warm_only, not args.no_act_quant, not args.no_image_gemm
+    DENSE = args.shapes.split(",")
+    STRICT_MAX_K = args.strict_max_k
     DEADLINE = time.monotonic() + args.deadline_s
     SHARD = (args.shard, args.shards)
     if SMOKE:
@@ -513,12 +539,23 @@ def main(argv=None):
     if copy_gbps:
         print(f"device copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
     chosen, chosen_strict, verified = None, None, []
+    def partial():
+        """The record so far in ``--out`` (a run cut off by its device call's limit keeps its numbers)."""
+        if args.out and not WARM_ONLY and not SMOKE:
+            import json
+
+            with open(os.path.join(args.out, "decode_gemm.partial.json"), "w") as f:
+                json.dump(res, f, default=str)
+
     if "check" in sections:
         verified = sec_check(res)
+        partial()
     if "sweep" in sections:
         chosen, chosen_strict = sec_sweep(res, verified)
+        partial()
     if "dense" in sections:
         sec_dense(res, [int(v) for v in args.m.split(",")], chosen, chosen_strict, copy_gbps)
+        partial()
     if "grouped" in sections:
         sec_grouped(res)
     if not WARM_ONLY and not SMOKE:

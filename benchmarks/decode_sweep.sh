@@ -10,7 +10,11 @@
 # e.g. "--m 1,2,4,8,16 --no-act-quant"), BENCH_DEADLINE_S (the benchmark stops timing after this
 # many seconds, default 150), NCU_IF_BEFORE_S (profile only if the script has run less than
 # this, default 200), NCU_CASES (benchmarks/profile_kernels.py cases, default decode_qkv_m1).
+# TESTS=0: no GPU tests beside the compile (default: the decode GPU tests, in 4 processes).
 # A second call reuses nothing (a fresh machine): the compile phase is most of the first minute.
+# The final benchmark of issue 15 item 3 (the coordinator's combined call, ~75-85 s):
+#   SHARDS=12 COMPILE_CAP_S=55 TEST_CAP_S=55 BENCH_DEADLINE_S=25 NCU_IF_BEFORE_S=0 \
+#     BENCH_ARGS="--sections dense,grouped --m 1,4,16 --no-act-quant --strict-max-k 2048" benchmarks/decode_sweep.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/decode_out}
@@ -32,16 +36,18 @@ for i in $(seq 0 $((SHARDS - 1))); do
 done
 PT="timeout ${TEST_CAP_S:-95} python3 -m pytest -q -p no:cacheprovider -rA"
 D=tests/kernels/triton/test_triton_decode.py
-$PT $D -k "strict and dense" > /tmp/pytest_1.log 2>&1 &
-$PT $D -k "not strict and not grouped" "tests/kernels/triton/test_triton_gpu.py::test_decode_gemm_within_bound_at_real_shape" \
-  > /tmp/pytest_2.log 2>&1 &
-$PT $D -k "grouped and strict" > /tmp/pytest_3.log 2>&1 &
-$PT $D -k "grouped and not strict" tests/nvfp4/test_decode_grouped.py > /tmp/pytest_4.log 2>&1 &
+if [ "${TESTS:-1}" != 0 ]; then
+  $PT $D -k "strict and dense" > /tmp/pytest_1.log 2>&1 &
+  $PT $D -k "not strict and not grouped" "tests/kernels/triton/test_triton_gpu.py::test_decode_gemm_within_bound_at_real_shape" \
+    > /tmp/pytest_2.log 2>&1 &
+  $PT $D -k "grouped and strict" > /tmp/pytest_3.log 2>&1 &
+  $PT $D -k "grouped and not strict" tests/nvfp4/test_decode_grouped.py > /tmp/pytest_4.log 2>&1 &
+fi
 wait
-for i in 1 2 3 4; do echo "--- pytest $i"; cat "/tmp/pytest_$i.log"; done > "$OUT/pytest.log"
+for i in 1 2 3 4; do echo "--- pytest $i"; cat "/tmp/pytest_$i.log" 2>/dev/null; done > "$OUT/pytest.log"
 for i in $(seq 0 $((SHARDS - 1))); do echo "--- shard $i"; tail -n 5 "/tmp/warm_$i.log"; done > "$OUT/warm.log"
 cat /tmp/warm_*.log | grep -i "failed\|error\|Traceback" | sort | uniq -c | head -20
-grep -hE "passed|failed|FAILED|error" /tmp/pytest_*.log
+grep -hE "passed|failed|FAILED|error" /tmp/pytest_*.log 2>/dev/null
 echo "=== compile + tests: $((SECONDS - T0)) s"
 
 echo "=== benchmark"
