@@ -103,6 +103,7 @@ class ExportResult:
     quantized_modules: list[str]
     exclude_modules: list[str]
     modules: dict[str, dict] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # HF name -> tensor, as written
 
 
 def fp32_bits(x: torch.Tensor | float) -> str:
@@ -256,8 +257,12 @@ class _Writer:
                             alpha=float(alpha), alpha_bits=fp32_bits(alpha))
 
 
-def _quantization_config(variant: str, exclude: list[str], tiles: list) -> dict:
-    """``config.json["quantization_config"]`` of each variant (module docstring)."""
+SERVING_RECIPE_FIELDS = ("strict", "fp32_router", "fp32_lm_head", "activation_scale", "weight_tile")
+
+
+def _quantization_config(variant: str, exclude: list[str], tiles: list, recipe: dict) -> dict:
+    """``config.json["quantization_config"]`` of each variant (module docstring). The default's
+    ``recipe`` holds the recipe fields a serving plugin needs (strict mode, FP32 router / LM head)."""
     fp4 = {"num_bits": 4, "type": "float", "group_size": BLOCK}
     if variant == VARIANT_MINITE:
         return {
@@ -267,6 +272,7 @@ def _quantization_config(variant: str, exclude: list[str], tiles: list) -> dict:
             "group_size": BLOCK,
             "weights": {**fp4, "dynamic": False, "tiles": [list(t) for t in tiles]},
             "input_activations": {**fp4, "dynamic": True, "global_scale": "per_token"},
+            "recipe": {k: recipe[k] for k in SERVING_RECIPE_FIELDS if k in recipe},
             "ignore": exclude,
             "producer": dict(PRODUCER),
         }
@@ -300,6 +306,7 @@ def export_modelopt(
     activation_global_scale: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     variant: str = VARIANT_MINITE,
+    write: bool = True,
 ) -> ExportResult:
     """Write a ModelOpt NVFP4 checkpoint of the learner's weights into ``out_dir``.
 
@@ -323,6 +330,8 @@ def export_modelopt(
         variant: ``"minite"`` (default: the learner's policy under ``quant_method: "minite_nvfp4"``,
             which stock engines refuse), ``"modelopt-w4a4-static"`` or ``"modelopt-w4a16"`` (stock
             ModelOpt checkpoints of a different model, marked so in ``config.json["minite"]``).
+        write: False builds everything (checks included) and writes no file: the returned
+            ``tensors`` are what a refit sends (:func:`export_tensors`).
 
     Returns:
         :class:`ExportResult`.
@@ -345,6 +354,11 @@ def export_modelopt(
     if act_scale not in ("row", "tensor"):
         raise ValueError(
             "export: activation_global_scale must be 'row' or 'tensor' (pass it, or use a recipe with activation_scale)"
+        )
+    if variant == VARIANT_MINITE and act_scale != "row":
+        raise ValueError(
+            "export: variant='minite' serves the per-token recipe (activation_scale='row'); a per-tensor dynamic "
+            "activation scale depends on the batch and has no serving path: export a stock variant instead"
         )
     w = _Writer(config, activation_amax)
     d = w.d
@@ -447,7 +461,7 @@ def export_modelopt(
     if not quantized:
         raise ValueError("export: no quantized linear in the weights (nothing NVFP4 to export)")
     tiles = sorted({tuple(w.modules[m]["tile"]) for m in quantized})
-    hf["quantization_config"] = _quantization_config(variant, exclude, tiles)
+    hf["quantization_config"] = _quantization_config(variant, exclude, tiles, recipe_dict)
     hf["minite"] = {
         "format_version": FORMAT_VERSION,
         "variant": variant,
@@ -479,6 +493,9 @@ def export_modelopt(
         "num_excluded_modules": len(exclude),
     }
 
+    modules = {m: w.modules[m] for m in sorted(w.modules, key=_hf_sort_key)}
+    if not write:
+        return ExportResult(out, [], hf, quantized, exclude, modules, w.tensors)
     out.mkdir(parents=True, exist_ok=True)
     files = _write_shards(out, w.tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
@@ -489,13 +506,23 @@ def export_modelopt(
         algo = hf["quantization_config"]["quant_algo"]
         legacy = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": BLOCK, "exclude_modules": exclude}
         hf_quant.write_text(json.dumps({"producer": dict(PRODUCER), "quantization": legacy}, indent=2))
-    modules = {m: w.modules[m] for m in sorted(w.modules, key=_hf_sort_key)}
     tensor_sources = {n: w.sources[n] for n in sorted(w.sources, key=_hf_sort_key)}
     (out / QUANT_FILE).write_text(
         json.dumps({"format_version": FORMAT_VERSION, "modules": modules, "tensors": tensor_sources}, indent=1)
     )
     files += [out / "config.json", out / QUANT_FILE] + ([hf_quant] if hf_quant.exists() else [])
-    return ExportResult(out, files, hf, quantized, exclude, modules)
+    return ExportResult(out, files, hf, quantized, exclude, modules, w.tensors)
+
+
+def export_tensors(weights: Mapping[str, NVFP4Tensor | torch.Tensor], config: Any, recipe: Any, *,
+                   variant: str = VARIANT_MINITE, activation_amax: Mapping[str, torch.Tensor] | None = None,
+                   vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """The HF-named tensors :func:`export_modelopt` would write (same checks, no files): the
+    learner's bytes split into the engine's modules, for an in-memory refit
+    (:func:`minite_megatron.serving.refit.refit_vllm_model`)."""
+    res = export_modelopt(".", weights, config, recipe, rope_theta=1.0, max_position_embeddings=1, vocab_size=vocab_size,
+                          activation_amax=activation_amax, variant=variant, write=False)
+    return res.tensors
 
 
 def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[Path]:
@@ -533,6 +560,7 @@ __all__ = [
     "VARIANT_W4A4_STATIC",
     "ExportResult",
     "export_modelopt",
+    "export_tensors",
     "fp32_bits",
     "jsonable",
 ]

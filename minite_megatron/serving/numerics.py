@@ -1,0 +1,151 @@
+"""The learner's forward, as functions of the exported tensors (what a serving plugin must compute).
+
+Every function here is built from the learner's own pieces, so an engine that calls them computes
+what the learner computes (strict mode: bit for bit, see ``docs/serving.md`` for what the engine
+itself still computes its own way):
+
+- :func:`nvfp4_linear`: ``y = gemm(quantize(x, per token, 1x16), W)`` with the contract's chain and
+  epilogue (``alpha[m] = S_dec_x[m] * weight_scale_2``, bias in fp32, one bf16 rounding), on the
+  exported weight bytes (:func:`weight_view`; never re-quantized). This is
+  :class:`minite_megatron.ops.linear.NVFP4LinearFunction`'s forward.
+- :func:`high_precision_linear`: the router and the LM head: FP32 logits from the BF16 operands
+  (the batch-invariant strict GEMM in strict mode, else ``x.float() @ W.float().T``), as
+  ``StrictTopKRouter.gating`` / Megatron's fp32 router and ``FP32OutputLayer`` do.
+- :func:`moe_forward`: the MoE block of the learner's spec (``StrictMoELayer`` + ``TEGroupedMLP``
+  with NVFP4 grouped experts): deterministic top-k routing on FP32 logits
+  (:func:`~minite_megatron.strict.router.topk_routing`), tokens permuted expert-major, fc1 per token
+  quantized, the GLU activation of :class:`~minite_megatron.modules.activation.MiniteActivation`,
+  the router probability applied in fp32 and rounded to bf16 (Megatron's ``bias_act_func``), fc2,
+  and :func:`~minite_megatron.strict.moe.deterministic_unpermute` (experts added in increasing
+  index order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+
+from .. import nvfp4
+from ..nvfp4 import BLOCK, NVFP4Tensor
+
+
+def weight_view(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor,
+                piece_rows: Sequence[int] | None = None, tile: tuple[int, int] = (BLOCK, BLOCK)) -> NVFP4Tensor:
+    """An :class:`NVFP4Tensor` over exported weight bytes (a view: no copy, no re-quantization).
+
+    Args:
+        codes: uint8 ``[N, K/2]``; scales: float8_e4m3fn ``[N, K/16]`` (``weight`` /
+            ``weight_scale``); scale_2: fp32 ``[P]`` (``weight_scale_2``, one per fused piece).
+        piece_rows: rows of each fused piece (``sum == N``); None for one piece.
+    Returns:
+        a ``"tensor"``-scaled tensor when all pieces share one ``weight_scale_2`` (the learner's
+        fused weight), else ``"row"``-scaled with each piece's scale on its rows (exact per piece).
+    Raises:
+        ValueError for dtypes or shapes that are not the ModelOpt NVFP4 layout.
+    """
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or codes.dim() != 2:
+        raise ValueError(f"weight_view: need uint8 [N, K/2] codes and e4m3 [N, K/16] scales, got {codes.dtype} "
+                         f"{tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if tuple(scales.shape) != (n, k // BLOCK):
+        raise ValueError(f"weight_view: scales {tuple(scales.shape)} do not match codes {tuple(codes.shape)}")
+    s2 = scale_2.reshape(-1).to(torch.float32)
+    pieces = list(piece_rows) if piece_rows is not None else [n]
+    if sum(pieces) != n or len(pieces) != s2.numel():
+        raise ValueError(f"weight_view: {s2.numel()} weight_scale_2 values for pieces {pieces} of {n} rows")
+    if s2.numel() == 1 or bool((s2 == s2[0]).all()):
+        return NVFP4Tensor(codes, scales, s2[:1], torch.Size([n, k]), "tensor", tile)
+    rows = torch.repeat_interleave(s2, torch.tensor(pieces, device=s2.device))
+    return NVFP4Tensor(codes, scales, rows, torch.Size([n, k]), "row", (1, BLOCK))
+
+
+def quantize_tokens(x2: torch.Tensor, backend, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Per-token 1x16 quantization of ``[M, K]`` activations: the learner's ``quantize_activation``."""
+    return backend.quantize(x2, global_scale="row", amax=amax, with_image=True, nonfinite="propagate")
+
+
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None, *, backend=None,
+                 strict: bool = False) -> torch.Tensor:
+    """``x [..., K]`` (bf16) times the NVFP4 weight ``[N, K]`` -> ``[..., N]`` in ``x.dtype``.
+
+    ``backend``: an NVFP4 backend object or name (None: the best for ``x.device``, as
+    :func:`minite_megatron.nvfp4.get_backend`); ``strict`` asks for the batch-invariant GEMM.
+    """
+    be = backend if backend is not None and not isinstance(backend, str) else nvfp4.get_backend(backend, x.device)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = be.gemm(quantize_tokens(x2, be), w, bias, out_dtype=x.dtype, batch_invariant=strict)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def high_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                          strict: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP32 router / LM-head logits (or a BF16 layer with ``out_dtype=bf16``), as the learner runs them."""
+    if strict:
+        from ..strict.matmul import linear
+
+        return linear(x, weight, bias, out_dtype=out_dtype)
+    if out_dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(out_dtype)
+    out = torch.matmul(x.float(), weight.float().t())
+    return out + bias.float() if bias is not None else out
+
+
+def glu_activation(h: torch.Tensor, strict: bool) -> torch.Tensor:
+    """SwiGLU of the expert fc1 output ``[P, 2F]``: :class:`MiniteActivation`'s computation with the
+    recipe's ``activation_func`` (strict mode: the position-invariant fp32 SiLU)."""
+    from ..modules.activation import MiniteActivation
+
+    if strict:
+        from ..strict.activations import silu
+    else:
+        silu = torch.nn.functional.silu
+    cfg = SimpleNamespace(gated_linear_unit=True, activation_func=silu, activation_func_clamp_value=None,
+                          glu_linear_offset=0.0, tensor_model_parallel_size=1)
+    return MiniteActivation(cfg).activation(h)
+
+
+def route(logits: torch.Tensor, topk: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic top-k on FP32 logits ``[T, E]`` -> ``(probs [T, E] fp32, routing_map bool)``.
+
+    ``renormalize`` (HF ``norm_topk_prob``) is Megatron's softmax over the selected k
+    (``moe_router_pre_softmax=False``); without it, softmax over all experts then top-k."""
+    from ..strict.router import topk_routing
+
+    return topk_routing(logits.float(), topk, score_function="softmax", use_pre_softmax=not renormalize)
+
+
+def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
+                renormalize: bool = True, strict: bool = False, backend=None) -> torch.Tensor:
+    """The learner's MoE block (module docstring) on ``x [T, H]`` bf16 with FP32 ``logits [T, E]``.
+
+    Args:
+        w13: ``[E, 2F, H]`` NVFP4, ``"group"`` scales (each expert's gate/up with one global scale);
+        w2: ``[E, H, F]`` NVFP4, ``"group"`` scales.
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    Raises:
+        ValueError for NaN logits (strict top-k refuses to route them) or mismatched shapes.
+    """
+    from ..strict.moe import deterministic_unpermute
+
+    be = backend if backend is not None and not isinstance(backend, str) else nvfp4.get_backend(backend, x.device)
+    tokens, experts = logits.shape
+    if w13.global_scale != "group" or w2.global_scale != "group" or w13.shape[0] != experts or w2.shape[0] != experts:
+        raise ValueError(f"moe_forward: need [E, ., .] group-scaled experts for {experts} experts, got "
+                         f"{tuple(w13.shape)} / {tuple(w2.shape)}")
+    probs, routing_map = route(logits, topk, renormalize)
+    # Megatron's permute: expert-major, tokens in increasing order inside an expert
+    expert_of, token_of = routing_map.t().nonzero(as_tuple=True)
+    permuted_probs = probs.t()[expert_of, token_of]
+    group_sizes = routing_map.sum(0).tolist()
+    h = be.grouped_gemm(quantize_tokens(x[token_of], be), w13, group_sizes, None, x.dtype, strict)
+    act = glu_activation(h, strict)
+    inter = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)
+    y = be.grouped_gemm(quantize_tokens(inter, be), w2, group_sizes, None, x.dtype, strict)
+    return deterministic_unpermute(y, token_of, tokens)
+
+
+__all__ = ["glu_activation", "high_precision_linear", "moe_forward", "nvfp4_linear", "quantize_tokens", "route",
+           "weight_view"]
