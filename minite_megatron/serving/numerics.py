@@ -11,9 +11,9 @@ itself still computes its own way):
 - :func:`high_precision_linear`: the router and the LM head: FP32 logits from the BF16 operands
   (the batch-invariant strict GEMM in strict mode, else ``x.float() @ W.float().T``), as
   ``StrictTopKRouter.gating`` / Megatron's fp32 router and ``FP32OutputLayer`` do.
-- :func:`moe_forward`: the MoE block of the learner's spec (``StrictMoELayer`` + ``TEGroupedMLP``
-  with NVFP4 grouped experts): deterministic top-k routing on FP32 logits
-  (:func:`~minite_megatron.strict.router.topk_routing`), tokens permuted expert-major, fc1 per token
+- :func:`moe_forward`: the MoE block of the learner's spec (``StrictMoELayer`` / ``MoELayer`` +
+  ``TEGroupedMLP`` with NVFP4 grouped experts): the learner's top-k routing on FP32 logits
+  (:func:`route`: strict or Megatron's), tokens permuted expert-major, fc1 per token
   quantized, the GLU activation of :class:`~minite_megatron.modules.activation.MiniteActivation`,
   the router probability applied in fp32 and rounded to bf16 (Megatron's ``bias_act_func``), fc2,
   and :func:`~minite_megatron.strict.moe.deterministic_unpermute` (experts added in increasing
@@ -106,14 +106,31 @@ def glu_activation(h: torch.Tensor, strict: bool) -> torch.Tensor:
     return MiniteActivation(cfg).activation(h)
 
 
-def route(logits: torch.Tensor, topk: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic top-k on FP32 logits ``[T, E]`` -> ``(probs [T, E] fp32, routing_map bool)``.
+def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's top-k on FP32 logits ``[T, E]`` -> ``(probs [T, E] fp32, routing_map bool)``.
 
     ``renormalize`` (HF ``norm_topk_prob``) is Megatron's softmax over the selected k
-    (``moe_router_pre_softmax=False``); without it, softmax over all experts then top-k."""
-    from ..strict.router import topk_routing
+    (``moe_router_pre_softmax=False``); without it, softmax over all experts then top-k.
 
-    return topk_routing(logits.float(), topk, score_function="softmax", use_pre_softmax=not renormalize)
+    Strict mode: :func:`~minite_megatron.strict.router.topk_routing` (``StrictTopKRouter``: stable
+    top-k, the fixed-order softmax). Default mode: Megatron's ``topk_routing_with_score_function``
+    (``TopKRouter``: ``torch.topk`` and ``torch.softmax``) with the experts of a *sorted*
+    ``torch.topk``, i.e. the learner's training forward. Megatron itself sorts the top-k only
+    while grad is enabled (``sorted=torch.is_grad_enabled()``), and the softmax over the k
+    selected logits sums them in that order: with ``topk >= 3`` the learner's own no-grad forward
+    can differ from its training forward in the last bits of the probabilities
+    (``docs/serving.md``). The plugin serves the training forward's bits."""
+    logits = logits.float()
+    if strict:
+        from ..strict.router import topk_routing
+
+        return topk_routing(logits, topk, score_function="softmax", use_pre_softmax=not renormalize)
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    scores = logits if renormalize else torch.softmax(logits, dim=-1, dtype=torch.float32)
+    chosen = torch.topk(scores, k=topk, dim=1, sorted=True).indices
+    return topk_routing_with_score_function(logits, topk, use_pre_softmax=not renormalize, score_function="softmax",
+                                            precomputed_indices=chosen)
 
 
 def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
@@ -135,7 +152,7 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     if w13.global_scale != "group" or w2.global_scale != "group" or w13.shape[0] != experts or w2.shape[0] != experts:
         raise ValueError(f"moe_forward: need [E, ., .] group-scaled experts for {experts} experts, got "
                          f"{tuple(w13.shape)} / {tuple(w2.shape)}")
-    probs, routing_map = route(logits, topk, renormalize)
+    probs, routing_map = route(logits, topk, renormalize, strict)
     # Megatron's permute: expert-major, tokens in increasing order inside an expert
     expert_of, token_of = routing_map.t().nonzero(as_tuple=True)
     permuted_probs = probs.t()[expert_of, token_of]
