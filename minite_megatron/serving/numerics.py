@@ -133,22 +133,17 @@ def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = Fal
                                             precomputed_indices=chosen)
 
 
-def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
-                renormalize: bool = True, strict: bool = False, backend=None) -> torch.Tensor:
-    """The learner's MoE block (module docstring) on ``x [T, H]`` bf16 with FP32 ``logits [T, E]``.
+def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
+                    renormalize: bool = True, strict: bool = False, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' outputs before the combine: ``(rows [P, H] in x.dtype, token_of [P])``.
 
-    Args:
-        w13: ``[E, 2F, H]`` NVFP4, ``"group"`` scales (each expert's gate/up with one global scale);
-        w2: ``[E, H, F]`` NVFP4, ``"group"`` scales.
-    Returns:
-        ``[T, H]`` in ``x.dtype``.
-    Raises:
-        ValueError for NaN logits (strict top-k refuses to route them) or mismatched shapes.
+    ``P = T * topk`` rows in Megatron's permuted order (expert-major, tokens increasing inside an
+    expert), each the fc2 output of one (token, expert) pair with the router probability applied
+    to the activation: what Megatron's ``TEGroupedMLP`` returns to the token dispatcher.
+    Args / raises: as :func:`moe_forward`.
     """
-    from ..strict.moe import deterministic_unpermute
-
     be = backend if backend is not None and not isinstance(backend, str) else nvfp4.get_backend(backend, x.device)
-    tokens, experts = logits.shape
+    experts = logits.shape[1]
     if w13.global_scale != "group" or w2.global_scale != "group" or w13.shape[0] != experts or w2.shape[0] != experts:
         raise ValueError(f"moe_forward: need [E, ., .] group-scaled experts for {experts} experts, got "
                          f"{tuple(w13.shape)} / {tuple(w2.shape)}")
@@ -160,9 +155,33 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     h = be.grouped_gemm(quantize_tokens(x[token_of], be), w13, group_sizes, None, x.dtype, strict)
     act = glu_activation(h, strict)
     inter = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)
-    y = be.grouped_gemm(quantize_tokens(inter, be), w2, group_sizes, None, x.dtype, strict)
-    return deterministic_unpermute(y, token_of, tokens)
+    return be.grouped_gemm(quantize_tokens(inter, be), w2, group_sizes, None, x.dtype, strict), token_of
 
 
-__all__ = ["glu_activation", "high_precision_linear", "moe_forward", "nvfp4_linear", "quantize_tokens", "route",
+def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
+                renormalize: bool = True, strict: bool = False, backend=None) -> torch.Tensor:
+    """The learner's MoE block (module docstring) on ``x [T, H]`` bf16 with FP32 ``logits [T, E]``.
+
+    The combine is :func:`~minite_megatron.strict.moe.deterministic_unpermute` (a token's rows
+    added in increasing expert order, one bf16 rounding per add) in both modes: strict mode's
+    ``StrictMoELayer`` combine. Megatron's own ``MoELayer`` (the default-mode layer on ``main``)
+    combines with ``scatter_add_`` instead: on a CPU an fp32 sum rounded once to bf16, on a GPU bf16
+    atomics in arrival order (``docs/serving.md``).
+
+    Args:
+        w13: ``[E, 2F, H]`` NVFP4, ``"group"`` scales (each expert's gate/up with one global scale);
+        w2: ``[E, H, F]`` NVFP4, ``"group"`` scales.
+    Returns:
+        ``[T, H]`` in ``x.dtype``.
+    Raises:
+        ValueError for NaN logits (strict top-k refuses to route them) or mismatched shapes.
+    """
+    from ..strict.moe import deterministic_unpermute
+
+    rows, token_of = moe_expert_rows(x, logits, w13, w2, topk=topk, renormalize=renormalize, strict=strict,
+                                     backend=backend)
+    return deterministic_unpermute(rows, token_of, logits.shape[0])
+
+
+__all__ = ["glu_activation", "high_precision_linear", "moe_expert_rows", "moe_forward", "nvfp4_linear", "quantize_tokens", "route",
            "weight_view"]

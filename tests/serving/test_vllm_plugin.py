@@ -32,23 +32,6 @@ from test_engine_rules import CFG, _amax, _weights  # noqa: E402
 HIDDEN, HEADS, KV, HEAD_DIM, EXPERTS, TOPK, FFN, MOE_FFN = 64, 4, 2, 16, 4, 2, 96, 32
 
 
-@pytest.fixture(scope="module")
-def vllm_env():
-    """One vLLM process state for the module: config, gloo world of 1, TP=EP=1, plugins loaded."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.plugins import load_general_plugins
-
-    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
-    ctx.__enter__()
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29517",
-                                 local_rank=0, backend="gloo")
-    initialize_model_parallel(1, 1)
-    load_general_plugins()
-    yield
-    ctx.__exit__(None, None, None)
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["default", "strict"])
 def export(request, tmp_path_factory):
     recipe = Recipe(strict=request.param)
@@ -286,11 +269,19 @@ def test_router_and_lm_head_are_fp32_as_the_learner(loaded):
 
 def _contract_moe(x, W, recipe):
     """The learner's MoE block composed by hand from the contract (independent of numerics.py's
-    permutation code): per expert, per-token quantized fc1, SwiGLU, prob in fp32 -> bf16, fc2; rows
-    added per token in increasing expert order starting from +0."""
+    permutation code): the learner's routing (strict top-k, or Megatron's), per expert, per-token
+    quantized fc1, SwiGLU, prob in fp32 -> bf16, fc2; rows added per token in increasing expert
+    order starting from +0 (the strict combine; ``test_learner_oracle`` compares with the
+    learner's own MoE layer)."""
     wr = W["decoder.layers.1.mlp.router.weight"].to(torch.bfloat16)
     logits = numerics.high_precision_linear(x, wr, strict=recipe.strict)
-    probs, rmap = topk_routing(logits, TOPK, use_pre_softmax=False)
+    if recipe.strict:
+        probs, rmap = topk_routing(logits, TOPK, use_pre_softmax=False)
+    else:  # Megatron's TopKRouter in the training forward (grad enabled: sorted top-k)
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        with torch.enable_grad():
+            probs, rmap = topk_routing_with_score_function(logits, TOPK, use_pre_softmax=False)
     fc1, fc2 = W["decoder.layers.1.mlp.experts.linear_fc1.weight"], W["decoder.layers.1.mlp.experts.linear_fc2.weight"]
     rows, owners = [], []
     for e in range(EXPERTS):
