@@ -197,7 +197,7 @@ def test_layers_get_the_plugin_methods(loaded):
     assert type(m.qkv.quant_method).__name__ == "MiniteNvfp4LinearMethod"
     assert type(m.gate.quant_method).__name__ == "MiniteFP32LinearMethod"
     assert type(m.moe.routed_experts.quant_method).__name__ == "MiniteNvfp4MoEMethod"
-    want_head = "MiniteFP32LinearMethod" if loaded[4].fp32_lm_head else "UnquantizedLinearMethod"
+    want_head = "MiniteFP32LinearMethod" if loaded[4].fp32_lm_head else "MiniteBF16LinearMethod"
     assert type(m.lm_head.quant_method).__name__ == want_head
 
 

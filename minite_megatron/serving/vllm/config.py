@@ -8,8 +8,9 @@ its method (:mod:`.methods`):
   ...): :class:`~.methods.MiniteNvfp4LinearMethod`;
 - the routed experts (vLLM's ``RoutedExperts`` inside ``FusedMoE``): :class:`~.methods.MiniteNvfp4MoEMethod`;
 - the router (``*.mlp.gate``) and, with ``fp32_lm_head``, the LM head: FP32 logits
-  (:class:`~.methods.MiniteFP32LinearMethod`); other high-precision linears (BF16 layers of the
-  recipe) in strict mode: the batch-invariant BF16 GEMM (:class:`~.methods.MiniteBF16LinearMethod`);
+  (:class:`~.methods.MiniteFP32LinearMethod`); the BF16 LM head and the other high-precision
+  linears (BF16 layers of the recipe): the learner's BF16 GEMM (:class:`~.methods.MiniteBF16LinearMethod`;
+  batch invariant in strict mode), never vLLM's CPU repacking, so a refit updates them in place;
 - everything else (embeddings, attention): vLLM's own.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -105,12 +106,12 @@ class MiniteNvfp4Config(QuantizationConfig):
         from . import methods
 
         if isinstance(layer, ParallelLMHead):
-            return methods.MiniteFP32LinearMethod(self) if self.fp32_lm_head else UnquantizedLinearMethod()
+            return methods.MiniteFP32LinearMethod(self) if self.fp32_lm_head else methods.MiniteBF16LinearMethod(self)
         if isinstance(layer, LinearBase):
             if prefix.endswith(".mlp.gate"):  # the MoE router
-                return methods.MiniteFP32LinearMethod(self) if self.fp32_router else UnquantizedLinearMethod()
+                return methods.MiniteFP32LinearMethod(self) if self.fp32_router else methods.MiniteBF16LinearMethod(self)
             if self.is_excluded(prefix):
-                return methods.MiniteBF16LinearMethod(self) if self.strict else UnquantizedLinearMethod()
+                return methods.MiniteBF16LinearMethod(self)
             return methods.MiniteNvfp4LinearMethod(self)
         if isinstance(layer, RoutedExperts):
             if self.is_excluded(prefix) or self.is_excluded(prefix.removesuffix(".routed_experts")):

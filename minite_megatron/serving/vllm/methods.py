@@ -102,7 +102,7 @@ class MiniteFP32LinearMethod(UnquantizedLinearMethod):
         self.quant_config = quant_config
 
     def process_weights_after_loading(self, layer) -> None:
-        pass  # keep the weight as loaded (vLLM's CPU path would repack it for its own GEMM)
+        pass  # keep the weight as loaded (vLLM's CPU path would repack it into oneDNN's layout and drop it)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return numerics.high_precision_linear(x, layer.weight, bias, strict=self.quant_config.strict,
@@ -111,10 +111,11 @@ class MiniteFP32LinearMethod(UnquantizedLinearMethod):
 
 @register_weight_loader_v2_supported_method
 class MiniteBF16LinearMethod(MiniteFP32LinearMethod):
-    """A linear the recipe keeps in BF16, in strict mode: the learner's batch-invariant GEMM."""
+    """A linear the recipe keeps in BF16 (the BF16 LM head, BF16 layers): the learner's GEMM
+    (``F.linear`` in BF16, as Megatron's linears; strict mode: the batch-invariant GEMM)."""
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return numerics.high_precision_linear(x, layer.weight, bias, strict=True, out_dtype=x.dtype)
+        return numerics.high_precision_linear(x, layer.weight, bias, strict=self.quant_config.strict, out_dtype=x.dtype)
 
 
 class MiniteNvfp4MoEMethod(FusedMoEMethodBase):
