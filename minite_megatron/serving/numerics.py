@@ -147,6 +147,12 @@ def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2:
     if w13.global_scale != "group" or w2.global_scale != "group" or w13.shape[0] != experts or w2.shape[0] != experts:
         raise ValueError(f"moe_forward: need [E, ., .] group-scaled experts for {experts} experts, got "
                          f"{tuple(w13.shape)} / {tuple(w2.shape)}")
+    # a token with NaN router logits (garbage hidden states, e.g. vLLM's profiling forward over
+    # uninitialized attention output) is routed as if its logits were 0 and its rows are NaN: the
+    # NaN stays visible and no other token changes (the learner's strict router raises instead)
+    bad = torch.isnan(logits).any(dim=1)
+    if bool(bad.any()):
+        logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
     probs, routing_map = route(logits, topk, renormalize, strict)
     # Megatron's permute: expert-major, tokens in increasing order inside an expert
     expert_of, token_of = routing_map.t().nonzero(as_tuple=True)
@@ -155,7 +161,10 @@ def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2:
     h = be.grouped_gemm(quantize_tokens(x[token_of], be), w13, group_sizes, None, x.dtype, strict)
     act = glu_activation(h, strict)
     inter = (act * permuted_probs.unsqueeze(-1)).to(act.dtype)
-    return be.grouped_gemm(quantize_tokens(inter, be), w2, group_sizes, None, x.dtype, strict), token_of
+    rows = be.grouped_gemm(quantize_tokens(inter, be), w2, group_sizes, None, x.dtype, strict)
+    if bool(bad.any()):
+        rows = torch.where(bad[token_of][:, None], torch.full_like(rows, float("nan")), rows)
+    return rows, token_of
 
 
 def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
@@ -173,8 +182,11 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
         w2: ``[E, H, F]`` NVFP4, ``"group"`` scales.
     Returns:
         ``[T, H]`` in ``x.dtype``.
+    Non-finite input: a token whose router logits hold a NaN gets a NaN output row (the learner's
+    strict router raises on it; a serving engine must not die on one request or on vLLM's
+    profiling forward); the other tokens are unchanged.
     Raises:
-        ValueError for NaN logits (strict top-k refuses to route them) or mismatched shapes.
+        ValueError for mismatched shapes.
     """
     from ..strict.moe import deterministic_unpermute
 

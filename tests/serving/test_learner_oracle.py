@@ -186,3 +186,18 @@ def test_default_mode_routing_sorts_the_top_k_as_the_training_forward():
         probs, rmap = numerics.route(logits, 8, True, strict=False)
     assert torch.equal(rmap, train_map) and torch.equal(nograd_map, train_map)
     assert_bitwise_equal(probs, train_probs, "plugin routing vs the training forward")
+
+
+def test_a_nan_token_gives_nan_and_leaves_the_others_alone(pair):
+    """Pins: vLLM's profiling forward feeds the MoE garbage (its attention returns an
+    uninitialized buffer without metadata); the strict router refused the NaN and killed the
+    engine. Now that token's output is NaN, every other token's is what it was."""
+    _, root, vc, _ = pair
+    x = _x()
+    bad = x.clone()
+    bad[4] = float("nan")
+    with V.running(vc):
+        want, got = root.moe(x), root.moe(bad)
+    assert bool(torch.isnan(got[4]).all())
+    keep = [i for i in range(x.shape[0]) if i != 4]
+    assert_bitwise_equal(got[keep], want[keep], "the other tokens")
