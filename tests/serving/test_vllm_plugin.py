@@ -74,6 +74,8 @@ def test_stock_vllm_refuses_the_default_export(export, tmp_path):
     ModelOpt NVFP4 config refuses its quantization_config as well (the stock path never loads it)."""
     import subprocess
 
+    if export[2].strict:
+        pytest.skip("the strict export declares the same quantization method: one stock-vLLM process suffices")
     d = export[0]
     code = ("from vllm.config import ModelConfig\n"
             f"ModelConfig(model={str(d)!r}, skip_tokenizer_init=True, dtype='bfloat16')\n")
