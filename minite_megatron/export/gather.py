@@ -308,28 +308,22 @@ def gather_learner_weights(model: torch.nn.Module, *, dst: int = 0) -> tuple[dic
         ranks = dist.get_process_group_ranks(group) if size > 1 else [me]
         if dst not in ranks:
             continue  # a data-parallel replica: the destination's groups hold its copy
-        local = [_parts(it.value) for it in members]
-        received = None
+        header = torch.tensor(coord + [0] * (2 - len(coord)), dtype=torch.int32).view(torch.uint8)
+        buf = torch.cat([header.to(_device_of(members))] + [c for it in members for c in _parts(it.value)])
+        received = [buf]  # a group of one: this rank holds everything
         if size > 1:
-            header = torch.tensor(coord + [0] * (2 - len(coord)), dtype=torch.int32).view(torch.uint8)
-            buf = torch.cat([header] + [c for chunks in local for c in chunks])
-            dev_buf = buf.to(_device_of(members))
-            gathered = [torch.empty_like(dev_buf) for _ in range(size)] if me == dst else None
-            dist.gather(dev_buf, gathered, dst=dst, group=group)
+            received = [torch.empty_like(buf) for _ in range(size)] if me == dst else None
+            dist.gather(buf, received, dst=dst, group=group)  # stays on the device
             stats.collectives += 1
             if me != dst:
                 stats.bytes_sent += buf.numel()
             else:
-                received = [g.cpu() for g in gathered]
                 moved = (size - 1) * buf.numel()
                 stats.bytes_received += moved
                 stats.bf16_bytes_received += (size - 1) * sum(_bf16_nbytes(it.value) for it in members)
                 stats.per_kind[kind] = stats.per_kind.get(kind, 0) + moved
         if out is None:
             continue
-        if received is None:  # a group of one: this rank holds everything
-            received = [torch.cat([torch.tensor(coord + [0] * (2 - len(coord)), dtype=torch.int32).view(torch.uint8)]
-                                  + [c.cpu() for chunks in local for c in chunks])]
         _assemble(out, kind, members, received, tp if kind == "dense" else etp)
     return out, stats
 
@@ -343,7 +337,7 @@ def _assemble(out: dict, kind: str, members: list[_Item], received: list[torch.T
     """Unpack each rank's buffer (coordinates first) and put every weight of the bucket together."""
     per_rank: dict[tuple, list] = {}
     for buf in received:
-        coord = tuple(int(c) for c in buf[:8].view(torch.int32))
+        coord = tuple(int(c) for c in buf[:8].cpu().view(torch.int32))
         sizes = [_nbytes(it.value) for it in members]
         chunks = torch.split(buf[8:], sizes)
         per_rank[coord if kind == "expert" else (coord[0],)] = [_unparts(it.value, ch) for it, ch in zip(members, chunks)]
