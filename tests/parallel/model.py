@@ -96,9 +96,14 @@ def transformer_config(layout, *, params_dtype=torch.float32, **overrides):
     """The tiny MoE's ``TransformerConfig`` under ``layout`` (a :class:`layouts.Layout`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # megatron.training's pipeline defaults (argument_utils.core_transformer_config_from_args):
+    # outputs deallocated after they are sent, and for the interleaved schedule overlapped p2p
+    # (not batched: with pp=2 a batch would hold two sends between the same two ranks)
+    interleaved = layout.vp is not None
     kw = dict(TINY_MOE, activation_func=torch.nn.functional.silu, params_dtype=params_dtype,
               pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-              fp16=params_dtype == torch.float16)
+              fp16=params_dtype == torch.float16, deallocate_pipeline_outputs=True,
+              overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
     kw.update(overrides)
     return TransformerConfig(
         **kw,

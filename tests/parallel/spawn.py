@@ -37,10 +37,14 @@ def resolve(path: str):
 def _set_up(rank: int, world_size: int, backend: str, local_rank: int) -> None:
     for name in [k for k in os.environ if k.startswith("NVTE_")]:
         del os.environ[name]  # Megatron exports these per attention backend; the parent's must not leak
+    import logging
+
     import torch
     import torch.distributed as dist
 
     from minite_megatron.launch import prepare
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # Megatron logs every bucket at INFO
 
     prepare()  # CPU layer (no GPU only), the megatron.training fixes, the upstream patches
     if torch.cuda.is_available():

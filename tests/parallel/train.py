@@ -185,7 +185,9 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
     set_parallel(layout)
     config = tiny.transformer_config(layout)
     chunks = tiny.build_chunks(run.spec, config)
-    if not os.path.isdir(init):
+    have_init = [os.path.isdir(init)]
+    dist.broadcast_object_list(have_init, src=0)  # every rank decides alike (rank 0 may be writing it)
+    if not have_init[0]:
         checkpoint.save(init, chunks)  # the first run's own weights become everyone's
     checkpoint.load(init, chunks)
 
