@@ -2,10 +2,12 @@
 
 :func:`save` / :func:`load` make the same megatron-core calls as ``megatron.training.checkpointing``
 (``generate_state_dict``, ``dist_checkpointing.save/load``, ``load_model_state_dict``,
-``optimizer.load_state_dict``) with the same content metadata (``chained_optim_avoid_prefix``,
-``distrib_optim_sharding_type`` = ``fully_reshardable`` for the distributed optimizer, so it
-reshards across layouts), without megatron.training's global arguments. A checkpoint is a folder
-holding the iteration and every model chunk's and the optimizer's sharded state.
+``optimizer.load_state_dict``) with the same content metadata (``chained_optim_avoid_prefix``;
+for the distributed optimizer ``distrib_optim_sharding_type`` = ``dp_reshardable``, Megatron's
+default, or ``fully_reshardable``, what ``--dist-ckpt-optim-fully-reshardable`` saves and what
+loading into another TP/PP layout needs), without megatron.training's global arguments. Loading
+reads the sharding type from the checkpoint's content metadata, as megatron.training does. A
+checkpoint is a folder holding the iteration and every model chunk's and the optimizer's state.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from __future__ import annotations
 import os
 
 
-def content_metadata(use_distributed_optimizer: bool) -> dict:
+def content_metadata(use_distributed_optimizer: bool, sharding_type: str = "dp_reshardable") -> dict:
     """``_build_sharded_state_dict_metadata`` of megatron.training for this run."""
     from megatron.core import parallel_state as ps
 
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if use_distributed_optimizer:
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
-        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+        metadata["distrib_optim_sharding_type"] = sharding_type
+        if sharding_type == "fully_reshardable":
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     return metadata
 
@@ -42,12 +45,13 @@ def _serializable(metadata: dict) -> dict:
     return {k: v for k, v in metadata.items() if k != "dp_cp_group"}
 
 
-def save(directory: str, chunks: list, optimizer=None, *, iteration: int = 0, use_distributed_optimizer: bool = False):
+def save(directory: str, chunks: list, optimizer=None, *, iteration: int = 0, use_distributed_optimizer: bool = False,
+         sharding_type: str = "dp_reshardable"):
     """Write ``chunks`` (DDP-wrapped or not) and ``optimizer`` (or None: weights only) to ``directory``."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(directory, exist_ok=True)
-    metadata = content_metadata(use_distributed_optimizer)
+    metadata = content_metadata(use_distributed_optimizer, sharding_type)
     state = _state_dict(chunks, optimizer, metadata, iteration, is_loading=False)
     dist_checkpointing.save(state, directory, content_metadata=_serializable(metadata))
 
@@ -61,7 +65,8 @@ def load(directory: str, chunks: list, optimizer=None, *, use_distributed_optimi
     """
     from megatron.core import dist_checkpointing
 
-    metadata = content_metadata(use_distributed_optimizer)
+    saved = dist_checkpointing.load_content_metadata(directory) or {}
+    metadata = content_metadata(use_distributed_optimizer, saved.get("distrib_optim_sharding_type", "dp_reshardable"))
     state = _state_dict(chunks, optimizer, metadata, 0, is_loading=True)
     loaded = dist_checkpointing.load(state, directory)
     from megatron.core.utils import unwrap_model

@@ -50,6 +50,8 @@ class Run:
     save_at: int | None = None  # save model + optimizer after this step ...
     save_dir: str | None = None  # ... into this folder
     resume_from: str | None = None  # continue from this checkpoint (its iteration) to `steps`
+    resume_optimizer: bool = True  # False: weights only, a fresh optimizer (a negative control)
+    sharding_type: str = "dp_reshardable"  # distributed optimizer checkpoints (Megatron's default)
     nan_grad_at: int | None = None  # inject a NaN gradient at this step (faults)
     optimizer: dict = field(default_factory=dict)  # OptimizerConfig overrides
     ddp: dict = field(default_factory=dict)  # DistributedDataParallelConfig overrides
@@ -209,7 +211,8 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
 
     start = 0
     if run.resume_from:
-        start = checkpoint.load(run.resume_from, ddp_chunks, optimizer, use_distributed_optimizer=layout.do)
+        start = checkpoint.load(run.resume_from, ddp_chunks, optimizer if run.resume_optimizer else None,
+                                use_distributed_optimizer=layout.do)
     recorder = _Recorder()
     forward_step = _forward_step_func(recorder, run.nan_grad_at)
     forward_backward = get_forward_backward_func()
@@ -240,7 +243,8 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
         skipped.append(not ok)
         grad_norms.append(None if grad_norm is None else float(grad_norm))
         if run.save_at == step:
-            checkpoint.save(run.save_dir, ddp_chunks, optimizer, iteration=step, use_distributed_optimizer=layout.do)
+            checkpoint.save(run.save_dir, ddp_chunks, optimizer, iteration=step, use_distributed_optimizer=layout.do,
+                            sharding_type=run.sharding_type)
     losses = _gather_losses(recorder, steps)
     final_dir = os.path.join(work_dir, f"final_{run.key.replace(':', '_')}")
     checkpoint.save(final_dir, ddp_chunks)
