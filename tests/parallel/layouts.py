@@ -142,16 +142,26 @@ class Expectation:
     why: tuple[str, ...]
 
 
-def expectations(layout: Layout, world: int, *, bitwise_capable: bool = True) -> Expectation:
+STOCHASTIC = (
+    "within the rule only: stochastic rounding of gradients draws a stream per rank (and the "
+    "forward from step 2 on sees weights updated with those gradients)"
+)
+GPU = "within the rule only: GPU GEMMs may pick their kernel (and K order) by the number of rows"
+
+
+def expectations(layout: Layout, world: int, *, bitwise_capable: bool = True, stochastic: bool = False) -> Expectation:
     """Which results of ``layout`` on ``world`` ranks must equal one process bit for bit.
 
     ``bitwise_capable``: the device's GEMMs give rows independent of M (true of the CPU
     kernels; not promised by cuBLAS, whose kernel choice depends on M: on GPUs every check falls
-    back to the rule unless strict mode).
+    back to the rule). ``stochastic``: the spec rounds gradients stochastically (the forward of
+    step 1 may still be bitwise).
     """
     if not bitwise_capable:
-        return Expectation(False, False, False, ("GPU GEMMs may pick kernels by M: every result within the rule",))
+        return Expectation(False, False, False, (GPU,) * 3)
     forward = layout.tp == 1 and layout.etp == 1
+    if stochastic:
+        return Expectation(forward, False, False, (FORWARD_EXACT if forward else FORWARD_TP, STOCHASTIC, STOCHASTIC))
     grads = forward and layout.dp(world) == 1 and layout.edp(world) == 1
     why = (
         FORWARD_EXACT if forward else FORWARD_TP,

@@ -87,7 +87,7 @@ def compare(results: dict, spec: str, layouts: list[str], world: int, *, bitwise
     rows = []
     for name in layouts:
         got = results[f"{spec}:{name}"]
-        exp = expectations(parse(name), world, bitwise_capable=bitwise_capable and spec != "nvfp4_sr")
+        exp = expectations(parse(name), world, bitwise_capable=bitwise_capable, stochastic=spec == "nvfp4_sr")
         tag = f"{spec}:{name}"
         steps = got["losses"].shape[0]
         for i in range(steps):
@@ -125,3 +125,10 @@ def distributed_optimizer_pairs(results: dict, spec: str, layouts: list[str], wo
         if bitwise:
             rows.append(_compare(f"{spec}:{name}", f"vs {plain}", True, DISTOPT_PAIR, tensors_a, tensors_b, tensors_b))
     return rows
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (0 when both are zero)."""
+    den = float(b.double().norm())
+    num = _dist(a, b)
+    return num / den if den else num

@@ -40,8 +40,10 @@ def reference_runs(specs: list[str], steps: int) -> list[Run]:
     return [Run(spec, "ref", steps=steps) for spec in needed]
 
 
-def layout_runs(specs: list[str], layouts: list[str], steps: int, init: str) -> list[Run]:
-    return [Run(spec, name, steps=steps, init=init) for spec in specs for name in layouts]
+def layout_runs(specs: list[str], layouts: list[str], steps: int, init: str,
+                also: list[tuple[str, str]] = ()) -> list[Run]:
+    pairs = [(spec, name) for spec in specs for name in layouts] + [p for p in also if p[0] not in specs]
+    return [Run(spec, name, steps=steps, init=init) for spec, name in pairs]
 
 
 def run_references(specs: list[str], steps: int, work_dir: str, backend: str = "gloo") -> dict:
@@ -51,17 +53,20 @@ def run_references(specs: list[str], steps: int, work_dir: str, backend: str = "
 
 
 def run_layouts(layouts: list[str], *, world: int = 2, backend: str = "gloo", specs: list[str] | None = None,
-                steps: int = 3, work_dir: str | None = None) -> dict:
-    """References + layouts; ``{"spec:layout": result}`` (see :mod:`tests.parallel.train`)."""
+                steps: int = 3, work_dir: str | None = None, also: list[tuple[str, str]] = ()) -> dict:
+    """References + layouts; ``{"spec:layout": result}`` (see :mod:`tests.parallel.train`).
+
+    Every layout runs with every spec of ``specs``; ``also`` adds single ``(spec, layout)`` runs.
+    """
     from .spawn import run_distributed
 
     specs = list(specs or ["nvfp4"])
-    _check_layouts(layouts, world)
+    _check_layouts(layouts + [name for _, name in also], world)
     with tempfile.TemporaryDirectory(prefix="minite_parallel_") as tmp:
         work_dir = work_dir or tmp
-        results = run_references(specs, steps, work_dir, backend)
+        results = run_references(list(dict.fromkeys([*specs, *(s for s, _ in also)])), steps, work_dir, backend)
         init = os.path.join(work_dir, "init")
-        results |= run_distributed(WORKER, world, backend, runs=layout_runs(specs, layouts, steps, init),
+        results |= run_distributed(WORKER, world, backend, runs=layout_runs(specs, layouts, steps, init, also),
                                    work_dir=work_dir)[0]
     return results
 
