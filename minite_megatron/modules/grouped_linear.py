@@ -33,6 +33,7 @@ from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
 from .linear import check_multiple_of_16
+from .naming import names_nonfinite
 
 
 def _pg_size(group) -> int:
@@ -134,6 +135,7 @@ class NVFP4GroupedLinear(MegatronModule):
     def trace_name(self, name: str | None) -> None:
         self.minite_ctx.trace_name = name
 
+    @names_nonfinite
     def forward(self, x: torch.Tensor, tokens_per_expert):
         sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None

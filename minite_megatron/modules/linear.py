@@ -25,6 +25,7 @@ from ..nvfp4.formats import BLOCK
 from ..ops.linear import LinearContext, nvfp4_linear
 from ..ops.weight_cache import QuantizedWeightCache
 from ..recipe import Recipe
+from .naming import names_nonfinite
 
 
 class MiniteConfigError(ValueError):
@@ -71,6 +72,7 @@ class _NVFP4LinearMixin:
             self.weight, lambda w: quantize_weight(w, self.recipe, backend, self.minite_ctx), extra=backend.name
         )
 
+    @names_nonfinite
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.precision == "nvfp4":
             return nvfp4_linear(x, weight, bias, self.minite_ctx)

@@ -55,7 +55,7 @@ from .grouped import (
     quantize_wgrad_operand,
 )
 from .hadamard import hadamard_matrix, rht16, rht_signs
-from .quantize import global_scales, quantize_reference
+from .quantize import NonFiniteError, global_scales, quantize_reference
 from .swizzle import swizzle_scales, swizzled_numel, unswizzle_scales
 from .tensor import NVFP4Tensor
 
@@ -180,6 +180,7 @@ __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
     "NVFP4Tensor",
+    "NonFiniteError",
     "BackendUnavailable",
     "ReferenceBackend",
     "available_backends",

@@ -111,12 +111,18 @@ def validate_input(x: torch.Tensor, tile: tuple[int, int], global_scale: str) ->
             )
 
 
+class NonFiniteError(ValueError):
+    """Non-finite input under ``nonfinite="raise"``; the message names the first bad element
+    (and, raised through a minite module, that module: :mod:`minite_megatron.modules.naming`)."""
+
+
 def check_finite(x: torch.Tensor) -> None:
-    """The checked mode of the non-finite policy: raise naming the first bad element."""
+    """The checked mode of the non-finite policy: raise :class:`NonFiniteError` naming the first
+    bad element."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
+        raise NonFiniteError(
             f"nvfp4.quantize: input has {int(bad.sum())} non-finite value(s); first at index "
             f"{idx} = {x[idx].item()} (nonfinite='raise')"
         )
@@ -225,5 +231,6 @@ __all__ = [
     "quantize_reference",
     "validate_input",
     "check_finite",
+    "NonFiniteError",
     "E4M3_MAX",
 ]
