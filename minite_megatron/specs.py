@@ -245,8 +245,11 @@ def validate_config_for_minite(config, recipe: Recipe) -> None:
             "--transformer-impl minite replaces TE's FP4/FP8 recipes: drop --fp4-format/--fp8-format "
             "(or use TE with --fp4-recipe custom and miniTE's quantizer factory)"
         )
-    if config.num_moe_experts and recipe.bf16_first_layers + recipe.bf16_last_layers > config.num_layers:
-        raise MiniteConfigError("--minite-bf16-first-layers + --minite-bf16-last-layers exceeds --num-layers")
+    if recipe.bf16_first_layers + recipe.bf16_last_layers > config.num_layers:
+        raise MiniteConfigError(
+            f"--minite-bf16-first-layers {recipe.bf16_first_layers} + --minite-bf16-last-layers "
+            f"{recipe.bf16_last_layers} exceeds --num-layers {config.num_layers}"
+        )
 
 
 def get_gpt_decoder_layer_minite_specs(config, recipe: Recipe | None = None) -> list[ModuleSpec]:
