@@ -270,17 +270,19 @@ def _resolve_recipe(recipe: Any = None):
     return recipe
 
 
-def minite_layer_spec(config: Any, vp_stage: int | None = None, *, recipe: Any = None):
+def minite_layer_spec(config: Any, vp_stage: int | None = None, *, recipe: Any = None, moe_grouped_gemm: bool = True):
     """The minite decoder-block spec for ``config`` (a ``TransformerConfig`` or a megatron.training
     ``GPTModelConfig``, whose ``.transformer`` is used): :func:`minite_megatron.specs.
     get_gpt_decoder_block_minite_spec` for this (virtual) pipeline stage.
 
     ``recipe``: a ``Recipe``, a dict of recipe fields, or None (built from Megatron's global args).
+    ``moe_grouped_gemm=False``: Megatron's sequential experts of NVFP4 linears.
     """
     from .specs import get_gpt_decoder_block_minite_spec
 
     transformer_config = getattr(config, "transformer", config)
-    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=_resolve_recipe(recipe), vp_stage=vp_stage)
+    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=_resolve_recipe(recipe), vp_stage=vp_stage,
+                                             moe_grouped_gemm=moe_grouped_gemm)
 
 
 def finalize_gpt_model(model: Any, recipe: Any):
