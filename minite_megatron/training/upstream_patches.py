@@ -46,18 +46,20 @@ class FilePatch:
 
 
 def patch_dirs() -> list[Path]:
-    """Where the patches are: the source tree's ``patches/``, or the installed data files."""
+    """Where the patches are: the source tree's ``patches/``, or the installed data files
+    (``setup.cfg``; setuptools spells that folder with underscores)."""
     here = Path(__file__).resolve().parents[2] / "patches"
-    return [p for p in (here, Path(sys.prefix) / "share" / "minite-megatron" / "patches") if p.is_dir()]
+    return [p for p in (here, Path(sys.prefix) / "share" / "minite_megatron" / "patches") if p.is_dir()]
 
 
 def patches_for(version: str) -> list[Path]:
     """The patch files for megatron-core ``version`` (its release part, e.g. ``0.19.2``)."""
     release = re.match(r"\d+(\.\d+)*", version)
-    name = f"megatron-core-{release.group(0) if release else version}"
+    release = release.group(0) if release else version
     for root in patch_dirs():
-        if (root / name).is_dir():
-            return sorted((root / name).glob("*.patch"))
+        for name in (f"megatron-core-{release}", f"megatron_core_{release}"):
+            if (root / name).is_dir():
+                return sorted((root / name).glob("*.patch"))
     return []
 
 
