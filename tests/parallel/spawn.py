@@ -58,6 +58,8 @@ def _set_up(rank: int, world_size: int, backend: str, local_rank: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, target: str, kwargs: dict, out_dir: str, backend: str) -> None:
+    for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        del os.environ[name]  # spawned from a torchrun rank: rendezvous on our own port, not torchrun's store
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     out = os.path.join(out_dir, f"rank{rank}.pkl")
