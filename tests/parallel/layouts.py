@@ -54,9 +54,15 @@ class Layout:
         """Model chunks per rank (virtual pipeline stages)."""
         return self.vp or 1
 
-    def check(self, world: int, *, num_layers: int, num_experts: int, global_batch: int, micro_batch: int) -> None:
+    def check(self, world: int, *, num_layers: int, num_experts: int, global_batch: int, micro_batch: int,
+              num_query_groups: int | None = None, moe_ffn_hidden_size: int | None = None) -> None:
         """Raise :class:`LayoutError` when this layout cannot run ``world`` ranks of the model."""
         problems = []
+        if num_query_groups is not None and num_query_groups % self.tp:
+            problems.append(f"tp{self.tp} does not divide the {num_query_groups} query groups")
+        if moe_ffn_hidden_size is not None and (moe_ffn_hidden_size % self.etp or (moe_ffn_hidden_size // self.etp) % 16):
+            problems.append(f"etp{self.etp} leaves an expert FFN slice of {moe_ffn_hidden_size / self.etp:g}, "
+                            "not a multiple of 16 (NVFP4 blocks)")
         if world % (self.tp * self.pp):
             problems.append(f"tp*pp = {self.tp * self.pp} does not divide the world size {world}")
         elif world % (self.etp * self.ep * self.pp):
@@ -175,7 +181,9 @@ CI_LAYOUTS = ("tp2_sp", "ep2", "etp2", "tp2_sp_ep2", "pp2", "pp2_vp2", "dp", "dp
 """What CI runs on 2 gloo ranks (each also under the 2x rule against the exact model)."""
 
 MULTI_GPU_LAYOUTS = (
-    "tp2_sp", "ep2", "tp2_sp_ep4", "tp2_sp_etp2_ep2", "pp2", "pp2_vp2", "do", "tp2_sp_pp2_ep2_do",
-    "pp2_vp2_ep2_do", "tp4_sp_ep2",
+    "tp2_sp", "ep2", "ep4", "tp2_sp_ep4", "etp2_ep2", "tp2_sp_etp2_ep2", "pp2", "pp2_vp2", "dp_do",
+    "ep4_do", "tp2_sp_pp2_ep2_do", "pp2_vp2_ep2_do",
 )
-"""A suggested set for 8 GPUs (issue 12): every kind of parallelism and their combinations."""
+"""A suggested set for 8 GPUs (issue 12): every kind of parallelism and their combinations. The
+tiny model allows tp <= 2 (2 query groups) and etp <= 2 (expert FFN 32); on 8 ranks the runner
+raises the global batch so that every data-parallel rank gets micro-batches."""

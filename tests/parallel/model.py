@@ -16,7 +16,7 @@ Specs (``SPECS``):
   model the 2x rule measures errors against;
 * ``local``: Megatron's own local spec (with a sequence-parallel-capable norm), fp32.
 
-Data: step ``s`` trains on ``GLOBAL_BATCH`` sequences of a learnable toy language (each sequence
+Data: step ``s`` trains on ``GLOBAL_BATCH`` sequences (more when many data-parallel ranks need it) of a learnable toy language (each sequence
 counts up modulo the vocabulary from a random start); Megatron's data sampler order: micro-batch
 ``i`` of data-parallel rank ``r`` holds samples ``[(i * dp + r) * mbs, +mbs)``.
 """
@@ -158,19 +158,42 @@ def build_chunks(spec: str, config) -> list:
     return chunks
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, labels)`` ``[GLOBAL_BATCH, SEQ]`` of training step ``step`` (1-based)."""
+def check_layout(layout, world: int, global_batch: int = GLOBAL_BATCH) -> None:
+    """:meth:`layouts.Layout.check` for this model (raises ``LayoutError``)."""
+    layout.check(world, num_layers=TINY_MOE["num_layers"], num_experts=TINY_MOE["num_moe_experts"],
+                 global_batch=global_batch, micro_batch=MICRO_BATCH, num_query_groups=TINY_MOE["num_query_groups"],
+                 moe_ffn_hidden_size=TINY_MOE["moe_ffn_hidden_size"])
+
+
+def global_batch_for(layouts, world: int) -> int:
+    """The smallest global batch (>= ``GLOBAL_BATCH``, a multiple of it) every layout can split."""
+    from .layouts import LayoutError
+
+    size = GLOBAL_BATCH
+    while True:
+        try:
+            for layout in layouts:
+                check_layout(layout, world, size)
+            return size
+        except LayoutError as e:
+            if "global batch" not in str(e) and "micro-batches" not in str(e) or size >= 64 * GLOBAL_BATCH:
+                raise
+            size += GLOBAL_BATCH
+
+
+def global_batch(step: int, size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, labels)`` ``[size, SEQ]`` of training step ``step`` (1-based)."""
     g = torch.Generator().manual_seed(SEED * 1000 + step)
-    start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
-    stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
+    start = torch.randint(0, VOCAB, (size, 1), generator=g)
+    stride = torch.randint(1, 4, (size, 1), generator=g)
     seqs = (start + stride * torch.arange(SEQ + 1)) % VOCAB
     return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
-def micro_batches(step: int, dp: int, dp_rank: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def micro_batches(step: int, dp: int, dp_rank: int, size: int = GLOBAL_BATCH) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """This data-parallel rank's micro-batches of ``step``: ``(first sample index, tokens, labels)``."""
-    tokens, labels = global_batch(step)
-    n = GLOBAL_BATCH // (MICRO_BATCH * dp)
+    tokens, labels = global_batch(step, size)
+    n = size // (MICRO_BATCH * dp)
     out = []
     for i in range(n):
         first = (i * dp + dp_rank) * MICRO_BATCH

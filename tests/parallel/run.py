@@ -23,33 +23,33 @@ import tempfile
 import time
 
 from .layouts import CI_LAYOUTS, MULTI_GPU_LAYOUTS, LayoutError, parse
-from .model import EXACT_OF, GLOBAL_BATCH, MICRO_BATCH, SPECS, TINY_MOE
+from .model import EXACT_OF, SPECS, global_batch_for
 from .train import Run
 
 WORKER = "tests.parallel.train:worker"
 
 
-def _check_layouts(layouts: list[str], world: int) -> None:
-    for name in layouts:
-        parse(name).check(world, num_layers=TINY_MOE["num_layers"], num_experts=TINY_MOE["num_moe_experts"],
-                          global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH)
+def _global_batch(layouts: list[str], world: int) -> int:
+    """The global batch every layout (and one process) trains on; raises LayoutError."""
+    return global_batch_for([parse(name) for name in layouts], world)
 
 
-def reference_runs(specs: list[str], steps: int) -> list[Run]:
+def reference_runs(specs: list[str], steps: int, global_batch: int) -> list[Run]:
     needed = list(dict.fromkeys([*specs, *(EXACT_OF[s] for s in specs)]))
-    return [Run(spec, "ref", steps=steps) for spec in needed]
+    return [Run(spec, "ref", steps=steps, global_batch=global_batch) for spec in needed]
 
 
-def layout_runs(specs: list[str], layouts: list[str], steps: int, init: str,
+def layout_runs(specs: list[str], layouts: list[str], steps: int, init: str, global_batch: int,
                 also: list[tuple[str, str]] = ()) -> list[Run]:
-    pairs = [(spec, name) for spec in specs for name in layouts] + [p for p in also if p[0] not in specs]
-    return [Run(spec, name, steps=steps, init=init) for spec, name in pairs]
+    pairs = [(spec, name) for spec in specs for name in layouts] + [p for p in also if p not in
+                                                                    [(s, n) for s in specs for n in layouts]]
+    return [Run(spec, name, steps=steps, init=init, global_batch=global_batch) for spec, name in pairs]
 
 
-def run_references(specs: list[str], steps: int, work_dir: str, backend: str = "gloo") -> dict:
+def run_references(specs: list[str], steps: int, work_dir: str, backend: str = "gloo", global_batch: int = 4) -> dict:
     from .spawn import run_distributed
 
-    return run_distributed(WORKER, 1, backend, runs=reference_runs(specs, steps), work_dir=work_dir)[0]
+    return run_distributed(WORKER, 1, backend, runs=reference_runs(specs, steps, global_batch), work_dir=work_dir)[0]
 
 
 def run_layouts(layouts: list[str], *, world: int = 2, backend: str = "gloo", specs: list[str] | None = None,
@@ -61,12 +61,12 @@ def run_layouts(layouts: list[str], *, world: int = 2, backend: str = "gloo", sp
     from .spawn import run_distributed
 
     specs = list(specs or ["nvfp4"])
-    _check_layouts(layouts + [name for _, name in also], world)
+    size = _global_batch(layouts + [name for _, name in also], world)
     with tempfile.TemporaryDirectory(prefix="minite_parallel_") as tmp:
         work_dir = work_dir or tmp
-        results = run_references(list(dict.fromkeys([*specs, *(s for s, _ in also)])), steps, work_dir, backend)
+        results = run_references(list(dict.fromkeys([*specs, *(s for s, _ in also)])), steps, work_dir, backend, size)
         init = os.path.join(work_dir, "init")
-        results |= run_distributed(WORKER, world, backend, runs=layout_runs(specs, layouts, steps, init, also),
+        results |= run_distributed(WORKER, world, backend, runs=layout_runs(specs, layouts, steps, init, size, also),
                                    work_dir=work_dir)[0]
     return results
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown spec(s) {unknown}; known: {sorted(SPECS)}", file=sys.stderr)
         return 2
     try:
-        _check_layouts(layouts, args.nproc)
+        size = _global_batch(layouts, args.nproc)
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         rank = int(os.environ["RANK"])
         if rank == 0:
             os.makedirs(work_dir, exist_ok=True)
-            refs = run_references(specs, args.steps, work_dir, args.backend)
+            refs = run_references(specs, args.steps, work_dir, args.backend, size)
         results = run_in_this_process(WORKER, args.backend, runs=layout_runs(specs, layouts, args.steps,
-                                      os.path.join(work_dir, "init")), work_dir=work_dir)
+                                      os.path.join(work_dir, "init"), size), work_dir=work_dir)
         if rank != 0:
             return 0
         results |= refs

@@ -7,7 +7,9 @@ every step, the step-1 gradients (gathered into the single-process layout) and, 
 be bitwise, the final weights. Bitwise where the layout allows (``layouts.expectations`` says
 why per layout), else the 2x rule of ``docs/numerics.md``. The spec is the minite NVFP4 spec with
 nearest rounding of gradients (deterministic, so bitwise properties are visible on the product
-path); one layout also runs the default recipe (stochastic rounding: the rule only).
+path); one layout also runs the default recipe (stochastic rounding: the rule only), and the
+layouts that split sums also run the exact (fp32) spec, where the rule is the tight fp32
+re-association bound alone (``single`` is ``exact``).
 
 The same checks on more ranks / NCCL: ``python -m tests.parallel.run --nproc 8 --backend nccl
 --layouts multi-gpu`` (issue 12).
@@ -25,11 +27,13 @@ from tests.parallel.run import run_layouts
 pytestmark = [pytest.mark.multiproc]
 WORLD = 2
 SR = ("nvfp4_sr", "tp2_sp_ep2")
+EXACT = ("tp2_sp", "etp2", "tp2_sp_ep2", "ep2")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_layouts(list(CI_LAYOUTS), world=WORLD, specs=["nvfp4"], steps=3, also=[SR])
+    return run_layouts(list(CI_LAYOUTS), world=WORLD, specs=["nvfp4"], steps=3,
+                       also=[SR, *(("exact", name) for name in EXACT)])
 
 
 def test_references_are_real(results):
@@ -59,3 +63,11 @@ def test_default_recipe_with_stochastic_rounding_within_the_rule(results):
     assert rows and all(r.rule == "2x" for r in rows)  # tp2: not even the forward is bitwise
     failed = [str(r) for r in rows if not r.ok]
     assert failed == [], "\n".join(failed)
+
+
+@pytest.mark.parametrize("layout", EXACT)
+def test_fp32_layout_within_the_reassociation_bound(results, layout):
+    """The exact model (fp32 GEMMs) under the tight bound: what the NVFP4 rule's 2x term could hide."""
+    rows = compare(results, "exact", [layout], WORLD)
+    failed = [str(r) for r in rows if not r.ok]
+    assert rows and failed == [], "\n".join(failed)

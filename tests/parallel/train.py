@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,9 +52,7 @@ class Run:
     resume_from: str | None = None  # continue from this checkpoint (its iteration) to `steps`
     resume_optimizer: bool = True  # False: weights only, a fresh optimizer (a negative control)
     sharding_type: str = "dp_reshardable"  # distributed optimizer checkpoints (Megatron's default)
-    nan_grad_at: int | None = None  # inject a NaN gradient at this step (faults)
-    optimizer: dict = field(default_factory=dict)  # OptimizerConfig overrides
-    ddp: dict = field(default_factory=dict)  # DistributedDataParallelConfig overrides
+    global_batch: int = tiny.GLOBAL_BATCH  # sequences per step (the runner raises it for many DP ranks)
     tag: str = ""
 
     @property
@@ -88,15 +86,9 @@ class _Recorder:
     def __init__(self):
         self.step = 0
         self.rows: list[tuple[int, int, torch.Tensor]] = []
-        self.hooks: list = []
-
-    def remove_hooks(self) -> None:
-        for handle in self.hooks:
-            handle.remove()
-        self.hooks.clear()
 
 
-def _forward_step_func(recorder: _Recorder, nan_at: int | None):
+def _forward_step_func(recorder: _Recorder):
     from megatron.core import parallel_state as ps
 
     pos = torch.arange(tiny.SEQ, device=_device()).unsqueeze(0).expand(tiny.MICRO_BATCH, -1)
@@ -106,10 +98,6 @@ def _forward_step_func(recorder: _Recorder, nan_at: int | None):
         first, tokens, labels = next(data_iterator)
         tokens, labels = tokens.to(_device()), labels.to(_device())
         output = model(tokens, pos, mask, labels=labels)
-        if nan_at == recorder.step and first == 0 and getattr(model.module, "pre_process", False):
-            # a NaN gradient in the backward of the first micro-batch: the embedding weight's
-            weight = model.module.embedding.word_embeddings.weight
-            recorder.hooks.append(weight.register_hook(lambda g: torch.full_like(g, float("nan"))))
 
         def loss_func(output_tensor):
             per_token = output_tensor.float()
@@ -153,7 +141,7 @@ def _save_grads(directory: str, ddp_chunks: list, distributed_optimizer: bool) -
             p.copy_(b)
 
 
-def _gather_losses(recorder: _Recorder, steps: range) -> torch.Tensor | None:
+def _gather_losses(recorder: _Recorder, steps: range, global_batch: int) -> torch.Tensor | None:
     """Every rank's recorded micro-batch losses -> ``[steps, B, S]`` on rank 0."""
     import torch.distributed as dist
 
@@ -161,8 +149,8 @@ def _gather_losses(recorder: _Recorder, steps: range) -> torch.Tensor | None:
     dist.all_gather_object(every, recorder.rows)
     if dist.get_rank() != 0:
         return None
-    out = torch.full((len(steps), tiny.GLOBAL_BATCH, tiny.SEQ), float("nan"))
-    seen = torch.zeros(len(steps), tiny.GLOBAL_BATCH, dtype=torch.int)
+    out = torch.full((len(steps), global_batch, tiny.SEQ), float("nan"))
+    seen = torch.zeros(len(steps), global_batch, dtype=torch.int)
     for rows in every:
         for step, first, losses in rows:
             i = step - steps.start
@@ -181,8 +169,7 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     layout = parse(run.layout)
-    layout.check(world, num_layers=tiny.TINY_MOE["num_layers"], num_experts=tiny.TINY_MOE["num_moe_experts"],
-                 global_batch=tiny.GLOBAL_BATCH, micro_batch=tiny.MICRO_BATCH)
+    tiny.check_layout(layout, world, run.global_batch)
     init = run.init or os.path.join(work_dir, "init")
     set_parallel(layout)
     config = tiny.transformer_config(layout)
@@ -195,7 +182,7 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=layout.do,
-        check_for_nan_in_grad=False, **run.ddp,
+        check_for_nan_in_grad=False,
     )
     ddp_chunks = [
         DistributedDataParallel(config, ddp_config, module=c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
@@ -203,7 +190,6 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
     opt_config = OptimizerConfig(
         optimizer="adam", lr=LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0,
         use_distributed_optimizer=layout.do, params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
-        **run.optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
     config.finalize_model_grads_func = finalize_model_grads
@@ -214,7 +200,7 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
         start = checkpoint.load(run.resume_from, ddp_chunks, optimizer if run.resume_optimizer else None,
                                 use_distributed_optimizer=layout.do)
     recorder = _Recorder()
-    forward_step = _forward_step_func(recorder, run.nan_grad_at)
+    forward_step = _forward_step_func(recorder)
     forward_backward = get_forward_backward_func()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     grads_dir = os.path.join(work_dir, f"grads_{run.key.replace(':', '_')}")
@@ -225,7 +211,7 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
         for d in ddp_chunks:
             d.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = tiny.micro_batches(step, dp, dp_rank)
+        batches = tiny.micro_batches(step, dp, dp_rank, run.global_batch)
         iterators = [iter(batches) for _ in ddp_chunks]
         forward_backward(
             forward_step_func=forward_step,
@@ -236,7 +222,6 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
             micro_batch_size=tiny.MICRO_BATCH,
             forward_only=False,
         )
-        recorder.remove_hooks()
         if run.grads and step == 1:
             _save_grads(grads_dir, ddp_chunks, layout.do)
         ok, grad_norm, _ = optimizer.step()
@@ -245,7 +230,7 @@ def train_run(run: Run, world: int, work_dir: str) -> dict[str, Any]:
         if run.save_at == step:
             checkpoint.save(run.save_dir, ddp_chunks, optimizer, iteration=step, use_distributed_optimizer=layout.do,
                             sharding_type=run.sharding_type)
-    losses = _gather_losses(recorder, steps)
+    losses = _gather_losses(recorder, steps, run.global_batch)
     final_dir = os.path.join(work_dir, f"final_{run.key.replace(':', '_')}")
     checkpoint.save(final_dir, ddp_chunks)
     del ddp_chunks, optimizer, chunks
