@@ -143,6 +143,11 @@ def parse(monkeypatch):
 def test_a_gpu_backend_on_a_cpu_is_refused_at_argument_time(parse, monkeypatch):
     from minite_megatron.megatron_args import MiniteArgumentError
 
+    # Import the kernels first: Triton picks interpreted or compiled kernels when a module is
+    # imported, so importing them with the variable unset would leave compiled (CPU-unusable)
+    # kernels in sys.modules for every later test (regression: "0 active drivers" in tests/ops).
+    import minite_kernels.triton.backend  # noqa: F401
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the test suite's interpreter is not a GPU)
     with pytest.raises(MiniteArgumentError, match=r"--minite-backend triton: NVFP4 backend 'triton' unavailable on cpu"):
         parse("--minite-backend", "triton")
