@@ -1,4 +1,4 @@
-"""Gloo workers of the converter's multi-process tests (run by ``tests.megatron._dist.run_distributed``)."""
+"""Gloo workers of the converter's multi-process tests (run by ``tests.parallel.spawn.run_distributed``)."""
 
 from __future__ import annotations
 

@@ -80,6 +80,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="session")
 def single_process():
     """torch.distributed (gloo, world 1) and Megatron's parallel state TP=PP=EP=1."""
-    from tests.megatron._dist import init_single_process
+    from minite_megatron.training.presets import init_single_process
 
-    init_single_process()
+    init_single_process(seed=None)

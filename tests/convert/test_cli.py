@@ -17,7 +17,7 @@ import torch
 
 from minite_megatron.convert.cli import main
 from minite_megatron.testing import assert_bitwise_equal
-from tests.megatron._dist import free_port
+from tests.parallel.spawn import free_port
 
 from .conftest import COMMON, MOE, load_hf
 from .test_import import FP32_TOL, _hf_tensors

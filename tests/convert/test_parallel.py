@@ -11,7 +11,7 @@ import torch
 from minite_megatron.convert import build_gpt_from_hf, load_hf_weights
 from minite_megatron.convert.save import iter_model_tensors, iter_torch_dist_tensors
 from minite_megatron.testing import assert_bitwise_equal
-from tests.megatron._dist import run_distributed
+from tests.parallel.spawn import run_distributed
 
 from ._workers import LAYOUTS
 from .conftest import load_hf, megatron_logits, relative_error, tokens

@@ -1,24 +1,27 @@
 """The gloo job of ``test_refit_sharded``: one unsharded learner and its TP / EP re-shardings.
 
-Rank 0 and 1 build the Qwen3-MoE-shaped tiny GPT on the minite spec at TP = EP = 1 (the
-reference), save it with Megatron's distributed checkpointing, then for each layout rebuild it
-sharded, load the checkpoint (Megatron re-shards: TP splits, the SwiGLU fc1 interleave, the
-expert split) and gather the learner's weights on rank 0. Rank 0 returns, per layout, the
-gathered Megatron-named weights, their ``export_tensors`` and the :class:`GatherStats`, next to
-the reference's (in a ``torch.save`` file) (and writes the reference export, whose ``config.json`` the vLLM side parses).
+Rank 0 and 1 build the tiny Qwen3-MoE GPT of :mod:`tests.parallel.model` on the minite spec with
+the default recipe (``SPEC``) in the single-process layout (``ref``: TP = EP = 1, the
+reference), save it with Megatron's distributed checkpointing (:mod:`tests.parallel.checkpoint`),
+then for each layout rebuild it sharded, load the checkpoint (Megatron re-shards: TP splits, the
+SwiGLU fc1 interleave, the expert split) and gather the learner's weights on rank 0. Rank 0
+returns, per layout, the gathered Megatron-named weights, their ``export_tensors`` and the
+:class:`GatherStats`, next to the reference's (in a ``torch.save`` file) (and writes the
+reference export, whose ``config.json`` the vLLM side parses).
 """
 
 from __future__ import annotations
 
 import os
 
-LAYOUTS = {
-    "tp2": dict(tp=2, ep=1, etp=2, sp=True),  # experts tensor-parallel too (Megatron's default etp = tp)
-    "ep2": dict(tp=1, ep=2, etp=1, sp=False),
-    "tp2_ep2": dict(tp=2, ep=2, etp=1, sp=True),  # MoE parallel folding: one TP group, one EP group
-}
-REF = dict(tp=1, ep=1, etp=1, sp=False)
-SPEC = "minite_megatron.specs:get_gpt_decoder_block_minite_spec"
+LAYOUTS = (
+    "tp2_sp_etp2",  # experts tensor-parallel too (Megatron's default etp = tp)
+    "ep2",
+    "tp2_sp_ep2",  # MoE parallel folding: one TP group (dense part), one EP group (experts), expert TP 1
+)
+"""Layout names of :mod:`tests.parallel.layouts`, each on two ranks."""
+SPEC = "nvfp4_sr"
+"""The spec of :data:`tests.parallel.model.SPECS`: the minite spec with the default ``Recipe()``."""
 
 
 def _strip(weights: dict) -> dict:
@@ -30,9 +33,22 @@ def _strip(weights: dict) -> dict:
     return {k: replace(v.linear(), image=None) if isinstance(v, NVFP4Tensor) else v.clone() for k, v in weights.items()}
 
 
+def _build(name: str):
+    """This rank's ``(config, model)`` of the tiny MoE under layout ``name`` (parallel state set)."""
+    from tests.parallel import model as tiny
+    from tests.parallel.layouts import parse
+    from tests.parallel.train import set_parallel
+
+    layout = parse(name)
+    set_parallel(layout)
+    config = tiny.transformer_config(layout)
+    (model,) = tiny.build_chunks(SPEC, config)
+    return config, model
+
+
 def gather_job(rank: int, world_size: int, *, work_dir: str, layouts: list[str]) -> str:
     """Returns the path of a ``torch.save`` file holding this rank's results (NVFP4 tensors hold
-    float8 storages, which the harness's pickle round trip under Megatron does not carry)."""
+    float8 storages, which the spawner's pickle round trip under Megatron does not carry)."""
     import torch
     import torch.distributed as dist
 
@@ -40,13 +56,13 @@ def gather_job(rank: int, world_size: int, *, work_dir: str, layouts: list[str])
     from minite_megatron.export.gather import gather_learner_weights, learner_weights
     from minite_megatron.export.modelopt import export_tensors
     from minite_megatron.recipe import Recipe
-    from tests.megatron._parallel_harness import _build, _load, _save
+    from tests.parallel import checkpoint
+    from tests.parallel.model import SPECS
 
-    recipe = Recipe()
-    kw = {"recipe": recipe}
+    recipe = Recipe.from_dict(SPECS[SPEC]["recipe"])
     weights_dir = os.path.join(work_dir, "weights")
-    cfg, ref = _build(REF, SPEC, kw, {})
-    _save(ref, weights_dir)
+    cfg, ref = _build("ref")
+    checkpoint.save(weights_dir, [ref])
     out: dict = {}
     if rank == 0:
         w = learner_weights(ref)
@@ -55,8 +71,8 @@ def gather_job(rank: int, world_size: int, *, work_dir: str, layouts: list[str])
         out["export_dir"] = os.path.join(work_dir, "export")
     del ref
     for name in layouts:
-        cfg, model = _build(LAYOUTS[name], SPEC, kw, {})
-        _load(model, weights_dir)
+        cfg, model = _build(name)
+        checkpoint.load(weights_dir, [model])
         got, stats = gather_learner_weights(model)
         if rank == 0:
             out[name] = {"weights": _strip(got), "tensors": export_tensors(got, cfg, recipe), "stats": stats}

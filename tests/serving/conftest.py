@@ -17,7 +17,7 @@ def vllm_env():
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.plugins import load_general_plugins
 
-    from tests.megatron._dist import free_port
+    from tests.parallel.spawn import free_port
 
     ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
     ctx.__enter__()

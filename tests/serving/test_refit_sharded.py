@@ -1,8 +1,8 @@
 """Refit from a TP / EP-sharded learner: gathered shards == the unsharded learner, bitwise.
 
-Two gloo processes (``_sharded_job``) build the minite-spec tiny Qwen3-MoE GPT at TP = EP = 1,
-then re-shard it through Megatron's distributed checkpoint at TP=2 (experts TP=2 too), EP=2 and
-TP=2 x EP=2 (expert TP 1), and gather the learner's quantized weights on rank 0
+Two gloo processes (``_sharded_job``) build the minite-spec tiny Qwen3-MoE GPT of
+``tests.parallel.model`` at TP = EP = 1, then re-shard it through Megatron's distributed
+checkpoint at TP=2 (experts TP=2 too), EP=2 and TP=2 x EP=2 (expert TP 1), and gather the learner's quantized weights on rank 0
 (:func:`~minite_megatron.export.gather.gather_learner_weights`). Pinned failures: shards
 concatenated in the wrong order (the gated fc1's ``[gate_r; up_r]``, row-parallel K halves,
 experts of the other EP rank), local expert indices left in the names, a re-quantization (it
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """Rank 0's and rank 1's results of the job (one job for every layout)."""
-    from tests.megatron._dist import run_distributed
+    from tests.parallel.spawn import run_distributed
 
     d = tmp_path_factory.mktemp("sharded")
     paths = run_distributed("tests.serving._sharded_job:gather_job", 2, work_dir=str(d), layouts=list(LAYOUTS))
@@ -65,11 +65,13 @@ def test_gather_moves_only_the_packed_shards(sharded, layout):
     """Bytes into rank 0 (== rank 1's bytes sent: one peer) equal :func:`refit_traffic`'s count
     from the shapes: packed codes + e4m3 scales + one fp32 global scale per shard + an 8-byte
     header per collective; the refit leg equals the export tensors' bytes."""
-    from tests.megatron._parallel_harness import TINY_MOE, VOCAB
+    from tests.parallel.layouts import parse
+    from tests.parallel.model import TINY_MOE, VOCAB
 
     s0, s1 = sharded[0][layout]["stats"], sharded[1][layout]["stats"]
-    lay = LAYOUTS[layout]
-    want = refit_traffic(TINY_MOE, vocab=VOCAB, tp=lay["tp"], ep=lay["ep"], etp=lay["etp"], moe_layers=[1], hp_bytes=4)
+    lay = parse(layout)
+    moe_layers = [i for i, moe in enumerate(TINY_MOE["moe_layer_freq"]) if moe]
+    want = refit_traffic(TINY_MOE, vocab=VOCAB, tp=lay.tp, ep=lay.ep, etp=lay.etp, moe_layers=moe_layers, hp_bytes=4)
     assert (s0.bytes_received, s1.bytes_sent, s0.bf16_bytes_received) == (want.gather_bytes, want.gather_bytes,
                                                                           want.gather_bf16_bytes)
     stats = refit_stats(sharded[0][layout]["tensors"])
