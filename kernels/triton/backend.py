@@ -249,11 +249,15 @@ class TritonBackend:
         batch_invariant: bool = False,
         *,
         num_experts: int | None = None,
+        group_sizes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]``
         (``nvfp4.grouped.decode_grouped_gemm_reference``'s contract; ``w_stacked`` ``[E, N, K]``
         or its ``[E*N, K]`` matrix with ``num_experts``). No host sync while a CUDA graph is being
-        captured; eagerly, expert ids outside ``[0, E)`` raise ValueError (one sync)."""
+        captured; eagerly, expert ids outside ``[0, E)`` raise ValueError (one sync).
+        ``group_sizes`` (optional int32 ``[E]`` on the device) says the rows are already sorted by
+        expert with these counts (Megatron's expert-major order): the fallback through the
+        learner's grouped GEMM then reads them as they are instead of sorting (same bits)."""
         e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
@@ -264,19 +268,25 @@ class TritonBackend:
         a_scale = _global_decode(a)
         w_scale = w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group" else w.global_decode
         if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
-            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant)
+            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
+                                               group_sizes)
         return decode_grouped_gemm_forward(image_2d(a), w.codes, w.block_scales.view(torch.uint8), w_scale,
                                            expert_ids, a_scale, e, out_dtype, batch_invariant)
 
-    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant):
+    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
+                               group_sizes=None):
         """Decode through the learner's grouped GEMM (strict: its strict config): rows sorted by
         expert on the device (stable), group sizes counted with ``scatter_add_`` (no sync),
-        results put back. Needs the experts' bf16 images: the attached one (the learner's
-        ``"group"`` weights carry it) or one made here from all experts' bytes."""
-        ids = expert_ids.to(torch.int64)
-        order = torch.argsort(ids, stable=True)
-        sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
-            0, ids, torch.ones_like(ids, dtype=torch.int32))
+        results put back -- or, with ``group_sizes``, the rows as given (already sorted). Needs
+        the experts' bf16 images: the attached one (the learner's ``"group"`` weights carry it)
+        or one made here from all experts' bytes."""
+        if group_sizes is not None:
+            order, sizes = None, group_sizes
+        else:
+            ids = expert_ids.to(torch.int64)
+            order = torch.argsort(ids, stable=True)
+            sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=torch.int32))
         a_img, a_scale = image_2d(a), _global_decode(a)
         w = w_stacked.matrix()
         if w_stacked.image is not None:
@@ -285,6 +295,9 @@ class TritonBackend:
             w_img = image_op(w.codes, w.block_scales.view(torch.uint8)).view(e, n, k)
         w_scale = (w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group"
                    else w.global_decode.reshape(e, n)[:, 0].contiguous())
+        if order is None:
+            return grouped_gemm_forward(a_img, w_img, sizes, a_scale, w_scale, None, out_dtype, batch_invariant,
+                                        canonical=batch_invariant and STRICT_CANONICAL)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
                                           canonical=batch_invariant and STRICT_CANONICAL)
