@@ -264,6 +264,30 @@ def test_swiglu_random(dtype, m, f):
     check_swiglu(randn(m, 2 * f, seed=m + f, scale=3.0, dtype=dtype))
 
 
+@pytest.mark.parametrize("m,f", [(5, 48), (6, 80)])
+def test_weighted_swiglu_is_megatrons_grouped_expert_activation(m, f):
+    """``probs`` (the MoE decode step's routing weights): ``a = round(fp32(swiglu) * p)``, what
+    ``TEGroupedMLP`` computes after the activation (``(x * permuted_probs).to(dtype)``), and ``q``
+    its quantization; a zero probability, one of 1, subnormal-producing ones."""
+    h = randn(m, 2 * f, seed=m * f, scale=3.0, dtype=torch.bfloat16)
+    p = torch.rand(m, generator=torch.Generator().manual_seed(f))
+    p[0], p[1] = 0.0, 1.0
+    p[-1] = 1e-38
+    a, q = swiglu_quantize(h.to(DEVICE), probs=p.to(DEVICE))
+    if HAS_CUDA:
+        g, u = torch.chunk(h.to(DEVICE), 2, -1)
+        expected = ((torch.nn.functional.silu(g) * u) * p.to(DEVICE).unsqueeze(-1)).to(h.dtype).cpu()
+    else:
+        with np.errstate(all="ignore"):
+            expected = (_numpy_exp_swiglu(h) * p.unsqueeze(-1)).to(h.dtype)
+    assert_bitwise_equal(a.cpu(), expected, "weighted a", nan_equal=True)
+    assert_quantized_equal(_cpu_q(q), nvfp4.quantize_reference(a.cpu(), global_scale="row", with_image=True), "weighted q")
+    ref_a, _ = swiglu_quantize_reference(h, probs=p)
+    assert ref_a.dtype == h.dtype and ref_a.shape == a.shape
+    with pytest.raises(ValueError, match="probs"):
+        swiglu_quantize(h.to(DEVICE), probs=p[:-1].to(DEVICE))
+
+
 def test_swiglu_heavy_tails_and_dense_width():
     check_swiglu(heavy_tailed(7, 2 * 160, seed=15, dtype=torch.bfloat16), name="heavy")
     check_swiglu(randn(2, 2 * 2048, seed=16, scale=2.0, dtype=torch.float16), name="F=2048")
