@@ -17,7 +17,8 @@ expert-major row layout the grouped expert GEMMs and the combine read.
   reference instead);
 * the rows of Megatron's expert-major permutation (experts in increasing index, tokens in
   increasing index within an expert): ``ids`` (expert of each row), ``tokens``, ``probs``
-  ``[T * k]``; ``sizes`` ``[E]`` int32 (rows per expert); and ``combine`` ``[T * k]`` int32, the
+  ``[T * k]``; ``sizes`` ``[E]`` int32 (rows per expert) and ``offsets`` ``[E + 1]`` int32 (their
+  prefix sums: what the grouped GEMM reads); and ``combine`` ``[T * k]`` int32, the
   row of token ``t``'s ``j``-th expert in increasing expert order at ``t * k + j`` -- the order in
   which the deterministic combine (:func:`minite_megatron.strict.moe.ordered_sum`) adds them.
 
@@ -55,6 +56,7 @@ class Route(NamedTuple):
     probs: torch.Tensor    # [T * k] fp32: routing probability of each row
     combine: torch.Tensor  # [T * k] int32: rows of each token, its experts in increasing order
     sizes: torch.Tensor    # [E] int32: rows per expert
+    offsets: torch.Tensor  # [E + 1] int32: first row of each expert (and T * k)
 
 
 @triton.jit
@@ -65,7 +67,7 @@ def _pair_level(s, T_P: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, ids_ptr, tok_ptr, probs_ptr, comb_ptr, sizes_ptr,
+    logits_ptr, ids_ptr, tok_ptr, probs_ptr, comb_ptr, sizes_ptr, offs_ptr,
     T, E, s_t, s_e, scaling,
     K: tl.constexpr, T_P: tl.constexpr, E_P: tl.constexpr, K_P: tl.constexpr,
     HAS_SCALING: tl.constexpr, ACCURATE_EXP: tl.constexpr,
@@ -134,6 +136,8 @@ def _moe_route_kernel(
     slot = tl.cumsum(r, axis=1) - r  # a token's experts in increasing index
     tl.store(comb_ptr + t * K + slot, row, mask=routed)
     tl.store(sizes_ptr + tl.arange(0, E_P), sizes, mask=tl.arange(0, E_P) < E)
+    tl.store(offs_ptr + 1 + tl.arange(0, E_P), start + sizes, mask=tl.arange(0, E_P) < E)
+    tl.store(offs_ptr + tl.arange(0, 1), tl.zeros((1,), tl.int32))
 
 
 def fits(tokens: int, experts: int, topk: int) -> bool:
@@ -144,7 +148,7 @@ def fits(tokens: int, experts: int, topk: int) -> bool:
 
 @torch.library.custom_op("minite::moe_route", mutates_args=())
 def moe_route_op(logits: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                           torch.Tensor, torch.Tensor]:
+                                                                           torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch (:func:`moe_route`); ``scaling == 0`` means none."""
     t, e = logits.shape
     dev = logits.device
@@ -153,16 +157,17 @@ def moe_route_op(logits: torch.Tensor, k: int, scaling: float) -> tuple[torch.Te
     probs = torch.empty(t * k, dtype=torch.float32, device=dev)
     comb = torch.empty(t * k, dtype=torch.int32, device=dev)
     sizes = torch.empty(e, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
     if t == 0:
-        return ids, tok, probs, comb, sizes.zero_()
+        return ids, tok, probs, comb, sizes.zero_(), offsets.zero_()
     interp = interpreting()
     t_p, e_p = triton.next_power_of_2(t), triton.next_power_of_2(e)
     _moe_route_kernel[(1,)](
-        logits, ids, tok, probs, comb, sizes, t, e, logits.stride(0), logits.stride(1), float(scaling),
+        logits, ids, tok, probs, comb, sizes, offsets, t, e, logits.stride(0), logits.stride(1), float(scaling),
         K=k, T_P=t_p, E_P=e_p, K_P=triton.next_power_of_2(k), HAS_SCALING=bool(scaling),
         ACCURATE_EXP=not interp, num_warps=8 if t_p * e_p >= 4096 else 4, **({} if interp else LAUNCH),
     )
-    return ids, tok, probs, comb, sizes
+    return ids, tok, probs, comb, sizes, offsets
 
 
 @moe_route_op.register_fake
@@ -170,7 +175,7 @@ def _(logits, k, scaling):
     t, e = logits.shape
     i32 = dict(dtype=torch.int32)
     return (logits.new_empty(t * k, **i32), logits.new_empty(t * k, **i32), logits.new_empty(t * k),
-            logits.new_empty(t * k, **i32), logits.new_empty(e, **i32))
+            logits.new_empty(t * k, **i32), logits.new_empty(e, **i32), logits.new_empty(e + 1, **i32))
 
 
 def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None) -> Route:

@@ -298,13 +298,13 @@ class ExpertsStep:
         xs = x.index_select(0, route.tokens)
         qx = quantize_activation(xs, self.lctx1, backend)
         h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype,
-                                        batch_invariant=self.invariant, group_sizes=route.sizes)
+                                        batch_invariant=self.invariant, group_offsets=route.offsets)
         if self._fused_activation(h, backend):
             _a, qa = backend.swiglu_quantize(h, with_image=True, nonfinite=self.recipe.nonfinite, probs=route.probs)
         else:
             qa = quantize_activation(mlp_activation(self.owner, h, None, route.probs), self.lctx2, backend)
         return backend.decode_grouped_gemm(qa, self.w2.value, route.ids, out_dtype=x.dtype,
-                                           batch_invariant=self.invariant, group_sizes=route.sizes)
+                                           batch_invariant=self.invariant, group_offsets=route.offsets)
 
     def _fused_activation(self, h: torch.Tensor, backend) -> bool:
         """Is the experts' activation Megatron's plain SwiGLU (what ``swiglu_quantize`` computes)?"""

@@ -90,8 +90,9 @@ def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route
     order = torch.argsort(ids * t + tok)  # expert-major, tokens in order within an expert
     combine = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=dev))
     sizes = torch.zeros(e, dtype=torch.int32, device=dev).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    offsets = torch.nn.functional.pad(torch.cumsum(sizes, 0, dtype=torch.int32), (1, 0))
     return route_cls(ids[order].to(torch.int32), tok[order].to(torch.int32), weights.reshape(-1)[order].float(),
-                     combine.to(torch.int32), sizes)
+                     combine.to(torch.int32), sizes, offsets)
 
 
 def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None):

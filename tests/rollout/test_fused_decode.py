@@ -95,6 +95,8 @@ def test_route_reference_is_the_router_modules_output():
     assert_bitwise_equal(route.tokens.long(), order_t, "tokens")
     assert_bitwise_equal(route.probs, probs[order_t, order_e], "probs")
     assert_bitwise_equal(route.sizes, routing_map.sum(0).to(torch.int32), "sizes")
+    assert_bitwise_equal(route.offsets[1:], torch.cumsum(route.sizes, 0, dtype=torch.int32), "offsets")
+    assert int(route.offsets[0]) == 0
     # combine lists each token's rows in increasing expert order
     rows = torch.arange(t * moe.router.topk).view(t, -1)
     assert_bitwise_equal(order_e[route.combine.long()].view(t, -1), torch.sort(order_e[route.combine.long()].view(t, -1), -1).values, "combine")
@@ -103,7 +105,7 @@ def test_route_reference_is_the_router_modules_output():
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
 def test_sorted_rows_skip_the_fallbacks_sort(monkeypatch):
-    """``decode_grouped_gemm(..., group_sizes=)`` on rows already in expert order: the learner's
+    """``decode_grouped_gemm(..., group_offsets=)`` on rows already in expert order: the learner's
     grouped-GEMM fallback (a device without verified decode kernels) reads them as they are and
     gives the bits of its sorting path."""
     import minite_kernels.triton.backend as tb
@@ -116,8 +118,8 @@ def test_sorted_rows_skip_the_fallbacks_sort(monkeypatch):
     st = stack_expert_weights(qs)
     ids = torch.tensor([0, 0, 2, 3, 3, 3], dtype=torch.int32)
     a = nvfp4.quantize_reference(torch.randn(6, 64, generator=g), global_scale="row", with_image=True)
-    sizes = torch.tensor([2, 0, 1, 3], dtype=torch.int32)
+    offsets = torch.tensor([0, 2, 2, 3, 6], dtype=torch.int32)
     monkeypatch.setattr(tb, "decode_ok", lambda device: False)
-    sorted_out = tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True, group_sizes=sizes)
+    sorted_out = tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True, group_offsets=offsets)
     assert_bitwise_equal(sorted_out, tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True), "fallback")
     assert_bitwise_equal(sorted_out, nvfp4.decode_grouped_gemm_reference(a, st, ids), "reference")

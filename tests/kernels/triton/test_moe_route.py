@@ -52,7 +52,7 @@ def _numpy_exp_probs(logits: torch.Tensor, k: int, scaling: float | None) -> tor
 def check(logits: torch.Tensor, k: int, scaling: float | None = None, name: str = "route"):
     got = moe_route(logits.to(DEVICE), k, scaling)
     ref = moe_route_reference(logits.to(DEVICE) if HAS_CUDA else logits, k, scaling)
-    for field in ("ids", "tokens", "combine", "sizes"):
+    for field in ("ids", "tokens", "combine", "sizes", "offsets"):
         assert_bitwise_equal(getattr(got, field).cpu(), getattr(ref, field).cpu(), f"{name}.{field}")
     if HAS_CUDA:
         assert_bitwise_equal(got.probs.cpu(), ref.probs.cpu(), f"{name}.probs")
