@@ -90,6 +90,17 @@ def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
     return q.row_global_decode().contiguous()
 
 
+def _stacked_operands(w: NVFP4Tensor, e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [E*N, K/2], linear block scales [E*N, K/16], global decode)`` of stacked expert
+    weights: ``[E]`` per expert for ``"group"`` weights (no per-row expansion: that is a copy of
+    ``E*N`` scales per call), ``[E*N]`` per row for the ``[E*N, K]`` matrix form."""
+    if w.global_scale == "group":
+        lin = w.linear()
+        return lin.codes.reshape(e * n, k // 2), lin.block_scales.reshape(e * n, k // BLOCK), w.global_decode.reshape(-1)
+    m = w.matrix()
+    return m.codes, m.block_scales, m.global_decode
+
+
 def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
     """bf16 ``[G, N, K]`` image of grouped weights: the attached one, or one built now."""
     if b.image is not None:
@@ -265,14 +276,12 @@ class TritonBackend:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             check_expert_ids_in_range(expert_ids, e)
-        w = w_stacked.matrix()
-        a_scale = _global_decode(a)
-        w_scale = w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group" else w.global_decode
         if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
                                                group_offsets)
-        return decode_grouped_gemm_forward(image_2d(a), w.codes, w.block_scales.view(torch.uint8), w_scale,
-                                           expert_ids, a_scale, e, out_dtype, batch_invariant)
+        w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
+        return decode_grouped_gemm_forward(image_2d(a), w_codes, w_scales.view(torch.uint8), w_scale,
+                                           expert_ids, _global_decode(a), e, out_dtype, batch_invariant)
 
     def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
                                group_offsets=None):
@@ -288,13 +297,13 @@ class TritonBackend:
             sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
                 0, ids, torch.ones_like(ids, dtype=torch.int32))
         a_img, a_scale = image_2d(a), _global_decode(a)
-        w = w_stacked.matrix()
+        w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
         if w_stacked.image is not None:
             w_img = w_stacked.image.reshape(e, n, k)
         else:
-            w_img = image_op(w.codes, w.block_scales.view(torch.uint8)).view(e, n, k)
-        w_scale = (w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group"
-                   else w.global_decode.reshape(e, n)[:, 0].contiguous())
+            w_img = image_op(w_codes, w_scales.view(torch.uint8)).view(e, n, k)
+        if w_stacked.global_scale != "group":
+            w_scale = w_scale.reshape(e, n)[:, 0].contiguous()
         if order is None:  # rows already sorted: the learner's grouped GEMM on the given offsets
             if tuple(group_offsets.shape) != (e + 1,) or group_offsets.dtype != torch.int32:
                 raise ValueError(f"decode_grouped_gemm: group_offsets must be int32 [{e + 1}], got "
