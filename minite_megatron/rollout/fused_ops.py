@@ -27,10 +27,14 @@ import torch
 
 KERNELS_ON_CPU = False
 """Run the fused kernels on CPU tensors too (under ``TRITON_INTERPRET=1``): tests and the kernel counter."""
+ENABLED = True
+"""False: the decode step runs the learner's modules only, on every device (tests compare the two)."""
 
 
 def use_kernels(t: torch.Tensor) -> bool:
     """Do the fused kernels run for tensors like ``t``?"""
+    if not ENABLED:
+        return False
     if t.is_cuda:
         return True
     return KERNELS_ON_CPU and t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
