@@ -15,6 +15,9 @@ module keeps the causal rule of its constructor's ``attn_mask_type`` (which give
 visibility for the last positions) and additionally honours ``attention_mask`` (bool, True =
 hidden). Output ``[sq, b, np * hn]`` in the query dtype.
 
+:class:`AlignedDotProductAttention` is the same forward for default mode (``recipe.aligned_attention``),
+not flagged strict, falling back to torch SDPA in training with attention dropout.
+
 Not supported (raise): packed sequences (THD), attention bias, sliding windows, softmax types
 other than ``vanilla``, context parallelism, and attention dropout in training mode (set
 ``attention_dropout=0``: RL learners run without dropout, and dropout would break alignment).
