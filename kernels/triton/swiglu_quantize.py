@@ -274,7 +274,7 @@ def swiglu_quantize(
     return a, as_nvfp4(codes, scales, sdec, image, a.shape, with_image)
 
 
-def aot_kernel(r: int = 65536, f: int = 768, dtype: str = "bf16"):
+def aot_kernel(r: int = 65536, f: int = 768, dtype: str = "bf16", weighted: bool = False):
     """The kernel at its GPU launch config for [r, 2f] ``dtype`` (image written), compiled for
     sm_90a on this machine (needs a process without ``TRITON_INTERPRET``)."""
     from ._aot import compile_for
@@ -283,5 +283,5 @@ def aot_kernel(r: int = 65536, f: int = 768, dtype: str = "bf16"):
     sig = {"h_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "codes_ptr": "*u8", "scales_ptr": "*u8", "sdec_ptr": "*fp32",
            "image_ptr": "*bf16", "p_ptr": "*fp32", "R": "i32", "F": "i32", "stride_w": "i32"}
     ce = dict(IS_FP16=dtype == "fp16", WITH_IMAGE=True, BITWISE_BF16=False, ACCURATE_EXP=True,
-              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks)
+              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=weighted)
     return compile_for(_swiglu_quantize_kernel, sig, ce, num_warps=warps, divisible=("F", "stride_w"), **LAUNCH)

@@ -395,9 +395,10 @@ def ffma(ptx, fmad):
 
 out = {}
 kn, kb, ks = N.aot_kernel(2048, "bf16"), N.aot_bi_rmsnorm(2048, "bf16"), S.aot_kernel(65536, 768, "bf16")
+kw = S.aot_kernel(512, 768, "bf16", weighted=True)
 out["same_reduction"] = N.reduction_ptx(kn.asm["ptx"]) == N.reduction_ptx(kb.asm["ptx"])
 out["reduction_len"] = len(N.reduction_ptx(kn.asm["ptx"]))
-for name, k in (("norm", kn), ("bi", kb), ("swiglu", ks)):
+for name, k in (("norm", kn), ("bi", kb), ("swiglu", ks), ("swiglu_weighted", kw)):
     ptx = k.asm["ptx"]
     fmas = [re.sub(r"%r\d+", "R", l.split(None, 1)[1].split(",", 1)[1].strip())
             for l in ptx.splitlines() if "fma.rn.f32" in l]
@@ -432,7 +433,10 @@ def test_sm90_contraction_only_merges_exact_products(aot):
     sw_forms = set(aot["swiglu"]["fma_forms"])
     assert sw_forms <= {"R, R, R;", "R, 0f44000000, 0f4B000000;", "R, R, 0f3F800000;"}, sw_forms
     assert aot["swiglu"]["ptxas_contractions"] == 0, aot["swiglu"]
-    for name in ("norm", "swiglu"):
+    # the routing weight's multiply (probs=) is one more FMUL per element, never contracted
+    assert set(aot["swiglu_weighted"]["fma_forms"]) <= sw_forms | {"R, R, R;"}, aot["swiglu_weighted"]
+    assert aot["swiglu_weighted"]["FFMA"] == aot["swiglu"]["FFMA"] and aot["swiglu_weighted"]["ptxas_contractions"] == 0
+    for name in ("norm", "swiglu", "swiglu_weighted"):
         ops = aot[name]["ops"]
         assert "div.rn.f32" in ops and not [o for o in ops if o.startswith(("rcp.approx", "div.approx"))], ops
 
