@@ -14,6 +14,10 @@ stage       what it pins (each probe compares raw bits with the contract's refer
 ==========  ==========================================================================
 tile        one 128 x 128 tile, K = 64, all ones: launch, TMA, one MMA, epilogue, store
 k           K = 64 / 256 / 320 / 512 on exact data: k-tile loop, accumulate flag, K tail
+k96         (sm_103a only) the K = 96 kernel B300 selects: K = 96 ... 2304 (one MMA, one and
+            two 768-wide k-tiles, tails past K skipped), one-hot scales and K positions at
+            its MMA / scale-stage / buffer / k-tile boundaries, tile_n = 256, NaN-filled
+            epilogue and grouped probes at K = 864
 scale_a     one-hot block scale per (row, K block) of A: the SFA layout and its TMEM copy
 scale_b     the same for B at N = 256 (columns 128-255: second N tile) and N = 512
             (tile_n = 256): the SFB layout
@@ -54,8 +58,11 @@ import torch
 
 from benchmarks._timing import ensure_minite_kernels, environment, print_table, save
 
-STAGES = ("tile", "k", "scale_a", "scale_b", "nibble", "epilogue", "grouped", "suite", "repeat", "sanitizer")
-PROBE_STAGES = STAGES[:7]
+STAGES = ("tile", "k", "k96", "scale_a", "scale_b", "nibble", "epilogue", "grouped", "suite", "repeat", "sanitizer")
+PROBE_STAGES = STAGES[:8]
+K96_KS = (96, 192, 672, 768, 864, 1536, 2048, 2304)
+"""K of the k96 stage: one MMA; two; seven; one full 768-wide k-tile; a second k-tile of one MMA;
+two k-tiles; a tail of 512 (six of eight MMAs); three k-tiles."""
 ONE = 0x2  # E2M1 code of 1.0
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # values of the positive codes 0..7
 REPORT_DEFAULT = "blackwell_bringup_report.json"
@@ -116,8 +123,8 @@ def k_ramp(rows: int, k: int):
 
 def exact_random(rows: int, k: int, seed: int, *, lead: int | None = None, global_spread: bool = True):
     """Random codes, block scales in {0.5, 1, 2}, random positive global scales: every GEMM
-    partial sum is exact in fp32 in any order (K <= 1024), so results are bitwise whatever
-    the tensor cores' order."""
+    partial sum is exact in fp32 in any order (a multiple of 2^-4 below 144 K < 2^20 for
+    K <= 7281), so results are bitwise whatever the tensor cores' order."""
     gen = torch.Generator().manual_seed(seed)
     shape = (lead, rows) if lead else (rows,)
     codes = torch.randint(0, 256, (*shape, k // 2), generator=gen, dtype=torch.uint8)
@@ -148,6 +155,7 @@ class Probe:
     make: Callable[[], dict]
     op: str = "gemm"  # gemm | grouped | wgrad
     expect: str = ""
+    arch: str | None = None  # the probe needs this GPU (the k96 stage: sm_103a)
 
 
 def _gemm_probe(name, stage, what, make, expect=""):
@@ -170,6 +178,7 @@ def build_plan(quick: bool = False) -> list[Probe]:
                 lambda k=k: dict(a=exact_random(128, k, 10 + k), b=exact_random(128, k, 20 + k)),
             )
         )
+    plan += k96_probes(quick)
     k = 256
     a_rows = (0, 1, 31, 32, 63, 64, 127) if quick else range(128)
     kblocks = (0, 3, 4, 15) if quick else range(k // 16)
@@ -250,6 +259,76 @@ def build_plan(quick: bool = False) -> list[Probe]:
             )
         )
     return plan
+
+
+def k96_probes(quick: bool = False) -> list[Probe]:
+    """The k96 stage (sm_103a's K = 96 kernel; ``arch="sm_103a"``). Its 768-wide k-tile is
+    eight MMAs of 96 over three 256-wide buffers, scales in 192-wide stages of two MMAs; the
+    probes sit on those boundaries: K blocks 5 | 6 (an MMA's scales start at column 0 or 6),
+    11 | 12 (scale stage), 15 | 16 (buffer), 47 | 48 (k-tile), and K positions 95 | 96 (MMA),
+    255 | 256 (buffer: MMA 2 reads across it), 767 | 768 (k-tile)."""
+    plan = []
+    for k in K96_KS:
+        plan.append(Probe(
+            f"k96[k={k}]", "k96", f"M = N = 128, K = {k}, exact random data (the K = 96 kernel)",
+            lambda k=k: dict(a=exact_random(128, k, 30 + k), b=exact_random(128, k, 40 + k)), arch="sm_103a",
+        ))
+    k = 864
+    for n in (512,) if quick else (256, 512):
+        plan.append(Probe(
+            f"k96[k={k},n={n}]", "k96", f"M = 128, N = {n} (tile_n {256 if n >= 512 else 128}), K = {k}, exact random data",
+            lambda n=n: dict(a=exact_random(128, k, 7), b=exact_random(n, k, n)), arch="sm_103a",
+        ))
+    kblocks = (5, 6, 12, 48) if quick else (0, 5, 6, 11, 12, 15, 16, 47, 48, 53)
+    for r in ((37,) if quick else (0, 37, 127)):
+        for j in kblocks:
+            plan.append(Probe(
+                f"k96_scale_a[r={r},kb={j}]", "k96", f"A block scale ({r}, {j}) = 2, all else 1 (M = N = 128, K = {k})",
+                lambda r=r, j=j: dict(a=one_hot_scale(128, k, r, j), b=filled(128, k)),
+                "gemm", f"row {r} = {k + 16}, every other row {k}", arch="sm_103a",
+            ))
+    for r in ((200,) if quick else (0, 127, 128, 255)):
+        for j in ((6, 48) if quick else kblocks):
+            plan.append(Probe(
+                f"k96_scale_b[r={r},kb={j}]", "k96", f"B block scale ({r}, {j}) = 2, all else 1 (M = 128, N = 256, K = {k})",
+                lambda r=r, j=j: dict(a=filled(128, k), b=one_hot_scale(256, k, r, j)),
+                "gemm", f"column {r} = {k + 16}, every other column {k}", arch="sm_103a",
+            ))
+    for pos in ((95, 256, 768) if quick else (0, 95, 96, 255, 256, 383, 384, 767, 768, 863)):
+        plan.append(Probe(
+            f"k96_position[k={pos}]", "k96", f"A one-hot at K position {pos}, B a K ramp (K = {k})",
+            lambda pos=pos: dict(a=position_probe(128, k, pos), b=k_ramp(128, k)),
+            "gemm", f"every output {E2M1[1 + pos % 7]}", arch="sm_103a",
+        ))
+    plan.append(Probe(
+        "k96_epilogue[m=300,n=200]", "k96", f"distinct global scales and bias, M = 300, N = 200, K = {k}, NaN-filled",
+        lambda: dict(a=exact_random(300, k, 3), b=exact_random(200, k, 4),
+                     bias=torch.randn(200, generator=torch.Generator().manual_seed(5))), arch="sm_103a",
+    ))
+    sizes = [0, 1, 127, 0, 129, 5, 300, 0]
+    plan.append(Probe(
+        "k96_grouped[G=8,n=96]", "k96", f"grouped GEMM, experts {sizes}, N = 96, K = {k}, bias, NaN-filled",
+        lambda: dict(a=exact_random(sum(sizes), k, 8), b=exact_random(96, k, 9, lead=len(sizes)),
+                     bias=torch.randn(len(sizes), 96, generator=torch.Generator().manual_seed(6)), group_sizes=sizes),
+        "grouped", arch="sm_103a",
+    ))
+    return plan
+
+
+def k96_skip_reason(backend_name: str, device) -> str | None:
+    """Why the k96 stage does not apply to this run (None: it does): it tests the kernel that
+    sm_103a selects, so it needs a B300 that selects it."""
+    if backend_name != "blackwell":
+        return None  # another backend (the harness's self-test) runs every probe
+    from minite_kernels.cute._host import blackwell_arch
+    from minite_kernels.cute.tiles import MMA_K_ENV, choose_mma_k
+
+    arch = blackwell_arch(device)
+    if arch != "sm_103a":
+        return f"{arch or device} has no K = 96 MMA (sm_103a / B300 only)"
+    if choose_mma_k(arch) != 96:
+        return f"{MMA_K_ENV}=64 forces the K = 64 kernel"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,7 +563,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(f"blackwell_bringup plan ({'quick' if args.quick else 'full'}): {len(plan)} probes, stages {','.join(args.stage_list)}")
         for probe in plan:
-            print(f"  {probe.stage:9s} {probe.name:34s} {probe.what}" + (f"  -> {probe.expect}" if probe.expect and probe.op == "gemm" else ""))
+            needs = f"  [{probe.arch} only]" if probe.arch else ""
+            print(f"  {probe.stage:9s} {probe.name:34s} {probe.what}" + (f"  -> {probe.expect}" if probe.expect and probe.op == "gemm" else "") + needs)
         extra = [s for s in ("suite", "repeat", "sanitizer") if s in args.stage_list]
         for s in extra:
             print(f"  {s:9s} " + {"suite": "pytest tests/kernels/cute/test_cute_gpu.py",
@@ -500,6 +580,12 @@ def main(argv=None) -> int:
     from minite_megatron import nvfp4
 
     backend = nvfp4.get_backend(args.backend, args.device)
+    skipped = {}
+    k96_reason = k96_skip_reason(args.backend, args.device) if any(p.arch for p in plan) else None
+    if k96_reason is not None:
+        plan = [p for p in plan if p.arch is None]
+        skipped["k96"] = k96_reason
+        print(f"blackwell_bringup: stage k96 skipped: {k96_reason}")
     t0 = time.time()
     outcomes = run_probes(plan, backend, args.device, args.reference_device, fill_nan=args.backend == "blackwell")
     if "suite" in args.stage_list and args.backend == "blackwell":
@@ -522,6 +608,7 @@ def main(argv=None) -> int:
         "environment": environment(),
         "passed": ok,
         "stages": rows,
+        "skipped_stages": skipped,
         "failures": [{"name": o.name, "stage": o.stage, **o.detail} for o in outcomes if not o.ok],
         "passed_checks": [o.name for o in outcomes if o.ok],
     }

@@ -9,7 +9,9 @@ Before running ``SCRIPT`` as ``__main__`` (``runpy``, ``sys.argv = [SCRIPT, *ARG
    from the megatron-core wheel);
 3. installs :func:`minite_megatron.megatron_args.install`: ``--transformer-impl minite`` and the
    ``--minite-*`` flags parse, bad configurations fail fast naming the flag, and the model config
-   built by ``gpt_config_from_args`` uses the minite specs.
+   built by ``gpt_config_from_args`` uses the minite specs;
+4. applies the megatron-core fixes kept in ``patches/`` (:mod:`minite_megatron.training.
+   upstream_patches`; in memory, no installed file is edited).
 
 A bad configuration exits with status 2 and one ``error:`` line (like argparse). Works with
 ``torchrun``: ``torchrun --nproc-per-node N -m minite_megatron.launch SCRIPT ARGS``.
@@ -25,16 +27,17 @@ USAGE = "usage: python -m minite_megatron.launch SCRIPT [ARGS...]  (e.g. example
 
 
 def prepare() -> bool:
-    """Steps 1-3 above, without running a script (training scripts may call it themselves).
+    """Steps 1-4 above, without running a script (training scripts may call it themselves).
 
     Idempotent. Returns whether the CPU compatibility layer is active.
     """
     from . import cpu_compat, megatron_args
-    from .training import megatron_wheel
+    from .training import megatron_wheel, upstream_patches
 
     active = cpu_compat.activate()
     megatron_wheel.apply()
     megatron_args.install()
+    upstream_patches.apply()
     return active
 
 

@@ -8,7 +8,9 @@ Three pieces, each usable on its own:
   recipe's ``--minite-*`` flags; on a CPU-only machine it makes ``gloo`` the default
   ``--distributed-backend``.
 * :func:`validate_minite_args`: fails fast, naming the flag, on configurations minite cannot run
-  (sizes not multiples of 16, TE-only flags, ``--spec``/MLA with minite, an invalid recipe) and
+  (sizes not multiples of 16, TE-only flags, ``--spec``/MLA with minite, an invalid recipe or
+  recipe file, BF16 first/last layers the model does not have, a ``--minite-backend`` this
+  machine cannot run) before the model is built, and
   turns off Megatron's default ``gradient_accumulation_fusion`` when apex's CUDA extension is
   absent and ``apply_rope_fusion`` without TE (Megatron's local modules raise otherwise).
 * :func:`apply_minite_to_model_config`: puts the minite layer specs into a
@@ -177,10 +179,41 @@ def validate_minite_args(args: argparse.Namespace) -> None:
         )
     if recipe.quantize_attention:
         _check_multiple(errors, getattr(args, "kv_channels", None), "--kv-channels")
+    _check_bf16_layers(errors, recipe, getattr(args, "num_layers", None))
+    _check_backend(errors, recipe)
     if errors:
         raise MiniteArgumentError("; ".join(errors))
     _turn_off_missing_extensions(args)
     _use_minite_activation(args)
+
+
+def _check_bf16_layers(errors: list[str], recipe, num_layers: int | None) -> None:
+    """The recipe's BF16 first/last layers must exist in the model (checked before it is built)."""
+    if num_layers is None:
+        return
+    for name in ("bf16_first_layers", "bf16_last_layers"):
+        n = getattr(recipe, name)
+        if n > num_layers:
+            errors.append(f"--minite-{name.replace('_', '-')} {n} exceeds --num-layers {num_layers}")
+    total = recipe.bf16_first_layers + recipe.bf16_last_layers
+    if total > num_layers and max(recipe.bf16_first_layers, recipe.bf16_last_layers) <= num_layers:
+        errors.append(f"--minite-bf16-first-layers {recipe.bf16_first_layers} + --minite-bf16-last-layers "
+                      f"{recipe.bf16_last_layers} exceeds --num-layers {num_layers}")
+
+
+def _check_backend(errors: list[str], recipe) -> None:
+    """``--minite-backend`` must run on this machine's device (else it fails in the first forward)."""
+    if recipe.backend is None:
+        return
+    import torch
+
+    from .nvfp4 import BackendUnavailable, get_backend
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        get_backend(recipe.backend, device)
+    except BackendUnavailable as e:
+        errors.append(f"--minite-backend {recipe.backend}: {e}")
 
 
 def _use_minite_activation(args: argparse.Namespace) -> None:
@@ -237,17 +270,19 @@ def _resolve_recipe(recipe: Any = None):
     return recipe
 
 
-def minite_layer_spec(config: Any, vp_stage: int | None = None, *, recipe: Any = None):
+def minite_layer_spec(config: Any, vp_stage: int | None = None, *, recipe: Any = None, moe_grouped_gemm: bool = True):
     """The minite decoder-block spec for ``config`` (a ``TransformerConfig`` or a megatron.training
     ``GPTModelConfig``, whose ``.transformer`` is used): :func:`minite_megatron.specs.
     get_gpt_decoder_block_minite_spec` for this (virtual) pipeline stage.
 
     ``recipe``: a ``Recipe``, a dict of recipe fields, or None (built from Megatron's global args).
+    ``moe_grouped_gemm=False``: Megatron's sequential experts of NVFP4 linears.
     """
     from .specs import get_gpt_decoder_block_minite_spec
 
     transformer_config = getattr(config, "transformer", config)
-    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=_resolve_recipe(recipe), vp_stage=vp_stage)
+    return get_gpt_decoder_block_minite_spec(transformer_config, recipe=_resolve_recipe(recipe), vp_stage=vp_stage,
+                                             moe_grouped_gemm=moe_grouped_gemm)
 
 
 def finalize_gpt_model(model: Any, recipe: Any):

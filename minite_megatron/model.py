@@ -45,9 +45,14 @@ def finalize_gpt_model(model: torch.nn.Module, recipe: Recipe | None = None) -> 
     """Apply the recipe's LM-head choice to a built ``GPTModel`` (or a wrapper holding one).
 
     The output layer keeps its parameters (and any optimizer/DDP references to them); only its
-    class changes to :class:`FP32OutputLayer`, which adds no state.
+    class changes to :class:`FP32OutputLayer`, which adds no state. Also names every miniTE
+    module (:func:`~minite_megatron.modules.naming.name_modules`), so that a non-finite
+    activation under ``nonfinite="raise"`` names its layer.
     """
+    from .modules.naming import name_modules
+
     recipe = recipe if recipe is not None else Recipe()
+    name_modules(model)
     for module in model.modules():
         head = getattr(module, "output_layer", None)
         if isinstance(head, ColumnParallelLinear) and recipe.fp32_lm_head:

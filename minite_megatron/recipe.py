@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -103,6 +104,8 @@ class Recipe:
     )
 
     def __post_init__(self):
+        for f in fields(self):  # types first: "auto" fields are resolved from others below
+            check_field_type(f.name, getattr(self, f.name))
         # resolve the "auto" fields
         if self.fp32_router is None:
             object.__setattr__(self, "fp32_router", True)
@@ -112,11 +115,11 @@ class Recipe:
 
     # ---- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
+        """Raise :class:`RecipeError` (naming the field and its flag) for a value of the wrong
+        type (checked generically from the type hints: :func:`check_field_type`) or an invalid
+        combination of settings."""
         for f in fields(self):
-            choices = _literal_choices(f)
-            value = getattr(self, f.name)
-            if choices and value not in choices:
-                raise RecipeError(f"recipe field {f.name} ({flag(f.name)}) must be one of {choices}, got {value!r}")
+            check_field_type(f.name, getattr(self, f.name))
         for name in ("bf16_first_layers", "bf16_last_layers"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"recipe field {name} ({flag(name)}) must be >= 0")
@@ -170,10 +173,7 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Recipe":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise RecipeError(f"unknown recipe field(s) {unknown}; known fields: {sorted(known)}")
+        check_fields(d)
         return cls(**d)
 
     def replace(self, **changes) -> "Recipe":
@@ -185,6 +185,65 @@ def _literal_choices(f: dataclasses.Field) -> tuple | None:
     if typing.get_origin(hint) is Literal:
         return typing.get_args(hint)
     return None
+
+
+_JSON_NAMES = {bool: "a boolean (true/false)", int: "an integer", str: "a string", float: "a number"}
+
+
+def _type_error(hint) -> str | None:
+    """What a value of ``hint`` must be, in words, for an error message."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        return f"one of {list(args)}"
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [_type_error(a) for a in args if a is not type(None)]
+        return " or ".join(parts) + (" or null (None)" if type(None) in args else "")
+    return _JSON_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _matches(value: Any, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def check_fields(d: Any) -> None:
+    """Raise :class:`RecipeError` for anything but a mapping of known field names to values of
+    the right types (:func:`check_field_type`)."""
+    if not isinstance(d, dict):
+        raise RecipeError(f"a recipe is a mapping of field names to values, got {type(d).__name__}")
+    known = [f.name for f in fields(Recipe)]
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise RecipeError(f"unknown recipe field(s) {unknown}; known fields: {sorted(known)}")
+    for name, value in d.items():
+        check_field_type(name, value)
+
+
+def check_field_type(name: str, value: Any) -> None:
+    """Raise :class:`RecipeError` unless ``value`` has the type of field ``name``'s hint.
+
+    Generic over the dataclass hints, so new fields are covered: ``bool`` accepts only
+    ``True``/``False`` (JSON booleans; not ``"false"``, ``0`` or ``1``), ``int`` only integers
+    (not booleans, floats or strings), ``None`` only where the hint is Optional, a ``Literal``
+    only its choices (of the same type).
+    """
+    hint = typing.get_type_hints(Recipe)[name]
+    if not _matches(value, hint):
+        raise RecipeError(
+            f"recipe field {name} ({flag(name)}) must be {_type_error(hint)}, got {value!r} ({type(value).__name__})"
+        )
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -219,10 +278,33 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     values: dict[str, Any] = {}
     path = getattr(args, "minite_recipe", None)
     if path:
-        with open(path) as fh:
-            values.update(json.load(fh))
+        values.update(read_recipe_file(path))
+        try:
+            check_fields(values)
+        except RecipeError as e:
+            raise RecipeError(f"--minite-recipe {path}: {e}") from None
     for f in fields(Recipe):
         v = getattr(args, f"minite_{f.name}", None)
         if v is not None:
             values[f.name] = v
     return Recipe.from_dict(values)
+
+
+def read_recipe_file(path: str) -> dict[str, Any]:
+    """The fields of a ``--minite-recipe`` JSON file; :class:`RecipeError` (one line naming the
+    file) if it is missing, unreadable, empty, not JSON or not a JSON object."""
+    where = f"--minite-recipe {path}"
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read the recipe file ({e.strerror or e})") from None
+    if not text.strip():
+        raise RecipeError(f"{where}: the recipe file is empty (expected a JSON object of recipe fields)")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(values, dict):
+        raise RecipeError(f"{where}: expected a JSON object of recipe fields, got a JSON {type(values).__name__}")
+    return values

@@ -24,7 +24,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -88,7 +88,19 @@ class MiniteSpecProvider(BackendSpecProvider):
 
     # ---- experts --------------------------------------------------------------------------------
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = True):
-        """All local experts in one grouped NVFP4 op behind Megatron's grouped-MLP module."""
+        """All local experts in one grouped NVFP4 op behind Megatron's grouped-MLP module; with
+        ``moe_use_grouped_gemm=False`` Megatron's ``SequentialMLP`` of NVFP4 column/row linears
+        (one expert MLP after the other, as Megatron's local provider builds them). Both write
+        the same checkpoint keys (``NVFP4GroupedLinear.sharded_state_dict``)."""
+        if not moe_use_grouped_gemm:
+            return partial(
+                SequentialMLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=partial(NVFP4ColumnParallelLinear, recipe=self.recipe, precision=self.expert_precision),
+                    linear_fc2=partial(NVFP4RowParallelLinear, recipe=self.recipe, precision=self.expert_precision),
+                    activation_func=MiniteActivation,  # no handoff: the router probabilities come first
+                ),
+            )
         return partial(
             TEGroupedMLP,
             submodules=GroupedMLPSubmodules(
@@ -161,13 +173,14 @@ class MiniteSpecProvider(BackendSpecProvider):
         return partial(MiniteActivation, offer_to=offer)
 
 
-def moe_module_spec(experts_backend, shared_backend):
+def moe_module_spec(experts_backend, shared_backend, moe_grouped_gemm: bool = True):
     """MoE layer from two providers: ``experts_backend`` gives the MoE layer class, the router and
-    the grouped experts; ``shared_backend`` the shared experts' linears."""
+    the experts (grouped, or sequential with ``moe_grouped_gemm=False``); ``shared_backend`` the
+    shared experts' linears."""
     return partial(
         experts_backend.moe_layer(),
         submodules=MoESubmodules(
-            experts=experts_backend.grouped_mlp_modules(True),
+            experts=experts_backend.grouped_mlp_modules(moe_grouped_gemm),
             shared_experts=partial(
                 _build_shared_experts,
                 submodules=MLPSubmodules(
@@ -181,7 +194,8 @@ def moe_module_spec(experts_backend, shared_backend):
     )
 
 
-def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, experts=None, shared=None) -> ModuleSpec:
+def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, experts=None, shared=None,
+                     moe_grouped_gemm: bool = True) -> ModuleSpec:
     """One GPT layer from providers: ``attn`` (norms, qkv/proj linears, core attention), ``mlp``
     (dense MLP linears) and, for an MoE layer, ``experts`` and ``shared`` (default: ``mlp``)."""
     norm = attn.layer_norm(rms_norm=True)
@@ -192,7 +206,7 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
                                      activation_func=mlp.activation_func()),
         )
     else:
-        mlp_spec = moe_module_spec(experts or mlp, shared or mlp)
+        mlp_spec = moe_module_spec(experts or mlp, shared or mlp, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -226,6 +240,7 @@ def get_gpt_layer_minite_spec(
     num_experts: int | None = None,
     qk_layernorm: bool = False,
     layer_in_bf16: bool = False,
+    moe_grouped_gemm: bool = True,
 ) -> ModuleSpec:
     """One GPT transformer layer with miniTE's NVFP4 modules.
 
@@ -234,6 +249,10 @@ def get_gpt_layer_minite_spec(
         num_experts: None for a dense layer, else the MoE layer's global expert count.
         qk_layernorm: normalise queries and keys (Qwen3).
         layer_in_bf16: keep every linear of this layer in BF16 (a recipe's first/last layers).
+        moe_grouped_gemm: the experts in one grouped op (``NVFP4GroupedLinear``, the default),
+            or ``False``: Megatron's ``SequentialMLP`` of NVFP4 linears. The default is True,
+            unlike Megatron's config field, because grouped experts are what miniTE is for
+            (Megatron's ``--moe-grouped-gemm`` also asks for bf16 and a GPU).
     """
     recipe = recipe if recipe is not None else Recipe()
     return build_layer_spec(
@@ -243,6 +262,7 @@ def get_gpt_layer_minite_spec(
         qk_layernorm=qk_layernorm,
         experts=MiniteSpecProvider(recipe, expert_precision=_precision(recipe, recipe.quantize_experts, layer_in_bf16)),
         shared=MiniteSpecProvider(recipe, linear_precision=_precision(recipe, recipe.quantize_shared_experts, layer_in_bf16)),
+        moe_grouped_gemm=moe_grouped_gemm,
     )
 
 
@@ -273,11 +293,14 @@ def validate_config_for_minite(config, recipe: Recipe) -> None:
             "--transformer-impl minite replaces TE's FP4/FP8 recipes: drop --fp4-format/--fp8-format "
             "(or use TE with --fp4-recipe custom and miniTE's quantizer factory)"
         )
-    if config.num_moe_experts and recipe.bf16_first_layers + recipe.bf16_last_layers > config.num_layers:
-        raise MiniteConfigError("--minite-bf16-first-layers + --minite-bf16-last-layers exceeds --num-layers")
+    if recipe.bf16_first_layers + recipe.bf16_last_layers > config.num_layers:
+        raise MiniteConfigError(
+            f"--minite-bf16-first-layers {recipe.bf16_first_layers} + --minite-bf16-last-layers "
+            f"{recipe.bf16_last_layers} exceeds --num-layers {config.num_layers}"
+        )
 
 
-def get_gpt_decoder_layer_minite_specs(config, recipe: Recipe | None = None) -> list[ModuleSpec]:
+def get_gpt_decoder_layer_minite_specs(config, recipe: Recipe | None = None, moe_grouped_gemm: bool = True) -> list[ModuleSpec]:
     """One layer spec per global layer (BF16 first/last layers and the MoE pattern applied)."""
     recipe = recipe if recipe is not None else Recipe()
     validate_config_for_minite(config, recipe)
@@ -291,17 +314,20 @@ def get_gpt_decoder_layer_minite_specs(config, recipe: Recipe | None = None) -> 
             num_experts=config.num_moe_experts if pattern[i] else None,
             qk_layernorm=config.qk_layernorm,
             layer_in_bf16=recipe.layer_in_bf16(i + 1, config.num_layers),
+            moe_grouped_gemm=moe_grouped_gemm,
         )
         for i in range(config.num_layers)
     ]
 
 
 def get_gpt_decoder_block_minite_spec(
-    config, recipe: Recipe | None = None, vp_stage: int | None = None, pp_rank: int | None = None
+    config, recipe: Recipe | None = None, vp_stage: int | None = None, pp_rank: int | None = None,
+    *, moe_grouped_gemm: bool = True,
 ) -> TransformerBlockSubmodules:
-    """The decoder block spec of this pipeline stage (Megatron's ``transformer_layer_spec``)."""
+    """The decoder block spec of this pipeline stage (Megatron's ``transformer_layer_spec``);
+    ``moe_grouped_gemm=False``: sequential experts (:func:`get_gpt_layer_minite_spec`)."""
     recipe = recipe if recipe is not None else Recipe()
-    layer_specs = get_gpt_decoder_layer_minite_specs(config, recipe)
+    layer_specs = get_gpt_decoder_layer_minite_specs(config, recipe, moe_grouped_gemm)
     if config.pipeline_model_parallel_layout is not None:
         ids = config.pipeline_model_parallel_layout.get_layer_id_list(
             layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank

@@ -26,3 +26,5 @@ echo "setup.sh: using $PY ($("$PY" --version))"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test,cutlass]'
 .venv/bin/python -c 'import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'
+# The second test environment with the real vLLM for tests/serving (docs/serving.md); MINITE_SKIP_VLLM=1 skips it.
+[ "${MINITE_SKIP_VLLM:-0}" = 1 ] || scripts/setup_vllm_env.sh

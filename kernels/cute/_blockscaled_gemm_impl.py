@@ -48,6 +48,21 @@ expert's rows of its tile. A tile straddling k experts is thus reduced by k CTAs
 side, not by k passes in a row in one CTA. No host sync, no padding of the token dimension,
 one launch.
 
+sm_103a K = 96 variant (``config.mma_k == 96``; dense and row-grouped only), 7 warps:
+    warp 5     TMA: A and B in 256-wide buffers (each one K = 64 stage: same boxes, same layout),
+               three per 768-wide k-tile.
+    warp 6     TMA: the scales, in their own ring of 192-wide stages (sm_103 scale smem layouts).
+    warp 4     per k-tile, the eight ``SM103MmaMXF4NVF4Op`` MMAs of :data:`.tiles.K96_SCHEDULE`
+               (K = 96 each; bit 31 of the instruction descriptor): MMA j reads bytes 48 j ..
+               48 j + 47 of each row of the tile's 384 through a byte view of the buffers and
+               sm_103 circular descriptors (MMAs 2 and 5 continue into the next buffer); a
+               scale stage is copied to tensor memory before its first of two MMAs, whose
+               scales start at column 0 or 6 of it. MMAs starting at or past K are skipped
+               (:func:`k96_issues`); the buffers past K are zero-filled by TMA.
+    warps 0-3  the same epilogue.
+K rule: a multiple of 32 (16-byte TMA rows). Global layouts, scales included, are those of the
+K = 64 kernel.
+
 Tail handling: TMA zero-fills A/B/scale reads beyond M, N, K; the swizzled scale layout is
 padded to 128 rows and 4 columns (zeros), so padded K contributes exact zeros; stores are
 predicated on ``m < M``, ``n < N`` and the pass's rows (:func:`stores_element`).
@@ -195,6 +210,23 @@ def pass_extent(
     return rows_lo, rows_hi, kt_lo, kt_hi
 
 
+@cute.jit
+def k96_tiles(k: cutlass.Int32):
+    """768-wide k-tiles of the K = 96 kernel for a reduction of ``k``: ``ceil(k / 768)``; TMA
+    zero-fills the codes and scales of the last tile past K. Device code; the CPU tests run it
+    on the host."""
+    return (k + TILE_K_SM103 - 1) // TILE_K_SM103
+
+
+@cute.jit
+def k96_issues(kt: cutlass.Int32, k_start: cutlass.Constexpr, k: cutlass.Int32):
+    """Whether the K = 96 MMA of k-tile ``kt`` that starts ``k_start`` elements into it is
+    issued: iff it starts before K. An MMA reaching past K reads zeros there (TMA fill); one
+    starting at or past K would add only zeros and is skipped. The first MMA of every k-tile
+    starts before K. Device code; the CPU tests run it on the host."""
+    return kt * TILE_K_SM103 + k_start < k
+
+
 def epilogue_partition(tiled_mma, tCtAcc, c_shape, tile_mn, m_tile, n_tile, tidx):
     """The epilogue's view of one output tile, split into 128 x 32 subtiles.
 
@@ -265,6 +297,8 @@ class Nvfp4BlockScaledGemmKernel:
     fit beside the epilogue's staging tiles (at most 16), two accumulator stages when the
     tensor memory holds them (``tile_n == 128``; every CTA now runs at most one pass, so the
     second is idle until a persistent schedule overlaps tiles). Tensor memory: accumulators, then one k-tile of SFA and of SFB columns.
+    ``config.mma_k == 96`` (sm_103a): 768-wide k-tiles of eight K = 96 MMAs, a second TMA warp
+    and ring for the scales (see the module docstring and :meth:`_setup_k96`).
     """
 
     arch = "sm_100"
@@ -656,7 +690,7 @@ class Nvfp4BlockScaledGemmKernel:
         k_tiles = cute.size(gA, mode=[3])
         k = cute.size(mA, mode=[1])
         if cutlass.const_expr(self.k96):
-            k_tiles = (k + TILE_K_SM103 - 1) // TILE_K_SM103  # 768-wide; the tail is zero-filled
+            k_tiles = k96_tiles(k)
 
         thr_mma = tiled_mma.get_slice(0)
         one_cta = cute.make_layout(1)
@@ -942,7 +976,6 @@ class Nvfp4BlockScaledGemmKernel:
                 tCtAcc = tCtAcc_all[(None, 0, 0, acc_state.index)]
                 mma96.set(tcgen05.Field.ACCUMULATE, False)
                 for kt in cutlass.range(kt_lo, kt_hi, unroll=1):
-                    k_base = kt * TILE_K_SM103
                     held = [None] * (TILE_K_SM103 // SMEM_BUFFER_K)  # ring state of this tile's buffers
                     for j in cutlass.range_constexpr(len(K96_SCHEDULE)):
                         step = K96_SCHEDULE[j]
@@ -966,7 +999,7 @@ class Nvfp4BlockScaledGemmKernel:
                             k96_mma(mma96, tCtAcc, a_cur, a_next, b_cur, b_next)
                             mma96.set(tcgen05.Field.ACCUMULATE, True)
                         else:
-                            if k_base + step.k_start < k:  # past K: the tail MMAs are skipped
+                            if k96_issues(kt, step.k_start, k):  # past K: the tail MMAs are skipped
                                 k96_mma(mma96, tCtAcc, a_cur, a_next, b_cur, b_next)
                         for r in cutlass.range_constexpr(len(step.releases)):
                             ab_pipeline.consumer_release(held[step.releases[r]])

@@ -35,6 +35,7 @@ from . import _host
 from ._host import blackwell_arch, device_arch, tma_operand
 from .scales import check_swizzled, operand_scales
 from .tiles import MMA_K, GemmConfig, check_k, choose_mma_k, choose_tile_n
+from ..custom_op import custom_op
 
 _OUT_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -101,7 +102,7 @@ def validate_gemm_operands(
     return m, n, k
 
 
-@torch.library.custom_op("minite_cute::nvfp4_gemm", mutates_args=())
+@custom_op("minite_cute::nvfp4_gemm", mutates_args=())
 def nvfp4_gemm_op(
     a_codes: torch.Tensor,
     a_scales: torch.Tensor,

@@ -41,6 +41,7 @@ from ._host import blackwell_arch, device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_bias, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, grouped_weight_scales, operand_scales
 from .tiles import MMA_K, GemmConfig, check_k, choose_mma_k, choose_tile_n
+from ..custom_op import custom_op
 
 
 def group_offsets(group_sizes: Sequence[int] | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
@@ -149,7 +150,7 @@ def validate_grouped_operands(
     return m, n, k, g
 
 
-@torch.library.custom_op("minite_cute::nvfp4_grouped_gemm", mutates_args=())
+@custom_op("minite_cute::nvfp4_grouped_gemm", mutates_args=())
 def nvfp4_grouped_gemm_op(
     a_codes: torch.Tensor,
     a_scales: torch.Tensor,

@@ -34,6 +34,7 @@ from ._host import device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, operand_scales
 from .tiles import MMA_K, GemmConfig, check_k, choose_tile_n
+from ..custom_op import custom_op
 
 
 def _aligned_sizes(padded_group_sizes: Sequence[int], multiple: int = MMA_K) -> list[int]:
@@ -106,7 +107,7 @@ def validate_wgrad_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_gl
     return n, kout, t, g
 
 
-@torch.library.custom_op("minite_cute::nvfp4_grouped_wgrad_gemm", mutates_args=())
+@custom_op("minite_cute::nvfp4_grouped_wgrad_gemm", mutates_args=())
 def nvfp4_grouped_wgrad_gemm_op(
     a_codes: torch.Tensor,
     a_scales: torch.Tensor,

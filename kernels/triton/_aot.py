@@ -78,6 +78,33 @@ def loop_opcode_counts(text: str) -> dict:
     return dict(counts)
 
 
+def kernel_opcodes(text: str) -> list[str]:
+    """The opcodes of a kernel's SASS in program order, up to its last unpredicated ``EXIT``."""
+    ops = []
+    for ln in text.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if not m:
+            continue
+        ops.append(m.group(2))
+        if m.group(2) == "EXIT" and not m.group(1):
+            break
+    return ops
+
+
+def issue_report(text: str, weights_per_thread: int) -> dict:
+    """Straight-line kernels (unrolled K loops): SASS instructions per weight of the whole kernel,
+    tensor-core ops, and how many global loads are issued before the first MMA."""
+    ops = kernel_opcodes(text)
+    mma = [i for i, o in enumerate(ops) if o in ("HGMMA", "HMMA")]
+    first = mma[0] if mma else len(ops)
+    bar = ops.index("BAR") if "BAR" in ops else len(ops)
+    wide = [m.group(1) for m in re.finditer(r"\bLDG\.E(\.64|\.128)?\b", text)]
+    return {"instructions": len(ops), "per_weight": len(ops) / weights_per_thread,
+            "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA"), "LDG": ops.count("LDG"),
+            "LDG_before_first_mma": ops[:first].count("LDG"), "LDG_before_first_BAR": ops[:bar].count("LDG"),
+            "vector_loads": sum(1 for w in wide if w)}
+
+
 def ptxas_resources(kernel, arch: str = "sm_90a") -> dict:
     """Registers and spill bytes as ``ptxas -v`` reports them for the kernel's PTX."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -53,18 +53,20 @@ def _wgrad(config):
     return compile_for(_grouped_wgrad_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
 
 
-def _decode(m_pad=16, block_n=64, block_k=128, warps=4, stages=1, split_max=4, asm=True, prefetch=False):
+def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split_max=4, asm=True):
+    """The dense decode kernel (default configuration shape: split K, ``nchunk`` steps per program)."""
     from .decode_gemm import _decode_gemm_kernel
 
     sig = {
         "a_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
         "cnt_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32", "lut_ptr": "*i32",
-        "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "s_am": "i32", "s_om": "i32", "SPLIT": "i32",
+        "M": "i32", "N": "i32", "K": "i32", "s_cn": "i32", "s_sn": "i32", "s_am": "i32", "s_om": "i32",
+        "SPLIT": "i32",
     }
-    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, EVEN_K=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, PREFETCH=prefetch)
-    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=stages,
-                       divisible=("K", "K_PER_SPLIT", "s_am", "N"), **EXACT_LAUNCH)
+    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, MASK_K=False, EVEN_N=True, BLOCK_N=block_n, BLOCK_K=block_k,
+              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
+    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=1,
+                       divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
 
 
 def _quantize(block_r=32, block_k=128, warps=4, single=False, stochastic=False, row_amax=True, stride_k_one=True):
@@ -98,6 +100,50 @@ def _quantize_t(block_t=64, block_h=64, warps=4, stochastic=False, col_index=Fal
                        divisible=("R", "K", "stride_s", "T_SRC", "scale_cols_padded"), **EXACT_LAUNCH)
 
 
+def _bi_matmul(config):
+    """Strict mode's LM head / router tile on bf16 operands (unit inner strides, as launched)."""
+    from .bi_matmul import _bi_matmul_kernel
+
+    bm, bn, bk, warps, stages = config
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+           "K": "i32", "sxm": "i32", "swn": "i32", "som": "i32"}
+    ce = dict(sxk=1, swk=1, son=1, HAS_BIAS=False, CAST_FP32=False, PRECISION="tf32", AS_SUM=False, BM=bm, BN=bn, BK=bk)
+    return compile_for(_bi_matmul_kernel, sig, ce, divisible=("K", "sxm", "swn", "som"), num_warps=warps, num_stages=stages)
+
+
+def _bi_attention(config, head_dim=128):
+    """Strict attention (causal, bf16, the [S, B, H, D] layout Megatron passes: unit D stride)."""
+    from .bi_attention import _bi_attention_kernel
+
+    bm, bn, warps, stages = config
+    ints = ("Hq", "Sq", "Sk", "D", "Dv", "GROUP", "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs",
+            "smb", "smh", "sms", "smk", "sob", "soh", "sos")
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*fp32", "out_ptr": "*fp32",
+           **{n: "i32" for n in ints}, "qk_scale": "fp32"}
+    sig = {n: sig[n] for n in _bi_attention_kernel.arg_names if n in sig}
+    ce = dict(sqd=1, skd=1, svd=1, sod=1, CAUSAL=True, HAS_MASK=False, CAST_FP32=False, PRECISION="tf32",
+              AS_SUM=False, BM=bm, BN=bn, BD=head_dim, BDV=head_dim)
+    div = [n for n in ints if n.startswith(("sq", "sk", "sv", "so")) or n in ("D", "Dv")]
+    return compile_for(_bi_attention_kernel, sig, ce, divisible=div, num_warps=warps, num_stages=stages)
+
+
+def _moe_combine(k=0, hidden=2048, gather=False):
+    """The MoE combine (``k=0``: indexed rows, else ``[T, k, H]`` slots) or its backward gather, bf16."""
+    import triton.language as tl
+
+    from . import moe_combine as mc
+
+    block, warps = mc._config(hidden)
+    if gather:
+        sig = {"src_ptr": "*bf16", "index_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "s_src": "i32", "s_out": "i32"}
+        ce = dict(s_col=1, K=k, CANONICAL=True, BLOCK_H=block, DTYPE=tl.bfloat16)
+        return compile_for(mc._moe_gather_rows_kernel, sig, ce, divisible=("H", "s_src", "s_out"), num_warps=warps)
+    sig = {"src_ptr": "*bf16", "order_ptr": "*i64", "bounds_ptr": "*i32", "out_ptr": "*bf16", "H": "i32",
+           "s_row": "i32", "s_slot": "i32", "s_out": "i32"}
+    ce = dict(s_col=1, K=k, BLOCK_H=block, DTYPE=tl.bfloat16, EMULATE_BF16=False)
+    return compile_for(mc._moe_sum_rows_kernel, sig, ce, divisible=("H", "s_row", "s_slot", "s_out"), num_warps=warps)
+
+
 def all_kernels():
     """(name, compiled kernel) of every kernel at its H200 launch config."""
     from . import gemm, grouped_gemm, grouped_wgrad, quantize
@@ -115,6 +161,13 @@ def all_kernels():
     bt, bh, warps = quantize.GPU_TRANSPOSED_TILE
     yield "quantize x.t()", _quantize_t(bt, bh, warps)
     yield "quantize x.t() SR gather", _quantize_t(bt, bh, warps, stochastic=True, col_index=True)
+    from . import bi_attention, bi_matmul
+
+    yield "bi_matmul (tensor cores)", _bi_matmul(bi_matmul.MMA_CONFIG)
+    yield "bi_attention", _bi_attention(bi_attention.GPU_CONFIG)
+    yield "moe combine", _moe_combine()
+    yield "moe combine [T, 8, H]", _moe_combine(8)
+    yield "moe combine backward", _moe_combine(gather=True)
     from . import _aot_quantize
 
     yield from _aot_quantize.all_kernels()  # the fast row/column kernels the dispatch prefers

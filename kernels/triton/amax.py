@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._nvfp4_math import exact_launch, interpreting
+from ..custom_op import custom_op
 
 #: Elements per program iteration of the flat kernel on the GPU, and its num_warps.
 GPU_FLAT_BLOCK = 4096
@@ -112,7 +113,7 @@ def _flat_launch(x2d: torch.Tensor, out: torch.Tensor, rows_per_group: int) -> N
                             num_warps=warps, **exact_launch())
 
 
-@torch.library.custom_op("minite::amax", mutates_args=())
+@custom_op("minite::amax", mutates_args=())
 def amax_forward(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
     """fp32 ``[ceil(R / rows_per_group)]``: amax of ``|x2d|`` per run of rows (NaN wins)."""
     r, k = x2d.shape

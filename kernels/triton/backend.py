@@ -220,7 +220,7 @@ class TritonBackend:
             raise ValueError(f"gemm_nt: a has K={a.k}, b has {b.shape[0]} rows")
         self._require(a.device)
         n_out = b.shape[1]
-        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and n_out <= DECODE_MAX_N:
+        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and (DECODE_MAX_N is None or n_out <= DECODE_MAX_N):
             return self.gemm(a, b.transpose(), bias, out_dtype, batch_invariant)  # the decode kernel reads codes
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from ..custom_op import custom_op
 
 MAX_BLOCK = 4096
 
@@ -44,7 +45,7 @@ def _bi_log_softmax_kernel(x_ptr, out_ptr, V, sxm, sxv, som, BLOCK: tl.constexpr
         tl.store(out_ptr + row * som + cols, (x - m) - lse, mask=cmask)
 
 
-@torch.library.custom_op("minite::bi_log_softmax", mutates_args=())
+@custom_op("minite::bi_log_softmax", mutates_args=())
 def _bi_log_softmax_op(x: torch.Tensor) -> torch.Tensor:
     m, v = x.shape
     out = torch.empty(m, v, dtype=torch.float32, device=x.device)

@@ -5,9 +5,10 @@ accumulator, fp32 bias add, one rounding to ``out_dtype``; not the same reductio
 bitwise equal to it).
 
 Why a row's result cannot depend on M (the batch-invariance argument):
-- one tile configuration for every shape (``BLOCK_M=64, BLOCK_N=64, BLOCK_K=32``, 4 warps):
-  no autotuning, no heuristic keyed on M, so every output tile runs the same instruction
-  sequence whatever M is or where the row lands inside its tile;
+- one tile configuration per operand path for every shape (:data:`MMA_CONFIG` for bf16/fp16
+  operands on the tensor cores, :data:`FMA_CONFIG` for fp32 or mixed operands and under the
+  interpreter): no autotuning, no heuristic keyed on M, so every output tile runs the same
+  instruction sequence whatever M is or where the row lands inside its tile;
 - K is walked from 0 upwards in ``BLOCK_K`` steps into one fp32 accumulator: no split-K, no
   stream-K, no reduction across programs, no atomics;
 - rows past M are masked loads of zeros that only feed their own (discarded) output rows.
@@ -27,8 +28,16 @@ import triton
 import triton.language as tl
 
 from .bi_common import finish, interpreting, kernel_out_dtype, tile_dot
+from ..custom_op import custom_op
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 32, 4, 3
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The tensor-core path (bf16 / fp16 operands of
+#: one dtype: strict mode's FP32-output LM head and router) ran the FMA tile until issue 16 round
+#: 2: 11.6 ms for the LM head and 4 routers of the 16384-token step on the H200 (cuBLAS ~3 ms).
+#: A larger tile keeps each element's k16 MMA sequence (K walked upwards in steps of 16 into one
+#: fp32 accumulator), so it is expected to give the same bits as the old 64x64x32 tile
+#: (``test_gpu_bi_matmul_tile_keeps_the_bits`` checks it on the GPU).
+MMA_CONFIG = (128, 128, 64, 8, 3)
+FMA_CONFIG = (64, 64, 32, 4, 3)
 
 
 @triton.jit
@@ -63,25 +72,33 @@ def _bi_matmul_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+def tile_config(x_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """The fixed (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of these operand dtypes."""
+    cast = interpreting() or x_dtype != w_dtype or x_dtype == torch.float32
+    return FMA_CONFIG if cast else MMA_CONFIG
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+            config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=kernel_out_dtype(out_dtype), device=x.device)
     if m == 0 or n == 0:
         return finish(out, out_dtype)
     cast = interpreting() or x.dtype != w.dtype or x.dtype == torch.float32
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    block_m, block_n, block_k, warps, stages = config or tile_config(x.dtype, w.dtype)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _bi_matmul_kernel[grid](
         x, w, bias if bias is not None else out, out, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, CAST_FP32=cast, PRECISION="ieee" if cast else "tf32",
         AS_SUM=interpreting(),
-        BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BM=block_m, BN=block_n, BK=block_k, num_warps=warps, num_stages=stages,
     )
     return finish(out, out_dtype)
 
 
-@torch.library.custom_op("minite::bi_matmul", mutates_args=())
+@custom_op("minite::bi_matmul", mutates_args=())
 def _bi_matmul_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return _launch(x, w, bias, out_dtype)
 

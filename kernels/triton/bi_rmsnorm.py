@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .bi_common import finish, kernel_out_dtype
+from ..custom_op import custom_op
 
 MAX_BLOCK = 4096
 
@@ -48,7 +49,7 @@ def _bi_rmsnorm_kernel(
         tl.store(out_ptr + row * som + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-@torch.library.custom_op("minite::bi_rmsnorm", mutates_args=())
+@custom_op("minite::bi_rmsnorm", mutates_args=())
 def _bi_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     m, h = x.shape
     out = torch.empty(m, h, dtype=kernel_out_dtype(x.dtype), device=x.device)

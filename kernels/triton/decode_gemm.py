@@ -3,16 +3,20 @@
 Small-M GEMMs are memory-bound on the weight bytes, so this kernel reads the packed codes
 (0.5 byte per weight) and E4M3 block scales (1/16 byte) instead of a bf16 image (2 bytes):
 3.56x fewer bytes. Each weight tile is dequantized in registers to its exact bf16 image
-(:func:`._decode_common.dequant_tile`: byte permutes, ~3 instructions per weight) and
+(:func:`._decode_common.dequant_tile`: byte permutes, 2.5 instructions per weight) and
 multiplied on the tensor cores with the weights as the MMA's M side (swap-AB: ``out^T [N, M]
 = W [N, K] @ x^T [K, M]``, M padded to ``M_PAD``).
 
-Two configurations (:func:`select_config`):
+A program owns ``BLOCK_N`` weight rows and ``NCHUNK`` K steps of ``BLOCK_K`` (unrolled); the
+loads of ``DEPTH`` steps are in flight before the first step is computed
+(:func:`._decode_common.decode_k_loop`), so a one-wave grid has the whole weight matrix
+requested at once. Two configurations (:func:`select_config`):
 
-* default (``batch_invariant=False``): K is split into ``SPLIT`` ranges so the grid fills the
-  GPU; each program writes an fp32 partial and the last program of an N tile to finish (an
-  atomic counter, acquire/release) adds the partials in split order (deterministic run to
-  run) and applies the epilogue. Within ``nvfp4.fp32_accumulation_bound`` of the contract.
+* default (``batch_invariant=False``): K is split into ``SPLIT`` ranges of ``NCHUNK`` steps so
+  the grid fills the GPU; each program writes an fp32 partial and the last program of an N tile
+  to finish (an atomic counter, acquire/release) adds the partials in split order
+  (deterministic run to run) and applies the epilogue. Within ``nvfp4.fp32_accumulation_bound``
+  of the contract.
 * strict (``batch_invariant=True``): no split; every program runs the whole K in 16-wide
   tensor-core steps from a zero accumulator, in K order -- the same chain of MMA steps on the
   same exact bf16 products as the learner's strict image GEMM (``gemm.STRICT_CONFIG``), so
@@ -39,47 +43,48 @@ import triton.language as tl
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 MAX_M = 64
 MAX_SPLIT = 32
 
 
-@triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["SPLIT"])
 def _decode_gemm_kernel(
     a_ptr, codes_ptr, scales_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sb_ptr, bias_ptr, lut_ptr,
-    M, N, K, K_PER_SPLIT, s_am, s_om, SPLIT,
-    SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
+    M, N, K, s_cn, s_sn, s_am, s_om, SPLIT,
+    SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
+    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_safe = rn % N
+    rn_safe = rn if EVEN_N else rn % N  # rows past N read row rn % N (never stored)
     rm = tl.arange(0, M_PAD)
-    k_lo = pid_s * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    codes_rows = codes_ptr + rn_safe[:, None].to(tl.int64) * (K // 2)
-    scales_rows = scales_ptr + rn_safe[:, None].to(tl.int64) * (K // 16)
+    k_lo = pid_s * (NCHUNK * BLOCK_K)
+    codes_rows = codes_ptr + rn_safe.to(tl.int64) * s_cn
+    scales_rows = scales_ptr + rn_safe.to(tl.int64) * s_sn
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
-    acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, load_tables(lut_ptr),
-                        BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
+    acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
 
     is_last = SPLIT == 1
+    out_mask = m_ok & (rn < N)[:, None]
     if SPLIT > 1:
-        part = part_ptr + pid_s * N * M + rn[:, None] * M + rm[None, :]
-        tl.store(part, acc, mask=(rn < N)[:, None] & m_ok)
+        # partials [SPLIT, M, N] (like the output: stores and loads coalesced along N, padded
+        # rows never written)
+        tile = rm[None, :] * N + rn[:, None]
+        tl.store(part_ptr + pid_s * M * N + tile, acc, mask=out_mask)
         done = tl.atomic_add(cnt_ptr + pid_n, 1)  # acq_rel: orders the partial stores
         is_last = done == SPLIT - 1
         if is_last:
-            # all partials in one load (in flight together), summed in split order:
-            # deterministic run to run
-            sp = tl.arange(0, SPLIT_MAX)
-            p = tl.load(part_ptr + sp[:, None, None] * N * M + rn[None, :, None] * M + rm[None, None, :],
-                        mask=(sp < SPLIT)[:, None, None] & (rn < N)[None, :, None] & (rm < M)[None, None, :],
-                        other=0.0, cache_modifier=".cg")
-            acc = tl.sum(p, axis=0)
+            # every partial's load in flight together, then summed in split order: deterministic
+            acc = tl.load(part_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLIT_MAX):
+                acc += tl.load(part_ptr + sp * M * N + tile, mask=out_mask & (sp < SPLIT), other=0.0,
+                               cache_modifier=".cg")
             tl.store(cnt_ptr + pid_n, 0)  # leave the workspace zeroed for the next launch
     if is_last:
         if SA_ROWS:
@@ -94,39 +99,45 @@ def _decode_gemm_kernel(
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + rn_safe).to(tl.float32)[:, None]
         tl.store(out_ptr + rm[None, :] * s_om + rn[:, None], round_to(out, out_ptr.dtype.element_ty, DOT_FP32),
-                 mask=m_ok & (rn < N)[:, None])
+                 mask=out_mask)
 
 
-#: GPU launch parameters of the default configuration by padded M: tile, warps, stages,
-#: register prefetch, and the programs per SM that the K split aims for. H200, 2026-12-02
-#: (benchmarks/decode_gemm.py sweep): BLOCK_K = 128 won at every shape; BLOCK_K = 256 with
-#: BLOCK_N = 64 (16 chained wgmma steps on a register operand) computed wrong values under
-#: Triton 3.6 and is not used.
-GPU_DECODE = {
-    8: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=8),
-    16: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
-    32: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
-    64: dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, per_sm=4),
-}
-#: The strict configuration: no split, the whole K per program, M always padded to 64 (the
-#: MMA is m64 n64 k16 for every M: on the H200 a 64x8 MMA rounded differently from the
-#: learner's 64x128 one in the last fp32 bits, 64x64 did not).
-GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, PREFETCH=False, M_PAD=64, PAD_ROWS=True)
-#: The decode kernels' dequantization asm in its element-wise form (``_decode_common``) has not
-#: run on a GPU yet (written after the last device call of 2026-12-01, whose results exposed
-#: the earlier form's layout dependence). Until ``tests/kernels/triton/test_triton_decode.py``
-#: passes on a GPU and this is set True, the triton backend keeps its verified paths on CUDA
-#: (the image GEMM; the learner's grouped GEMM on rows sorted on the device). The kernels
-#: themselves stay callable (tests, benchmarks).
-DECODE_GPU_VERIFIED = False
-#: Set once the GPU has shown the strict configuration bitwise equal to the learner's strict
-#: GEMM (``gemm.STRICT_CONFIG``) on random and adversarial data for M = 1..64 (see
-#: ``benchmarks/decode_gemm.py --sections check``); until then strict mode keeps the image GEMM.
-#: Evidence so far (H200, 2026-12-01, m64n64 MMA): rows of M = 16 and 64 bitwise equal in
-#: fp32; M = 1, 3, 8, 33 equal in bf16 but not in the last fp32 bits -- the code Triton
-#: generates depends on whether M is a multiple of 16, so strict launches now pad the rows to
-#: ``M_PAD`` (:func:`launch_decode_gemm`); that padded form has not run on a GPU.
-STRICT_DECODE_VERIFIED = False
+#: GPU launch parameters of the default configuration: tile (BLOCK_N weight rows x BLOCK_K per
+#: step), warps, the steps in flight per program (DEPTH), the most steps one program runs
+#: (MAX_CHUNKS) and the programs per SM the K split aims for (``default_config``). M is padded
+#: to >= 16 (wgmma; M_PAD 8 compiles to mma.sync, whose operand moves cost ~1 SASS instruction
+#: per weight more, CPU-AOT count 2026-12-02). H200, 2026-12-01 (BENCHMARKS.md run 8, the sweep
+#: of ``benchmarks/decode_gemm.py``; only qkv got timed): 2 steps per program, 4 programs per SM
+#: was the fastest of six entries at M = 1 and 16 (qkv M = 1: 8.12 us; 4 steps / 2 per SM 9.15;
+#: 8 steps / 1 per SM 10.32), every entry within the fp32 bound.
+GPU_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=2, MAX_CHUNKS=2, per_sm=4, min_m_pad=16)
+#: The strict configuration: no split, the whole K per program (unrolled) in 16-wide wgmma steps
+#: from a zero accumulator (the learner's strict chain), M padded to the next power of two >= 16
+#: (``M_PAD`` None). Alternatives the GPU check compares bit for bit
+#: (``benchmarks/decode_gemm.py`` STRICT_VARIANTS): M_PAD 64 with masked rows, and M_PAD 64 with
+#: PAD_ROWS (a zero-padded copy, so the code is the same for every M). On the H200 (2026-12-01,
+#: with the earlier, layout-dependent dequant) 64x64 MMAs matched the learner's 64x128 ones and
+#: 64x16 did not in the last fp32 bits; that dequant was itself wrong for some layouts, so the
+#: evidence is re-measured. M_PAD 64 costs 4x the activation tile (registers, shared memory:
+#: DEPTH 2 there) and spills at K = 4096 (CPU-AOT, 2026-12-02).
+GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, M_PAD=None)
+#: The decode kernels ran on a GPU and gave the contract's values: H200, 2026-12-01 (BENCHMARKS.md
+#: run 8): ``tests/kernels/triton/test_triton_decode.py`` (23 tests, GPU-only ones included) and
+#: the real-shape test passed; every default configuration of the sweep within
+#: ``fp32_accumulation_bound`` at M = 1, 3, 16, 64 (random and adversarial data); dense and
+#: grouped ops captured in one CUDA graph replay bit for bit. The grouped kernel's evidence is its
+#: strict bits (below) and default rows within 3.3e-6 of them; its NaN / bad-id paths ran on the
+#: CPU interpreter only (the backend-level grouped tests took the fallback while this was False).
+#: The earlier form of the dequant (4 packed bytes -> 8 placed outputs) was wrong on the H200.
+DECODE_GPU_VERIFIED = True
+#: The strict configuration is bitwise equal to the learner's strict GEMM (``gemm.STRICT_CONFIG``):
+#: H200, 2026-12-01 (BENCHMARKS.md run 8, ``benchmarks/decode_gemm.py`` check section): rows of
+#: M = 1, 3, 8, 16, 33, 64 taken at offsets 0, 29 and 4096 - M of the learner's M = 4096 GEMM
+#: (K = 1024, N = 512), random and adversarial (2^+-12 spread) data, fp32 and bf16 outputs: 0 of
+#: 384000 elements differ per variant, for all four variants (M_PAD natural / 64 masked / 64
+#: padded rows / 8 warps); the strict grouped decode equals the learner's strict grouped GEMM
+#: (K = 1024, N = 768, 128 experts, 1 / 8 / 64 tokens x top-8): 0 bits differ.
+STRICT_DECODE_VERIFIED = True
 
 
 def _m_pad(m: int, floor: int) -> int:
@@ -134,26 +145,44 @@ def _m_pad(m: int, floor: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, sm_count: int, entry: dict) -> dict:
-    """A default-mode launch from a :data:`GPU_DECODE`-style entry: K split until the grid has
-    ``per_sm`` programs per SM (at most :data:`MAX_SPLIT`, at least one K step per split)."""
+    """A default-mode launch from a :data:`GPU_DECODE`-style entry: the K split that gives the
+    grid ``per_sm`` programs per SM with at most ``MAX_CHUNKS`` steps per program (at least one
+    step per split, at most :data:`MAX_SPLIT` splits)."""
     bn, bk = entry["BLOCK_N"], entry["BLOCK_K"]
-    split = max(1, min(triton.cdiv(k, bk), MAX_SPLIT, entry["per_sm"] * sm_count // max(triton.cdiv(n, bn), 1)))
-    cfg = {key: v for key, v in entry.items() if key not in ("per_sm", "min_m_pad")}
-    return dict(cfg, M_PAD=_m_pad(m, entry.get("min_m_pad", 8)), SPLIT=split)
+    steps = triton.cdiv(k, bk)
+    tiles = max(triton.cdiv(n, bn), 1)
+    split = max(1, min(steps, MAX_SPLIT, triton.cdiv(entry["per_sm"] * sm_count, tiles)))
+    nchunk = min(triton.cdiv(steps, split), entry["MAX_CHUNKS"])
+    split = triton.cdiv(steps, nchunk)
+    if split > MAX_SPLIT:  # very long K: more steps per program
+        split = MAX_SPLIT
+        nchunk = triton.cdiv(steps, split)
+    cfg = {key: v for key, v in entry.items() if key not in ("per_sm", "min_m_pad", "MAX_CHUNKS")}
+    return dict(cfg, M_PAD=_m_pad(m, entry.get("min_m_pad", 16)), SPLIT=split, NCHUNK=nchunk)
+
+
+def strict_config(m: int, k: int, entry: dict) -> dict:
+    """A strict launch from a :data:`GPU_STRICT_DECODE`-style entry: one program per N tile runs
+    the whole K (``M_PAD`` None: the natural padding, >= 16)."""
+    mp = entry.get("M_PAD") or _m_pad(m, 16)
+    return dict(entry, M_PAD=mp, SPLIT=1, NCHUNK=triton.cdiv(k, entry["BLOCK_K"]))
 
 
 def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) -> dict:
-    """Launch parameters: BLOCK_N, BLOCK_K, M_PAD, SPLIT, num_warps, num_stages, PREFETCH."""
+    """Launch parameters: BLOCK_N, BLOCK_K, M_PAD, SPLIT, NCHUNK, DEPTH, num_warps."""
     if interpreting():
         # BLOCK_K = 16 and no split in strict mode: the interpreter's fp32 dot then adds exact
         # block partials in K order, the contract's order (the learner's strict GEMM there)
         if batch_invariant:
-            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=_m_pad(m, 16), SPLIT=1, num_warps=4, num_stages=1)
-        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=max(1, min(2, k // 32)), num_warps=4,
-                    num_stages=1, PREFETCH=True)
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=_m_pad(m, 16), SPLIT=1, NCHUNK=triton.cdiv(k, 16), DEPTH=2,
+                        num_warps=4)
+        steps = triton.cdiv(k, 32)
+        split = max(1, min(2, steps))
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=split, NCHUNK=triton.cdiv(steps, split),
+                    DEPTH=1, num_warps=4)
     if batch_invariant:
-        return dict(GPU_STRICT_DECODE, SPLIT=1)
-    return default_config(m, n, k, sm_count, GPU_DECODE[_m_pad(m, 8)])
+        return strict_config(m, k, GPU_STRICT_DECODE)
+    return default_config(m, n, k, sm_count, GPU_DECODE)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -176,9 +205,8 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
     """Run the kernel with the launch parameters ``cfg`` (:func:`select_config` or a sweep's)."""
     m, k = a.shape
     n = b_codes.shape[0]
-    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT"]
-    if cfg.get("PAD_ROWS") and m % 16:
-        # strict: run with M a multiple of 16 (zero rows), so the code is the same for every M
+    if cfg.get("PAD_ROWS") and m % cfg["M_PAD"]:
+        # strict: run with M = M_PAD (zero rows), so the code is the same for every M
         mp = cfg["M_PAD"]
         a_pad = a.new_zeros(mp, k)
         a_pad[:m] = a
@@ -187,23 +215,23 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         launch_decode_gemm(a_pad, b_codes, b_scales, sa, b_scale, bias, out_pad, dict(cfg, PAD_ROWS=False), asm)
         out.copy_(out_pad[:m])
         return
-    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
-    split = triton.cdiv(k, k_per_split)
+    bn, bk, nchunk = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NCHUNK"]
+    split = triton.cdiv(k, nchunk * bk)  # (cfg's SPLIT, recomputed: NCHUNK steps per program cover K)
     num_n = triton.cdiv(n, bn)
-    part = torch.empty((split, n, m) if split > 1 else (1,), dtype=torch.float32, device=a.device)
+    part = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
     cnt = split_counters(a.device, num_n) if split > 1 else part
     _decode_gemm_kernel[(num_n, split)](
         a, b_codes, b_scales, out, part, cnt, a_scale, b_scale, bias if bias is not None else b_scale,
-        dequant_tables(a.device), m, n, k, k_per_split, a.stride(0), out.stride(0), split,
+        dequant_tables(a.device), m, n, k, b_codes.stride(0), b_scales.stride(0), a.stride(0), out.stride(0), split,
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0 and k_per_split % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], SPLIT_MAX=triton.next_power_of_2(split),
-        ASM=(not interpreting()) if asm is None else asm, DOT_FP32=interpreting(), PREFETCH=cfg.get("PREFETCH", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
+        HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
+        BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
+        SPLIT_MAX=triton.next_power_of_2(split), ASM=(not interpreting()) if asm is None else asm,
+        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1, **exact_launch(),
     )
 
 
-@torch.library.custom_op("minite::decode_gemm", mutates_args=())
+@custom_op("minite::decode_gemm", mutates_args=())
 def decode_gemm_op(
     a_img: torch.Tensor,
     b_codes: torch.Tensor,

@@ -32,8 +32,9 @@ import triton.language as tl
 
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
-from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters
+from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters, strict_config
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -58,13 +59,13 @@ def _chunk_rows(mine, pos, c0, R_POW2: tl.constexpr, M_PAD: tl.constexpr):
     return tl.sum(tl.where(hit, tl.arange(0, R_POW2)[None, :], 0), axis=1)
 
 
-@triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["SPLIT"])
 def _decode_grouped_kernel(
     a_ptr, codes_ptr, scales_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sw_ptr, lut_ptr,
-    R, N, K, E, K_PER_SPLIT, s_am, s_om, SPLIT,
-    SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
-    R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
+    R, N, K, E, s_cn, s_sn, s_am, s_om, SPLIT,
+    SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
+    SPLIT_MAX: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,18 +88,17 @@ def _decode_grouped_kernel(
         mine = valid & (ids == expert)
         pos = tl.cumsum(mine.to(tl.int32), axis=0) - 1
         wrow = expert.to(tl.int64) * N + rn_safe
-        codes_rows = codes_ptr + wrow[:, None] * (K // 2)
-        scales_rows = scales_ptr + wrow[:, None] * (K // 16)
-        k_lo = pid_s * K_PER_SPLIT
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        luts = load_tables(lut_ptr)
+        codes_rows = codes_ptr + wrow * s_cn
+        scales_rows = scales_ptr + wrow * s_sn
+        k_lo = pid_s * (NCHUNK * BLOCK_K)
+        luts = load_tables(lut_ptr, rn_safe)
         is_last = SPLIT == 1
         if SPLIT > 1:
             for c0 in range(0, n_rows, M_PAD):
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
+                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -121,7 +121,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
+                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -138,15 +138,16 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
     slots = max(1, min(r, experts))
     if interpreting():
         if batch_invariant:
-            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, num_warps=4, num_stages=1)
-        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=max(1, min(2, k // 32)), num_warps=4, num_stages=1,
-                    PREFETCH=True)
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, NCHUNK=triton.cdiv(k, 16), DEPTH=2, num_warps=4)
+        steps = triton.cdiv(k, 32)
+        split = max(1, min(2, steps))
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=split, NCHUNK=triton.cdiv(steps, split), DEPTH=1,
+                    num_warps=4)
     if batch_invariant:
-        return dict(GPU_STRICT_DECODE, SPLIT=1)
-    # rows per expert: r / slots on average (top-k routing spreads them)
-    m_pad = max(8, min(16, triton.next_power_of_2(triton.cdiv(r, slots))))
-    cfg = default_config(m_pad, n * slots, k, sm_count, GPU_DECODE[m_pad])
-    return cfg
+        return strict_config(16, k, dict(GPU_STRICT_DECODE, PAD_ROWS=False))
+    # rows per expert: r / slots on average (top-k routing spreads them); M_PAD >= 16 (wgmma)
+    m_pad = max(16, min(32, triton.next_power_of_2(triton.cdiv(r, slots))))
+    return default_config(m_pad, n * slots, k, sm_count, GPU_DECODE)
 
 
 def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts: int, cfg: dict,
@@ -154,25 +155,24 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
     """Run the kernel with launch parameters ``cfg`` (:func:`select_config` or a sweep's)."""
     r, k = a.shape
     n = out.shape[1]
-    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT"]
-    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
-    split = triton.cdiv(k, k_per_split)
+    bn, bk, nchunk = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NCHUNK"]
+    split = triton.cdiv(k, nchunk * bk)
     slots = min(r, experts)
     num_n = triton.cdiv(n, bn)
     part = torch.empty((split, r, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
     cnt = split_counters(a.device, slots * num_n) if split > 1 else part
     _decode_grouped_kernel[(slots, num_n, split)](
         a, w_codes, w_scales, expert_ids, out, part, cnt, a_scale, w_scale, dequant_tables(a.device),
-        r, n, k, experts, k_per_split, a.stride(0), out.stride(0), split,
+        r, n, k, experts, w_codes.stride(0), w_scales.stride(0), a.stride(0), out.stride(0), split,
         SA_ROWS=a_scale.numel() != 1 or r == 1, SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1),
-        EVEN_K=k % bk == 0 and k_per_split % bk == 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"],
-        SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
+        MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
+        DEPTH=cfg["DEPTH"], SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
         E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
+        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1, **exact_launch(),
     )
 
 
-@torch.library.custom_op("minite::decode_grouped_gemm", mutates_args=())
+@custom_op("minite::decode_grouped_gemm", mutates_args=())
 def decode_grouped_gemm_op(
     a_img: torch.Tensor,
     w_codes: torch.Tensor,

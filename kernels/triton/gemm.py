@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ._gemm_common import epilogue, mma_k_loop, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
+from ..custom_op import custom_op
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -163,7 +164,7 @@ def use_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-@torch.library.custom_op("minite::gemm", mutates_args=())
+@custom_op("minite::gemm", mutates_args=())
 def gemm_op(
     a_img: torch.Tensor,
     b_img: torch.Tensor,

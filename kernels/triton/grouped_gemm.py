@@ -24,6 +24,7 @@ import triton.language as tl
 from ._gemm_common import epilogue, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def group_offsets(group_sizes, device: torch.device) -> torch.Tensor:
     return torch.tensor(offs, dtype=torch.int32).to(device, non_blocking=True)
 
 
-@torch.library.custom_op("minite::grouped_gemm", mutates_args=())
+@custom_op("minite::grouped_gemm", mutates_args=())
 def grouped_gemm_op(
     a_img: torch.Tensor,
     b_img: torch.Tensor,

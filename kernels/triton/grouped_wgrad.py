@@ -33,6 +33,7 @@ from .amax import amax_forward
 from .grouped_gemm import group_offsets
 from . import quantize_cols
 from .quantize import quantize_op, rht_mask_of, sr_key
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -223,7 +224,7 @@ def grouped_wgrad_forward(
     return grouped_wgrad_op(a_img, b_img, poffs, sa, sb, groups, out_dtype, canonical)
 
 
-@torch.library.custom_op("minite::grouped_wgrad", mutates_args=())
+@custom_op("minite::grouped_wgrad", mutates_args=())
 def grouped_wgrad_op(
     a_img: torch.Tensor,
     b_img: torch.Tensor,

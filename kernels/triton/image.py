@@ -18,6 +18,7 @@ from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import bf16_image_bits, e2m1_value, e4m3_value, exact_launch
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _image_kernel(codes_ptr, scales_ptr, image_ptr, R, K, BLOCK_R: tl.constexpr,
              mask=rmask & (cols < K)[None, :])
 
 
-@torch.library.custom_op("minite::nvfp4_image", mutates_args=())
+@custom_op("minite::nvfp4_image", mutates_args=())
 def image_op(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[R, K/2]`` + uint8 (e4m3 bits) linear scales ``[R, K/16]`` -> bf16 ``[R, K]``."""
     r, k = codes.shape[0], codes.shape[1] * 2

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .bi_common import interpreting
+from ..custom_op import custom_op
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_H = 2048
@@ -107,7 +108,7 @@ def _check_dtype(dtype: torch.dtype, where: str) -> None:
         raise TypeError(f"{where}: fp16 rows need a GPU (the interpreter has no exact fp16 rounding)")
 
 
-@torch.library.custom_op("minite::moe_sum_rows", mutates_args=())
+@custom_op("minite::moe_sum_rows", mutates_args=())
 def _moe_sum_rows_op(src: torch.Tensor, order: torch.Tensor, bounds: torch.Tensor, k: int) -> torch.Tensor:
     if k > 0:
         t, _, h = src.shape
@@ -132,7 +133,7 @@ def _(src, order, bounds, k):
     return src.new_empty(t, src.shape[-1])
 
 
-@torch.library.custom_op("minite::moe_gather_rows", mutates_args=())
+@custom_op("minite::moe_gather_rows", mutates_args=())
 def _moe_gather_rows_op(src: torch.Tensor, index: torch.Tensor, k: int, rows: int, canonical: bool) -> torch.Tensor:
     h = src.shape[1]
     out = torch.empty(rows, h, dtype=src.dtype, device=src.device)

@@ -65,6 +65,7 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
 from .bi_rmsnorm import MAX_BLOCK
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
+from ..custom_op import custom_op
 
 
 #: bi_rmsnorm's num_warps (part of the reduction layout: do not change one without the other).
@@ -239,7 +240,7 @@ def _w_kind(weight: torch.Tensor) -> int:
     return {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[weight.dtype]
 
 
-@torch.library.custom_op("minite::rmsnorm_quantize", mutates_args=())
+@custom_op("minite::rmsnorm_quantize", mutates_args=())
 def rmsnorm_quantize_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, with_image: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

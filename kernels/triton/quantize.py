@@ -62,6 +62,7 @@ from ._nvfp4_math import (
 )
 from . import quantize_cols, quantize_rows
 from .amax import amax_forward
+from ..custom_op import custom_op
 
 
 @triton.jit
@@ -332,7 +333,7 @@ def sr_key(seed: int) -> int:
     return key - (1 << 32) if key >= (1 << 31) else key
 
 
-@torch.library.custom_op("minite::quantize", mutates_args=())
+@custom_op("minite::quantize", mutates_args=())
 def quantize_op(
     x2d: torch.Tensor,
     amax: torch.Tensor | None,

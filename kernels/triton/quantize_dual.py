@@ -74,6 +74,7 @@ from ._nvfp4_math import (
 from .quantize import rht_mask_of, sr_key
 from .quantize_cols import _block_amax_bits, _pair, _rht16
 from .quantize_rows import _sr_uniform, _unpack
+from ..custom_op import custom_op
 
 INF_BITS = tl.constexpr(0x7F800000)
 
@@ -423,7 +424,7 @@ def _words_ok(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@torch.library.custom_op("minite::amax_row_col", mutates_args=())
+@custom_op("minite::amax_row_col", mutates_args=())
 def amax_row_col_op(x: torch.Tensor, row_per_row: bool, col_per_row: bool, rht_mask: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (row amax [T] or [1], col amax [N] or [1]) of ``x`` [T, N] (validated, word-readable)."""
     t, n = x.shape
@@ -446,7 +447,7 @@ def _(x, row_per_row, col_per_row, rht_mask):
         x.new_empty((n if col_per_row else 1,), dtype=torch.float32)
 
 
-@torch.library.custom_op("minite::quantize_row_col", mutates_args=())
+@custom_op("minite::quantize_row_col", mutates_args=())
 def quantize_row_col_op(
     x: torch.Tensor, row_amax: torch.Tensor, col_amax: torch.Tensor, row_stochastic: bool, row_key: int,
     col_stochastic: bool, col_key: int, rht_mask: int, with_image: bool,

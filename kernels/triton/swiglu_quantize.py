@@ -55,6 +55,7 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, interpreting, max_propagate_nan
 from .norm_quantize import as_nvfp4, round_half
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
+from ..custom_op import custom_op
 
 
 #: Warps per program when a row takes at most 32 threads (quantize_rows' measured best: 1).
@@ -198,7 +199,7 @@ def _swiglu_quantize_kernel(
                             codes_ptr, scales_ptr, image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
 
 
-@torch.library.custom_op("minite::swiglu_quantize", mutates_args=())
+@custom_op("minite::swiglu_quantize", mutates_args=())
 def swiglu_quantize_op(
     h: torch.Tensor, with_image: bool, probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

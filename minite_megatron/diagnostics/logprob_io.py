@@ -66,11 +66,25 @@ def _topk_dict(obj) -> dict[int, torch.Tensor] | None:
 def load_logprobs(path: str | Path) -> LogprobFile:
     """Read a log-prob file (formats in the module docstring).
 
-    Raises FileNotFoundError, or ValueError for an unknown suffix or missing ``logprobs``.
+    Raises FileNotFoundError, or ValueError for an unknown suffix, missing ``logprobs`` or a
+    corrupt/truncated file.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no log-prob file at {path}")
+    try:
+        return _read_logprobs(path)
+    except (ValueError, FileNotFoundError) as e:
+        if isinstance(e, json.JSONDecodeError):
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt or truncated file: bad input, one line
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+        detail = "the file is empty" if path.stat().st_size == 0 else f"{type(e).__name__}: {reason}".rstrip(": ")
+        raise ValueError(f"{path}: not a readable log-prob file ({detail})") from None
+
+
+def _read_logprobs(path: Path) -> LogprobFile:
     suf = path.suffix
     if suf in (".pt", ".pth"):
         obj = torch.load(path, map_location="cpu", weights_only=True)

@@ -55,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     from .metrics import gap_metrics
     from .report import write_report
 
+    if args.preset is not None and args.preset not in PRESETS:  # before any set-up
+        raise ValueError(f"unknown --preset {args.preset!r}; known: {', '.join(sorted(PRESETS))}")
     device = init_single_process(args.seed)
     preset = args.preset or ("qwen3-moe" if device.type == "cuda" else "tiny")
     vocab = PRESETS[preset]["vocab"]

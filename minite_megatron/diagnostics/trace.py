@@ -196,11 +196,22 @@ def load_trace(path: str | Path) -> Trace:
     """Read a trace written by :meth:`Trace.save`.
 
     Raises FileNotFoundError, or ValueError for a file that is not a miniTE trace (wrong
-    format tag, unsupported version, or inconsistent contents).
+    format tag, unsupported version, inconsistent contents, or a corrupt/truncated file).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no trace file at {path}")
+    try:
+        return _read_trace(path)
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt or truncated file: bad input, one line
+        reason = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+        detail = "the file is empty" if path.stat().st_size == 0 else f"{type(e).__name__}: {reason}".rstrip(": ")
+        raise ValueError(f"{path}: not a readable trace file ({detail})") from None
+
+
+def _read_trace(path: Path) -> Trace:
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..nvfp4 import BLOCK, NVFP4Tensor
-from .modelopt import FORMAT_VERSION, INDEX_FILE, QUANT_FILE, fp32_bits
+from .modelopt import FORMAT_VERSION, INDEX_FILE, QUANT_FILE, QUANT_METHOD, fp32_bits
 from .names import megatron_target
 from .rows import concat_rows, stack_groups, take_rows
 
@@ -46,6 +46,11 @@ class ModelOptCheckpoint:
     @property
     def recipe(self) -> dict:
         return self.config["minite"]["recipe"]
+
+    @property
+    def variant(self) -> str:
+        """``"minite"`` (the learner's policy), ``"modelopt-w4a4-static"`` or ``"modelopt-w4a16"``."""
+        return self.config["minite"].get("variant", "minite")
 
     def dequantized_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """HF tensor names -> dense tensors: quantized linears dequantized (fp32, then ``dtype``),
@@ -120,8 +125,9 @@ def load_modelopt(path: str | Path) -> ModelOptCheckpoint:
         raise ValueError(f"load: {root} is not a directory")
     config = _read_json(root / "config.json")
     qc = config.get("quantization_config", {})
-    if qc.get("quant_method") != "modelopt" or qc.get("quant_algo") != "NVFP4":
-        raise ValueError(f"load: {root} is not a ModelOpt NVFP4 checkpoint (quantization_config {qc!r})")
+    declared = (qc.get("quant_method"), qc.get("quant_algo"))
+    if declared not in ((QUANT_METHOD, "NVFP4_W4A4_PER_TOKEN"), ("modelopt", "NVFP4"), ("modelopt", "W4A16_NVFP4")):
+        raise ValueError(f"load: {root} is not a miniTE NVFP4 or ModelOpt NVFP4 checkpoint (quantization_config {qc!r})")
     if config.get("minite", {}).get("format_version") != FORMAT_VERSION:
         raise ValueError(f"load: {root} has no miniTE section of format version {FORMAT_VERSION}")
     quant = _read_json(root / QUANT_FILE)
@@ -137,7 +143,8 @@ def load_modelopt(path: str | Path) -> ModelOptCheckpoint:
     if missing:
         raise ValueError(f"load: tensors listed in the index are absent: {missing[:5]}")
 
-    ckpt = ModelOptCheckpoint(root, config, _read_json(root / "hf_quant_config.json"), quant["modules"], quant.get("tensors", {}))
+    hf_quant = _read_json(root / "hf_quant_config.json") if (root / "hf_quant_config.json").exists() else {}
+    ckpt = ModelOptCheckpoint(root, config, hf_quant, quant["modules"], quant.get("tensors", {}))
     for module, meta in quant["modules"].items():
         if not meta["quantized"]:
             if f"{module}.weight" not in flat:

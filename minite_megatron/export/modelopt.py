@@ -26,18 +26,29 @@ tiles move and the pieces keep the fused tensor's global scale, so the split is 
 pieces share one ``weight_scale_2`` (what vLLM and SGLang expect from fused layers).
 
 Files: ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``; ``config.json``
-(Qwen3 / Qwen3-MoE names, ``quantization_config`` as ModelOpt writes it: ``quant_method``
-``modelopt``, ``quant_algo`` ``NVFP4``, ``group_size`` 16, ``ignore``); ``hf_quant_config.json``
-(``producer``, ``quantization: {quant_algo, kv_cache_quant_algo, group_size, exclude_modules}``);
+(Qwen3 / Qwen3-MoE names, ``quantization_config`` per variant, below); for the stock variants
+``hf_quant_config.json`` (``producer``, ``quantization: {quant_algo, kv_cache_quant_algo,
+group_size, exclude_modules}``);
 and miniTE's own section ``config.json["minite"]`` (recipe, scale semantics, activation scaling)
 plus ``minite_quant.json`` (per linear module: Megatron source and rows, ``weight_scale_2`` and its
 bits, ``input_scale`` and ``alpha`` when static; per other tensor: its Megatron source). Format details: ``docs/export.md``.
 
-Activation scaling: miniTE quantizes activations with a **per-token** global scale (recipe
-``activation_scale="row"``): there is no static ``input_scale`` that reproduces it. Without
-``activation_amax`` the export writes no ``input_scale`` and says so in ``config.json["minite"]``;
-stock vLLM/SGLang W4A4 kernels need one (a static per-tensor activation scale) and then compute a
-different model than the learner: serve with miniTE's per-token activation quantizer.
+Variants (``variant=``; never a checkpoint a stock engine loads as a different model silently):
+
+- ``"minite"`` (default): the learner's exact policy (per-token activation scales, the contract's
+  quantizer and epilogue). ``quantization_config.quant_method`` is ``"minite_nvfp4"``, a method of
+  our own: stock vLLM / SGLang refuse it with "Unknown quantization method", the ``minite-vllm``
+  plugin (:mod:`minite_megatron.serving.vllm`) serves it. No ``hf_quant_config.json``, no
+  ``input_scale``.
+- ``"modelopt-w4a4-static"``: stock ModelOpt NVFP4 W4A4 with static ``input_scale`` from calibrated
+  ``activation_amax`` (per linear; the max over a fused layer's pieces and over a layer's experts,
+  which is the one value the engines use). A different model: one activation scale per layer and
+  the engine's own FP4 quantizer.
+- ``"modelopt-w4a16"``: stock ModelOpt NVFP4 weight-only (``quant_algo: "W4A16_NVFP4"``, input
+  activations null): the same weights, BF16 activations. A different model.
+
+The stock variants say so in ``config.json["minite"]`` (``serves_learner_policy: false`` and
+``different_model``). :mod:`.engine_rules` encodes what vLLM 0.33 and SGLang 0.5.23 do with each.
 """
 
 from __future__ import annotations
@@ -60,6 +71,22 @@ from .names import megatron_target, strip_wrappers
 from .rows import check_weight, fc1_row_ranges, qkv_row_ranges, split_groups, take_rows
 
 FORMAT_VERSION = 1
+QUANT_METHOD = "minite_nvfp4"  # the quantization method of our own (only the minite-vllm plugin serves it)
+VARIANT_MINITE = "minite"
+VARIANT_W4A4_STATIC = "modelopt-w4a4-static"
+VARIANT_W4A16 = "modelopt-w4a16"
+VARIANTS = (VARIANT_MINITE, VARIANT_W4A4_STATIC, VARIANT_W4A16)
+DIFFERENT_MODEL = {
+    VARIANT_W4A4_STATIC: (
+        "NOT the learner's policy: stock ModelOpt NVFP4 W4A4 with one static activation scale per linear "
+        "(input_scale, the max over fused pieces and experts) and the engine's own FP4 quantizer, instead "
+        "of per-token scales and the contract's quantizer"
+    ),
+    VARIANT_W4A16: (
+        "NOT the learner's policy: stock ModelOpt NVFP4 weight-only (W4A16): the learner's 4-bit weights "
+        "with BF16 activations, instead of 4-bit per-token activations"
+    ),
+}
 QUANT_FILE = "minite_quant.json"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -76,6 +103,7 @@ class ExportResult:
     quantized_modules: list[str]
     exclude_modules: list[str]
     modules: dict[str, dict] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # HF name -> tensor, as written
 
 
 def fp32_bits(x: torch.Tensor | float) -> str:
@@ -186,20 +214,83 @@ class _Writer:
                     weight_scale_2_bits=fp32_bits(s2),
                 )
                 if amax is not None:
-                    _, s_dec = global_scales(torch.as_tensor(amax, dtype=torch.float32).reshape(1))
-                    in_scale = s_dec.reshape(())
-                    if not torch.isfinite(in_scale):
-                        raise ValueError(f"export: activation amax of {source} is not finite: {float(amax)!r}")
-                    self.put(f"{module}.input_scale", in_scale)
-                    alpha = (in_scale * s2).to(torch.float32)
-                    meta.update(input_scale=float(in_scale), input_scale_bits=fp32_bits(in_scale),
-                                input_amax=float(amax), alpha=float(alpha), alpha_bits=fp32_bits(alpha))
+                    a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+                    if not bool(torch.isfinite(a)) or float(a) < 0:
+                        raise ValueError(f"export: activation amax of {source} is not a finite amax >= 0: {float(a)!r}")
+                    meta["input_amax"] = float(a)
             else:
                 w = torch.cat([value[a:b] for a, b in ranges]) if len(ranges) > 1 or ranges[0] != (0, shape[0]) else value
                 self.put(f"{module}.weight", w)
                 meta.update(quantized=False, dtype=str(value.dtype).removeprefix("torch."))
                 self.exclude.append(module)
             self.modules[module] = meta
+
+    def write_input_scales(self) -> None:
+        """Static variant: one ``input_scale`` per linear, as the engines use it.
+
+        vLLM and SGLang keep one activation scale per fused linear (the max over q/k/v or gate/up:
+        vLLM ``modelopt.py`` 2116-2133, SGLang ``modelopt_quant.py`` 1886-1888) and one per MoE
+        layer and GEMM (the max over experts: vLLM ``flashinfer_fp4_moe.py`` 387-397, SGLang
+        ``modelopt_quant.py`` 2769-2770), so every piece of a group is written with the group's
+        max amax: the file states the scale the engine computes with. ``S_dec`` is increasing in
+        the amax, so ``S_dec(max amax) = max S_dec``.
+        """
+        groups: dict[tuple, list[str]] = {}
+        for module, meta in self.modules.items():
+            if meta.get("quantized") and "input_amax" in meta:
+                if "expert" in meta:  # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj
+                    layer = module.split(".mlp.experts.")[0]
+                    key = (layer, "w2" if module.endswith("down_proj") else "w13")
+                else:
+                    key = ("source", meta["source"])
+                groups.setdefault(key, []).append(module)
+        for members in groups.values():
+            amax = max(self.modules[m]["input_amax"] for m in members)
+            _, s_dec = global_scales(torch.tensor([amax], dtype=torch.float32))
+            in_scale = s_dec.reshape(())
+            for m in members:
+                meta = self.modules[m]
+                s2 = self.tensors[f"{m}.weight_scale_2"]
+                alpha = (in_scale * s2).to(torch.float32)
+                self.put(f"{m}.input_scale", in_scale.clone())
+                meta.update(input_amax_used=amax, input_scale=float(in_scale), input_scale_bits=fp32_bits(in_scale),
+                            alpha=float(alpha), alpha_bits=fp32_bits(alpha))
+
+
+SERVING_RECIPE_FIELDS = ("strict", "fp32_router", "fp32_lm_head", "activation_scale", "weight_tile")
+
+
+def _quantization_config(variant: str, exclude: list[str], tiles: list, recipe: dict) -> dict:
+    """``config.json["quantization_config"]`` of each variant (module docstring). The default's
+    ``recipe`` holds the recipe fields a serving plugin needs (strict mode, FP32 router / LM head)."""
+    fp4 = {"num_bits": 4, "type": "float", "group_size": BLOCK}
+    if variant == VARIANT_MINITE:
+        return {
+            "quant_method": QUANT_METHOD,
+            "format_version": FORMAT_VERSION,
+            "quant_algo": "NVFP4_W4A4_PER_TOKEN",
+            "group_size": BLOCK,
+            "weights": {**fp4, "dynamic": False, "tiles": [list(t) for t in tiles]},
+            "input_activations": {**fp4, "dynamic": True, "global_scale": "per_token"},
+            "recipe": {k: recipe[k] for k in SERVING_RECIPE_FIELDS if k in recipe},
+            "ignore": exclude,
+            "producer": dict(PRODUCER),
+        }
+    w4a16 = variant == VARIANT_W4A16
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": "W4A16_NVFP4" if w4a16 else "NVFP4",
+        "group_size": BLOCK,
+        "config_groups": {
+            "group_0": {
+                "input_activations": None if w4a16 else {**fp4, "dynamic": False},
+                "weights": {**fp4, "dynamic": False},
+            }
+        },
+        "ignore": exclude,
+        "producer": dict(PRODUCER),
+        "quant_library": "modelopt",
+    }
 
 
 def export_modelopt(
@@ -214,6 +305,8 @@ def export_modelopt(
     activation_amax: Mapping[str, torch.Tensor] | None = None,
     activation_global_scale: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    variant: str = VARIANT_MINITE,
+    write: bool = True,
 ) -> ExportResult:
     """Write a ModelOpt NVFP4 checkpoint of the learner's weights into ``out_dir``.
 
@@ -228,11 +321,17 @@ def export_modelopt(
         recipe: the training recipe (any dataclass, or a dict), written to ``config.json``.
         rope_theta, max_position_embeddings: GPT-level settings outside TransformerConfig.
         vocab_size: default: rows of the embedding.
-        activation_amax: optional calibrated activation amax per quantized Megatron weight name
-            (``[E]`` for a group tensor): writes static ``input_scale`` = the contract's
-            ``S_dec(amax)`` for stock engines. All quantized linears or none.
+        activation_amax: calibrated activation amax per quantized Megatron weight name (``[E]``
+            for a group tensor); required by, and only allowed with,
+            ``variant="modelopt-w4a4-static"``: writes static ``input_scale`` = the contract's
+            ``S_dec`` of the max amax over each fused linear's pieces and each MoE layer's experts.
         activation_global_scale: ``"row"`` / ``"tensor"``; default: ``recipe.activation_scale``.
         max_shard_bytes: safetensors shard size limit.
+        variant: ``"minite"`` (default: the learner's policy under ``quant_method: "minite_nvfp4"``,
+            which stock engines refuse), ``"modelopt-w4a4-static"`` or ``"modelopt-w4a16"`` (stock
+            ModelOpt checkpoints of a different model, marked so in ``config.json["minite"]``).
+        write: False builds everything (checks included) and writes no file: the returned
+            ``tensors`` are what a refit sends (:func:`export_tensors`).
 
     Returns:
         :class:`ExportResult`.
@@ -243,11 +342,23 @@ def export_modelopt(
         TypeError for a bad value or recipe.
     """
     out = Path(out_dir)
+    if variant not in VARIANTS:
+        raise ValueError(f"export: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if (activation_amax is not None) != (variant == VARIANT_W4A4_STATIC):
+        raise ValueError(
+            "export: activation_amax (static input scales) goes with variant='modelopt-w4a4-static' and only "
+            f"with it; got variant={variant!r} with{'' if activation_amax is not None else 'out'} activation_amax"
+        )
     recipe_class, recipe_dict = _recipe_dict(recipe)
     act_scale = activation_global_scale or recipe_dict.get("activation_scale")
     if act_scale not in ("row", "tensor"):
         raise ValueError(
             "export: activation_global_scale must be 'row' or 'tensor' (pass it, or use a recipe with activation_scale)"
+        )
+    if variant == VARIANT_MINITE and act_scale != "row":
+        raise ValueError(
+            "export: variant='minite' serves the per-token recipe (activation_scale='row'); a per-tensor dynamic "
+            "activation scale depends on the batch and has no serving path: export a stock variant instead"
         )
     w = _Writer(config, activation_amax)
     d = w.d
@@ -326,6 +437,9 @@ def export_modelopt(
         if flags == {False}:
             w.exclude.append(f"model.layers.{i}.mlp.experts")
 
+    if w.static_inputs:
+        w.write_input_scales()
+
     emb = w.tensors["model.embed_tokens.weight"]
     vocab = int(vocab_size) if vocab_size is not None else int(emb.shape[0])
     if emb.shape != (vocab, d["hidden"]):
@@ -346,23 +460,13 @@ def export_modelopt(
     quantized = sorted((m for m, v in w.modules.items() if v["quantized"]), key=_hf_sort_key)
     if not quantized:
         raise ValueError("export: no quantized linear in the weights (nothing NVFP4 to export)")
-    hf["quantization_config"] = {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "group_size": BLOCK,
-        "config_groups": {
-            "group_0": {
-                "input_activations": {"dynamic": not w.static_inputs, "num_bits": 4, "type": "float", "group_size": BLOCK},
-                "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK},
-            }
-        },
-        "ignore": exclude,
-        "producer": dict(PRODUCER),
-        "quant_library": "modelopt",
-    }
     tiles = sorted({tuple(w.modules[m]["tile"]) for m in quantized})
+    hf["quantization_config"] = _quantization_config(variant, exclude, tiles, recipe_dict)
     hf["minite"] = {
         "format_version": FORMAT_VERSION,
+        "variant": variant,
+        "serves_learner_policy": variant == VARIANT_MINITE,
+        "different_model": DIFFERENT_MODEL.get(variant),
         "producer": dict(PRODUCER),
         "recipe_class": recipe_class,
         "recipe": recipe_dict,
@@ -377,7 +481,9 @@ def export_modelopt(
         "activations": {
             "global_scale": "per_token" if act_scale == "row" else "per_tensor",
             "block": [1, BLOCK],
-            "input_scale": "static, S_dec(calibrated amax)" if w.static_inputs else "absent (dynamic per-token scales)",
+            "input_scale": "static, S_dec(max calibrated amax over fused pieces / experts)" if w.static_inputs
+            else "absent (dynamic per-token scales)" if variant == VARIANT_MINITE
+            else "absent (weight-only: BF16 activations)",
             "alpha": "alpha[m] = fp32(S_dec_act[m] * weight_scale_2): per token at run time"
             if act_scale == "row"
             else "alpha = fp32(S_dec_act * weight_scale_2)",
@@ -387,25 +493,36 @@ def export_modelopt(
         "num_excluded_modules": len(exclude),
     }
 
+    modules = {m: w.modules[m] for m in sorted(w.modules, key=_hf_sort_key)}
+    if not write:
+        return ExportResult(out, [], hf, quantized, exclude, modules, w.tensors)
     out.mkdir(parents=True, exist_ok=True)
     files = _write_shards(out, w.tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
-    (out / "hf_quant_config.json").write_text(
-        json.dumps(
-            {
-                "producer": dict(PRODUCER),
-                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": BLOCK, "exclude_modules": exclude},
-            },
-            indent=2,
-        )
-    )
-    modules = {m: w.modules[m] for m in sorted(w.modules, key=_hf_sort_key)}
+    hf_quant = out / "hf_quant_config.json"
+    if variant == VARIANT_MINITE:
+        hf_quant.unlink(missing_ok=True)  # no ModelOpt declaration anywhere in the default export
+    else:  # ModelOpt's legacy file (engines read it only when config.json has no quantization_config)
+        algo = hf["quantization_config"]["quant_algo"]
+        legacy = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": BLOCK, "exclude_modules": exclude}
+        hf_quant.write_text(json.dumps({"producer": dict(PRODUCER), "quantization": legacy}, indent=2))
     tensor_sources = {n: w.sources[n] for n in sorted(w.sources, key=_hf_sort_key)}
     (out / QUANT_FILE).write_text(
         json.dumps({"format_version": FORMAT_VERSION, "modules": modules, "tensors": tensor_sources}, indent=1)
     )
-    files += [out / "config.json", out / "hf_quant_config.json", out / QUANT_FILE]
-    return ExportResult(out, files, hf, quantized, exclude, modules)
+    files += [out / "config.json", out / QUANT_FILE] + ([hf_quant] if hf_quant.exists() else [])
+    return ExportResult(out, files, hf, quantized, exclude, modules, w.tensors)
+
+
+def export_tensors(weights: Mapping[str, NVFP4Tensor | torch.Tensor], config: Any, recipe: Any, *,
+                   variant: str = VARIANT_MINITE, activation_amax: Mapping[str, torch.Tensor] | None = None,
+                   vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """The HF-named tensors :func:`export_modelopt` would write (same checks, no files): the
+    learner's bytes split into the engine's modules, for an in-memory refit
+    (:func:`minite_megatron.serving.refit.refit_vllm_model`)."""
+    res = export_modelopt(".", weights, config, recipe, rope_theta=1.0, max_position_embeddings=1, vocab_size=vocab_size,
+                          activation_amax=activation_amax, variant=variant, write=False)
+    return res.tensors
 
 
 def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[Path]:
@@ -435,4 +552,15 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: 
     return files + [out / INDEX_FILE]
 
 
-__all__ = ["ExportResult", "export_modelopt", "fp32_bits", "jsonable"]
+__all__ = [
+    "QUANT_METHOD",
+    "VARIANTS",
+    "VARIANT_MINITE",
+    "VARIANT_W4A16",
+    "VARIANT_W4A4_STATIC",
+    "ExportResult",
+    "export_modelopt",
+    "export_tensors",
+    "fp32_bits",
+    "jsonable",
+]

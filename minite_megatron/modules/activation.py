@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .naming import names_nonfinite
+
 
 class MiniteActivation(torch.nn.Module):
     """``MiniteActivation(config=, offer_to=None)``: Megatron's ``TEActivationFunctionBuilder``."""
@@ -35,6 +37,7 @@ class MiniteActivation(torch.nn.Module):
         )
         self.offer_to = offer_to if fusable and tp == 1 else None
 
+    @names_nonfinite
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offer_to is not None:
             from ..ops.producers import swiglu_offering

@@ -38,6 +38,7 @@ from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
 from .linear import check_multiple_of_16
+from .naming import names_nonfinite
 
 
 def _pg_size(group) -> int:
@@ -131,7 +132,8 @@ class NVFP4GroupedLinear(MegatronModule):
     # ---- forward ------------------------------------------------------------------------------
     @property
     def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        params = self._parameters  # direct lookups: this runs several times per step (host-bound at 4096 tokens)
+        return [params[f"weight{i}"] for i in range(self.num_gemms)]
 
     def stacked_weights(self) -> torch.Tensor | None:
         """The experts' weights as one ``[G, N, K]`` tensor without a copy (the buffer they were
@@ -141,14 +143,14 @@ class NVFP4GroupedLinear(MegatronModule):
         if buf is None:
             return None
         ws = self.weights
-        if ws[0].dtype != buf.dtype or any(w.data_ptr() != p for w, p in zip(ws, self._buffer_ptrs)):
+        if ws[0].dtype != buf.dtype or [w.data_ptr() for w in ws] != self._buffer_ptrs:
             self._weight_buffer = None  # for good: let the old buffer go
             return None
         return buf
 
     @property
     def biases(self) -> list[torch.Tensor] | None:
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+        return [self._parameters[f"bias{i}"] for i in range(self.num_gemms)] if self.use_bias else None
 
     @property
     def trace_name(self) -> str | None:
@@ -158,6 +160,7 @@ class NVFP4GroupedLinear(MegatronModule):
     def trace_name(self, name: str | None) -> None:
         self.minite_ctx.trace_name = name
 
+    @names_nonfinite
     def forward(self, x: torch.Tensor, tokens_per_expert):
         sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
@@ -197,9 +200,27 @@ class NVFP4GroupedLinear(MegatronModule):
         """Delayed wgrad is not used: weight gradients are computed in backward."""
 
     # ---- checkpointing --------------------------------------------------------------------------
+    def get_extra_state(self):
+        """None: miniTE keeps no per-module state beyond the weights (quantized weights are derived
+        from them). Written, like the sequential experts' linears and TE's grouped linear do, so
+        checkpoints interchange with theirs."""
+        return None
+
+    def set_extra_state(self, state) -> None:
+        """Accept (and ignore) what a sequential-expert or TE checkpoint holds here: miniTE
+        derives its scales from the weights, so FP8-style metadata has nothing to restore."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for i in range(1, self.num_gemms):  # the other experts' extra states (distributed checkpoints)
+            state_dict.pop(f"{prefix}_extra_state{i}", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Per expert: ``weight{i}`` sharded over expert TP (axis 0 column / 1 row) and placed at
-        its global expert index along the expert axis, keys identical to the sequential experts'."""
+        its global expert index along the expert axis, and its ``_extra_state`` object, with keys
+        identical to the sequential experts' (``SequentialMLP``) and TE's grouped linear's, so
+        checkpoints load in both directions. Dict keys as TE's: ``_extra_state`` (expert 0),
+        ``_extra_state{i}`` (the others)."""
         singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
         ep = self._pg_collection.ep
         num_global = _pg_size(ep) * self.num_gemms
@@ -209,7 +230,7 @@ class NVFP4GroupedLinear(MegatronModule):
         out = {}
         for i in range(self.num_gemms):
             gidx = offset + i
-            state = {f"{i}.weight": getattr(self, f"weight{i}")}
+            state = {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": self.get_extra_state()}
             axis_map = {f"{i}.weight": tp_axis}
             if self.use_bias:
                 state[f"{i}.bias"] = getattr(self, f"bias{i}")
@@ -224,6 +245,7 @@ class NVFP4GroupedLinear(MegatronModule):
             )
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
             if self.use_bias:
                 out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
         expt_dp_rank = _pg_rank(getattr(self._pg_collection, "expt_dp", None))

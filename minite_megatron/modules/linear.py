@@ -25,6 +25,7 @@ from ..nvfp4.formats import BLOCK
 from ..ops.linear import LinearContext, nvfp4_linear
 from ..ops.weight_cache import QuantizedWeightCache
 from ..recipe import Recipe
+from .naming import names_nonfinite
 
 
 class MiniteConfigError(ValueError):
@@ -68,6 +69,7 @@ class _NVFP4LinearMixin:
 
         return weight_operand(self.minite_ctx, self.weight, backend_for(self.recipe, self.weight.device))
 
+    @names_nonfinite
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.precision == "nvfp4":
             return nvfp4_linear(x, weight, bias, self.minite_ctx)

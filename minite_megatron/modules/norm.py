@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .naming import names_nonfinite
+
 
 class MiniteNorm(torch.nn.Module):
     """Megatron's ``LayerNormBuilder`` interface: ``MiniteNorm(config=, hidden_size=, eps=)``."""
@@ -47,6 +49,7 @@ class MiniteNorm(torch.nn.Module):
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         self.offer_to = offer_to if self.normalization == "RMSNorm" and not (sp and tp > 1) else None
 
+    @names_nonfinite
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offer_to is not None:
             from ..ops.producers import rms_norm_offering

@@ -57,7 +57,7 @@ from .grouped import (
     stack_expert_weights,
 )
 from .hadamard import hadamard_matrix, rht16, rht_signs
-from .quantize import global_scales, quantize_reference
+from .quantize import NonFiniteError, check_amax_override, global_scales, quantize_reference, validate_input
 from .swizzle import swizzle_scales, swizzled_numel, unswizzle_scales
 from .tensor import NVFP4Tensor
 
@@ -104,10 +104,15 @@ def quantize(
             ``"raise"`` (ValueError naming the first non-finite element).
 
     Raises:
-        TypeError for an unsupported dtype; ValueError for K not a multiple of 16, a bad
-        tile/scale combination, or (``nonfinite="raise"``) non-finite input;
+        TypeError for an input that is not a tensor or has an unsupported dtype, or an ``amax``
+        that is not a tensor; ValueError for K not a multiple of 16, a bad tile/scale
+        combination, an ``amax`` that is negative, NaN, infinite or of the wrong size, or
+        (``nonfinite="raise"``, :class:`NonFiniteError`) non-finite input;
         BackendUnavailable if the named backend cannot run on ``x.device``.
     """
+    validate_input(x, tile, global_scale)  # before anything reads x.device: a list is a TypeError
+    if amax is not None:
+        check_amax_override(amax, x, global_scale)
     if rounding == "stochastic" and seed is None:
         seed = draw_seed(generator)
     return get_backend(backend, x.device).quantize(
@@ -199,6 +204,7 @@ __all__ = [
     "E2M1_MAX",
     "E4M3_MAX",
     "NVFP4Tensor",
+    "NonFiniteError",
     "BackendUnavailable",
     "ReferenceBackend",
     "available_backends",

@@ -111,12 +111,42 @@ def validate_input(x: torch.Tensor, tile: tuple[int, int], global_scale: str) ->
             )
 
 
+class NonFiniteError(ValueError):
+    """Non-finite input under ``nonfinite="raise"``; the message names the first bad element
+    (and, raised through a minite module, that module: :mod:`minite_megatron.modules.naming`)."""
+
+
+def check_amax_override(amax, x: torch.Tensor, global_scale: str) -> None:
+    """A caller's ``amax`` override must be a tensor of finite, non-negative values, one per
+    scale domain of ``x``; raise a one-line TypeError/ValueError otherwise.
+
+    (A negative amax would give negative scales and clip the values silently; a NaN one would
+    give NaN scales to finite data. For non-finite *input*, leave ``amax=None``: the policy
+    ``nonfinite="propagate"`` then gives its domain NaN scales, ``"raise"`` names the element.)
+    Reads the values back to the host: public API only (the ops pass amaxes they computed).
+    """
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"nvfp4.quantize: amax must be a torch.Tensor (fp32, one per scale domain), got {type(amax).__name__}")
+    rows = math.prod(x.shape[:-1])
+    domains = {"row": rows, "tensor": 1, "group": x.shape[0] if x.dim() else 1}[global_scale]
+    if amax.numel() != domains:
+        raise ValueError(f"nvfp4.quantize: amax has {amax.numel()} value(s), global_scale={global_scale!r} on shape "
+                         f"{tuple(x.shape)} needs {domains}")
+    a = amax.detach().float()
+    bad = ~torch.isfinite(a) | (a < 0)
+    if bool(bad.any()):
+        first = a.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+        raise ValueError(f"nvfp4.quantize: amax must be finite and >= 0, got {int(bad.sum())} bad value(s), first {first} "
+                         "(for non-finite input leave amax=None: nonfinite='propagate' gives NaN scales)")
+
+
 def check_finite(x: torch.Tensor) -> None:
-    """The checked mode of the non-finite policy: raise naming the first bad element."""
+    """The checked mode of the non-finite policy: raise :class:`NonFiniteError` naming the first
+    bad element."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
+        raise NonFiniteError(
             f"nvfp4.quantize: input has {int(bad.sum())} non-finite value(s); first at index "
             f"{idx} = {x[idx].item()} (nonfinite='raise')"
         )
@@ -225,5 +255,7 @@ __all__ = [
     "quantize_reference",
     "validate_input",
     "check_finite",
+    "check_amax_override",
+    "NonFiniteError",
     "E4M3_MAX",
 ]

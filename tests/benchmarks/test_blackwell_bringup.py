@@ -24,8 +24,9 @@ def quick_plan():
 def test_dry_run_lists_every_stage_and_needs_no_gpu(capsys):
     assert bu.main(["--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out
-    for stage in ("tile", "k", "scale_a", "scale_b", "nibble", "epilogue", "grouped", "suite", "repeat"):
+    for stage in ("tile", "k", "k96", "scale_a", "scale_b", "nibble", "epilogue", "grouped", "suite", "repeat"):
         assert f"  {stage} " in out
+    assert "k96[k=864]" in out and "[sm_103a only]" in out
     for probe in ("tile_all_ones", "k320", "scale_a[r=127,kb=15]", "scale_b[n=256,r=200,kb=0]",
                   "scale_b[n=512,r=511,kb=15]", "nibble[a=high,b=low]", "position[k=17]", "grouped[G=8,n=96]"):
         assert probe in out
@@ -104,7 +105,7 @@ def test_harness_passes_on_the_reference(quick_plan):
     outcomes = bu.run_probes(quick_plan, ReferenceBackend(), "cpu")
     assert [o for o in outcomes if not o.ok] == []
     rows = bu.stage_table(outcomes)
-    assert [r["stage"] for r in rows] == ["tile", "k", "scale_a", "scale_b", "nibble", "epilogue", "grouped"]
+    assert [r["stage"] for r in rows] == ["tile", "k", "k96", "scale_a", "scale_b", "nibble", "epilogue", "grouped"]
     assert all(r["result"] == "PASS" for r in rows)
 
 
@@ -115,6 +116,7 @@ class _Broken(ReferenceBackend):
         self.bug = bug
 
     def gemm(self, a, b, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
+        a = self._k96_tail(a)
         if self.bug == "nibbles":  # A's two elements of a byte read the other way round
             a = replace(a, codes=(a.codes >> 4) | (a.codes << 4))
         if self.bug == "sfa_rows" and a.rows >= 64:  # SFA rows 32-63 read from rows 0-31
@@ -130,14 +132,26 @@ class _Broken(ReferenceBackend):
             out[256:] = float("nan")
         return out
 
+    def grouped_gemm(self, a, b, group_sizes, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
+        return super().grouped_gemm(self._k96_tail(a), b, group_sizes, bias, out_dtype)
+
+    def _k96_tail(self, a):
+        if self.bug == "k96_tail" and a.k > 768 and a.k % 768:  # a partial second k-tile is dropped
+            keep = a.k // 768 * 768 // 2
+            codes = a.codes.clone()
+            codes[..., keep:] = 0
+            a = replace(a, codes=codes)
+        return a
+
 
 @pytest.mark.parametrize(
     "bug,failing_stage,failing,where",
     [
-        ("nibbles", "nibble", {"k", "nibble", "epilogue"}, None),
-        ("sfa_rows", "scale_a", {"k", "scale_a", "epilogue"}, ("rows", [32])),
-        ("sfb_second_tile", "scale_b", {"scale_b", "epilogue"}, ("cols", [128])),
-        ("tail_unwritten", "epilogue", {"epilogue"}, ("rows", [256, 257])),
+        ("nibbles", "nibble", {"k", "k96", "nibble", "epilogue"}, None),
+        ("sfa_rows", "scale_a", {"k", "k96", "scale_a", "epilogue"}, ("rows", [32])),
+        ("sfb_second_tile", "scale_b", {"k96", "scale_b", "epilogue"}, ("cols", [128])),
+        ("tail_unwritten", "epilogue", {"epilogue", "k96"}, ("rows", [256, 257])),
+        ("k96_tail", "k96", {"k96"}, None),
     ],
 )
 def test_harness_catches_a_broken_kernel_and_says_where(quick_plan, bug, failing_stage, failing, where):
@@ -157,6 +171,53 @@ def test_harness_catches_a_broken_kernel_and_says_where(quick_plan, bug, failing
     table = bu.stage_table(outcomes)
     row = next(r for r in table if r["stage"] == failing_stage)
     assert row["result"] == "FAIL" and row["first failure"].startswith(failed[0].name)
+
+
+def test_k96_stage_sits_on_the_k96_kernels_boundaries():
+    """The k96 stage: every K of ``K96_KS`` (one MMA up to three 768-wide k-tiles, tails), the
+    one-hot probes at the MMA / scale-stage / buffer / k-tile boundaries of
+    ``tiles.K96_SCHEDULE`` (so a wrong scale column, stage or circular descriptor moves a
+    one-hot value to another row, column or K position), all sm_103a-only. Their data are
+    exact up to K = 2304 (any accumulation order gives the reference's bits)."""
+    from minite_kernels.cute.tiles import K96_SCHEDULE
+
+    plan = [p for p in bu.build_plan(quick=False) if p.stage == "k96"]
+    assert plan and all(p.arch == "sm_103a" for p in plan)
+    names = {p.name for p in plan}
+    assert {f"k96[k={k}]" for k in bu.K96_KS} <= names
+    starts = {s.k_start // 16 for s in K96_SCHEDULE}  # first scale column of each MMA
+    for j in (5, 6, 11, 12, 47, 48):
+        assert f"k96_scale_a[r=37,kb={j}]" in names and f"k96_scale_b[r=128,kb={j}]" in names
+    assert {6, 12} <= starts  # the probed columns are where MMAs' scales start
+    for pos in (95, 96, 255, 256, 767, 768):
+        assert f"k96_position[k={pos}]" in names
+    probe = next(p for p in plan if p.name == "k96[k=2304]")
+    args = probe.make()
+    exact = args["a"].image_fp32().double() @ args["b"].image_fp32().double().t()
+    assert torch.equal(exact.float().double(), exact)
+    by_name = {p.name: p for p in plan}
+    got = _expected(by_name["k96_scale_a[r=37,kb=6]"])
+    want = torch.full((128, 128), 864.0)
+    want[37] = 880.0
+    assert torch.equal(got, want)
+    assert torch.equal(_expected(by_name["k96_position[k=767]"]), torch.full((128, 128), bu.E2M1[1 + 767 % 7]))
+
+
+def test_k96_stage_is_skipped_off_b300_with_the_reason(monkeypatch):
+    """The k96 stage tests the kernel sm_103a selects: off a B300, or with
+    MINITE_BLACKWELL_MMA_K=64, it is skipped (the report says why); the self-test backend runs
+    it."""
+    from minite_kernels.cute import _host
+
+    monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    assert bu.k96_skip_reason("reference", "cpu") is None
+    assert "sm_103a" in bu.k96_skip_reason("blackwell", "cpu")
+    monkeypatch.setattr(_host, "blackwell_arch", lambda device: "sm_100a")
+    assert bu.k96_skip_reason("blackwell", "cuda:0").startswith("sm_100a has no K = 96 MMA")
+    monkeypatch.setattr(_host, "blackwell_arch", lambda device: "sm_103a")
+    assert bu.k96_skip_reason("blackwell", "cuda:0") is None
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    assert "MINITE_BLACKWELL_MMA_K=64" in bu.k96_skip_reason("blackwell", "cuda:0")
 
 
 def test_a_crashing_probe_is_recorded_and_the_run_goes_on(quick_plan):

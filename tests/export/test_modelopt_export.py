@@ -147,7 +147,9 @@ def test_loader_dequantized_state_dict(exported):
     assert len(sd) == len(ck.tensors) + len(ck.quantized)
 
 
-def test_config_names_the_recipe_and_the_modelopt_fields(exported):
+def test_config_names_the_recipe_and_the_quantization_fields(exported):
+    """The default export declares miniTE's own method (stock engines refuse it: tests/export/
+    test_engine_rules.py) and writes no ModelOpt declaration at all (no hf_quant_config.json)."""
     out, _, recipe, res = exported
     cfg = json.loads((out / "config.json").read_text())
     assert cfg == res.config
@@ -157,8 +159,11 @@ def test_config_names_the_recipe_and_the_modelopt_fields(exported):
     assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == [] and cfg["tie_word_embeddings"] is False
     assert cfg["torch_dtype"] == "bfloat16"
     qc = cfg["quantization_config"]
-    assert (qc["quant_method"], qc["quant_algo"], qc["group_size"]) == ("modelopt", "NVFP4", 16)
+    assert (qc["quant_method"], qc["quant_algo"], qc["group_size"]) == ("minite_nvfp4", "NVFP4_W4A4_PER_TOKEN", 16)
+    assert qc["input_activations"]["global_scale"] == "per_token" and qc["weights"]["tiles"] == [[16, 16]]
+    assert not (out / "hf_quant_config.json").exists()
     mini = cfg["minite"]
+    assert mini["variant"] == "minite" and mini["serves_learner_policy"] is True and mini["different_model"] is None
     assert mini["recipe_class"] == "minite_megatron.recipe.Recipe"
     assert mini["recipe"] == recipe.to_dict() and mini["recipe"]["bf16_first_layers"] == 1
     assert mini["activations"]["global_scale"] == "per_token"
@@ -169,10 +174,6 @@ def test_config_names_the_recipe_and_the_modelopt_fields(exported):
     assert {"lm_head", "model.layers.0.mlp.experts", "model.layers.0.self_attn.q_proj",
             "model.layers.0.self_attn.v_proj", "model.layers.2.mlp.gate"} <= ignore
     assert not any(m.startswith(("model.layers.1.self_attn", "model.layers.2.mlp.experts")) for m in ignore)
-    hq = json.loads((out / "hf_quant_config.json").read_text())
-    assert hq["quantization"] == {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                                  "exclude_modules": qc["ignore"]}
-    assert hq["producer"]["name"] == "minite-megatron"
     quant = json.loads((out / "minite_quant.json").read_text())
     m = quant["modules"]["model.layers.1.mlp.experts.0.gate_proj"]
     assert m["source"] == "decoder.layers.1.mlp.experts.linear_fc1.weight0" and m["tile"] == [16, 16]
@@ -193,26 +194,63 @@ def test_sharding_and_index(exported):
 
 
 def test_static_input_scales_and_alpha(tmp_path):
-    """With calibrated activation amaxes, input_scale is the contract's S_dec(amax) and the recorded
-    alpha is fp32(input_scale * weight_scale_2), the product vLLM's kernel applies."""
+    """variant='modelopt-w4a4-static': input_scale is the contract's S_dec of the max amax over a MoE
+    layer's experts (and over a fused linear's pieces), the one value vLLM / SGLang compute with; the
+    recorded alpha is fp32(input_scale * weight_scale_2), the product their kernels apply."""
     W = _weights(bf16_layer0=False)
     amax = {}
     for n, v in W.items():
         if isinstance(v, nvfp4.NVFP4Tensor):
             amax[n] = torch.rand(4) * 10 + 1 if v.global_scale == "group" else torch.tensor(3.5)
-    res = export_modelopt(tmp_path, W, CFG, Recipe(), rope_theta=1e6, max_position_embeddings=64, activation_amax=amax)
+    res = export_modelopt(tmp_path, W, CFG, Recipe(), rope_theta=1e6, max_position_embeddings=64, activation_amax=amax,
+                          variant="modelopt-w4a4-static")
     ck = load_modelopt(tmp_path)
+    assert ck.variant == "modelopt-w4a4-static"
     meta = res.modules["model.layers.2.mlp.experts.3.down_proj"]
-    _, s_dec = nvfp4.global_scales(amax["module.decoder.layers.2.mlp.experts.linear_fc2.weight"][3].reshape(1))
-    assert_bitwise_equal(ck.input_scales["model.layers.2.mlp.experts.3.down_proj"], s_dec.reshape(()))
+    fc2_amax = amax["module.decoder.layers.2.mlp.experts.linear_fc2.weight"]
+    _, s_dec = nvfp4.global_scales(fc2_amax.max().reshape(1))
+    for e in range(4):
+        assert_bitwise_equal(ck.input_scales[f"model.layers.2.mlp.experts.{e}.down_proj"], s_dec.reshape(()))
+    assert meta["input_amax"] == float(fc2_amax[3]) and meta["input_amax_used"] == float(fc2_amax.max())
     s2 = ck.quantized["model.layers.2.mlp.experts.3.down_proj"].global_decode
     assert meta["alpha_bits"] == fp32_bits(s_dec * s2)
     qkv = {fp32_bits(ck.input_scales[f"model.layers.1.self_attn.{p}_proj"]) for p in "qkv"}
     assert len(qkv) == 1  # one activation feeds q, k and v
-    assert res.config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    qc = res.config["quantization_config"]
+    assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "NVFP4")
+    assert qc["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
+    assert res.config["minite"]["serves_learner_policy"] is False and "NOT the learner" in res.config["minite"]["different_model"]
+    hq = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    assert hq["quantization"] == {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                  "exclude_modules": qc["ignore"]}
     with pytest.raises(ValueError, match="activation_amax has no entry"):
         export_modelopt(tmp_path / "x", W, CFG, Recipe(), rope_theta=1e6, max_position_embeddings=64,
-                        activation_amax={"decoder.layers.1.self_attention.linear_proj.weight": torch.tensor(1.0)})
+                        activation_amax={"decoder.layers.1.self_attention.linear_proj.weight": torch.tensor(1.0)},
+                        variant="modelopt-w4a4-static")
+    with pytest.raises(ValueError, match="variant='modelopt-w4a4-static' and only"):
+        export_modelopt(tmp_path / "y", W, CFG, Recipe(), rope_theta=1e6, max_position_embeddings=64, activation_amax=amax)
+    with pytest.raises(ValueError, match="variant='modelopt-w4a4-static' and only"):
+        export_modelopt(tmp_path / "z", W, CFG, Recipe(), rope_theta=1e6, max_position_embeddings=64,
+                        variant="modelopt-w4a4-static")
+
+
+def test_weight_only_variant(tmp_path):
+    """variant='modelopt-w4a16': the same weight bytes, declared W4A16_NVFP4 with null input
+    activations (what both vLLM and SGLang read as weight-only), no input_scale, marked as a
+    different model."""
+    W = _weights()
+    res = export_modelopt(tmp_path, W, CFG, Recipe(bf16_first_layers=1), rope_theta=1e6, max_position_embeddings=64,
+                          variant="modelopt-w4a16")
+    qc = res.config["quantization_config"]
+    assert (qc["quant_method"], qc["quant_algo"]) == ("modelopt", "W4A16_NVFP4")
+    assert qc["config_groups"]["group_0"]["input_activations"] is None
+    assert "weight-only" in res.config["minite"]["different_model"]
+    ck = load_modelopt(tmp_path)
+    assert ck.input_scales == {} and ck.variant == "modelopt-w4a16"
+    for n, v in W.items():
+        if isinstance(v, nvfp4.NVFP4Tensor):
+            assert_nvfp4_equal(ck.to_megatron()[_strip(n)], v, n)
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
 
 
 @dataclass
@@ -290,5 +328,5 @@ def test_loader_rejects_tampered_files(exported, tmp_path):
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"]["quant_algo"] = "FP8"
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="not a ModelOpt NVFP4 checkpoint"):
+    with pytest.raises(ValueError, match="not a miniTE NVFP4 or ModelOpt NVFP4 checkpoint"):
         load_modelopt(dst)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._dist import init_single_process
-from ._parallel_harness import TINY_MOE, local_spec
+from tests.parallel.model import TINY_MOE as _TINY_MOE
+from tests.parallel.model import local_spec
+from tests.parallel.spawn import init_single_process
+
+TINY_MOE = dict(_TINY_MOE, num_layers=2, moe_layer_freq=[0, 1])  # a dense layer, then an MoE layer
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only tests of the CPU layer")
 VOCAB, SEQ = 128, 32

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._dist import free_port
+from tests.parallel.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"

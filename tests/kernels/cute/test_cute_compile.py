@@ -14,9 +14,13 @@ from collections import defaultdict
 
 import pytest
 
-from minite_kernels.cute.tiles import GemmConfig
+from minite_kernels.cute.tiles import K96_SCHEDULE, GemmConfig
 
 MMA = "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
+MMA_K96 = MMA + ".collector::a::discard"
+"""The exact PTX of B300's K = 96 MMA as the DSL emits it: the same mnemonic as the K = 64 one
+(K is bit 31 of the instruction descriptor, checked by decoding it), with operand A's
+collector buffer discarded after use."""
 
 VARIANTS = [
     # (config, arch)
@@ -27,6 +31,14 @@ VARIANTS = [
     (GemmConfig(tile_n=128, out_dtype="float32", k_grouped=True), "sm_100a"),
 ]
 IDS = [f"{c.name}-{a}" for c, a in VARIANTS]
+K96_VARIANTS = [
+    # the sm_103a kernel (selected there automatically): dense with bias, and grouped at
+    # tile_n = 256 (the 256-row scale layout of B)
+    (GemmConfig(tile_n=128, out_dtype="bfloat16", has_bias=True, mma_k=96), "sm_103a"),
+    (GemmConfig(tile_n=256, out_dtype="float16", has_bias=True, grouped=True, mma_k=96), "sm_103a"),
+]
+K96_IDS = [f"{c.name}-{a}" for c, a in K96_VARIANTS]
+ALL_VARIANTS, ALL_IDS = VARIANTS + K96_VARIANTS, IDS + K96_IDS
 CVT = {"bfloat16": "cvt.rn.bf16.f32", "float16": "cvt.rn.f16.f32", "float32": None}
 
 _INSTR = re.compile(r"^\s*(?:@%p\d+\s+)?([a-z][\w.:]*)\s+(.*?);", re.M)
@@ -66,7 +78,7 @@ def test_block_scaled_fp4_mma_and_scale_path(kernel_artifacts, config, arch):
     assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
 
 
-@pytest.mark.parametrize("config,arch", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("config,arch", ALL_VARIANTS, ids=ALL_IDS)
 def test_epilogue_dataflow_matches_the_contract(kernel_artifacts, config, arch):
     """Every stored value is ``round_out(add.rn(mul.rn(acc, mul.rn(ld sa, ld sb)), ld bias))``:
     alpha is one fp32 product of two *loaded* scales, the accumulator (read from tensor memory
@@ -174,7 +186,7 @@ def _epilogue_loads(ptx: str) -> dict[str, list[tuple[str, set[str]]]]:
     return loads
 
 
-@pytest.mark.parametrize("config,arch", VARIANTS[:4], ids=IDS[:4])
+@pytest.mark.parametrize("config,arch", VARIANTS[:4] + K96_VARIANTS, ids=IDS[:4] + K96_IDS)
 def test_epilogue_reads_row_scale_by_row_and_column_scale_and_bias_by_column(kernel_artifacts, config, arch):
     """The epilogue's index mapping, read in the generated PTX (issue 13): the address of the
     row scale S_dec_a is computed from the thread index (thread t owns row t of the tile) and
@@ -277,3 +289,133 @@ def test_k_grouped_variant_writes_zeros_for_experts_without_tokens(kernel_artifa
     assert values.count("0") == 32  # immediate zero bits: +0.0
     defs = _definitions(ptx)
     assert all(any(op.startswith("ld.shared") for op in defs[v]) for v in values if v != "0")
+
+
+# ---- the sm_103a K = 96 kernel ---------------------------------------------------------------
+def _int_values(ptx: str):
+    """``values(operand) -> set of ints or None``: the 32-bit values a register can hold, from a
+    constant walk over straight-line integer code (``mov``, ``add``, ``or``, ``and``, ``xor``,
+    ``shl``, ``shr``, ``selp``: both alternatives). The one shared-memory load on these chains
+    is the tensor-memory base the allocator stored; it is taken as 0 (the kernel allocates all
+    512 columns, so the base is column 0 of lane 0) and every offset below is relative to it.
+    None: something else (a loop-carried or loaded value)."""
+    defs: dict[str, list] = defaultdict(list)
+    for op, args in _instructions(ptx):
+        if args and re.fullmatch(r"%r\d+", args[0]):
+            defs[args[0]].append((op, args[1:]))
+    binary = {"add.s32": lambda a, b: a + b, "or.b32": lambda a, b: a | b, "and.b32": lambda a, b: a & b,
+              "xor.b32": lambda a, b: a ^ b, "shl.b32": lambda a, b: a << b, "shr.u32": lambda a, b: a >> b}
+
+    def values(x: str):
+        x = x.strip("[] ")
+        if re.fullmatch(r"-?\d+", x):
+            return {int(x) & 0xFFFFFFFF}
+        if len(defs.get(x, ())) != 1:
+            return None
+        op, srcs = defs[x][0]
+        if op == "ld.shared.b32":
+            return {0}
+        if op == "mov.b32":
+            return values(srcs[0])
+        if op == "selp.b32":
+            a, b = values(srcs[0]), values(srcs[1])
+            return None if a is None or b is None else a | b
+        if op in binary:
+            a, b = values(srcs[0]), values(srcs[1])
+            if a is None or b is None:
+                return None
+            return {binary[op](u, v) & 0xFFFFFFFF for u in a for v in b}
+        return None
+
+    return values
+
+
+def _idesc_fields(desc: int) -> dict:
+    """The block-scaled tcgen05 instruction descriptor (PTX ISA; CUTLASS's
+    ``UMMA::InstrDescriptorBlockScaled``): bit 31 is the K size (1 = K96, dense)."""
+    return {
+        "b_sf_id": (desc >> 4) & 3, "a_format": (desc >> 7) & 7, "b_format": (desc >> 10) & 7,
+        "a_major": (desc >> 15) & 1, "b_major": (desc >> 16) & 1, "n": ((desc >> 17) & 63) << 3,
+        "sf_format": (desc >> 23) & 1, "m": ((desc >> 24) & 31) << 4, "a_sf_id": (desc >> 29) & 3,
+        "k96": desc >> 31, "sparse": (desc >> 2) & 1,
+    }
+
+
+def _mmas(ptx: str) -> list[list[str]]:
+    return [args for op, args in _instructions(ptx) if op.startswith("tcgen05.mma")]
+
+
+@pytest.mark.parametrize("config,arch", VARIANTS + K96_VARIANTS, ids=IDS + K96_IDS)
+def test_instruction_descriptor_selects_k96_exactly_on_the_sm103_kernel(kernel_artifacts, config, arch):
+    """Every MMA's instruction descriptor, decoded from the PTX: 128 x tile_n, E2M1 x E2M1,
+    K-major, UE4M3 scales, dense, and the K-size bit set (K = 96) in the sm_103a kernel and
+    clear (K = 64) in every other variant, including the K = 64 kernel compiled for sm_103a
+    (the MINITE_BLACKWELL_MMA_K=64 fallback). The scale-factor IDs (the byte of the 32-bit
+    tensor-memory column where an MMA's scales start) are 0 for K = 64."""
+    ptx, _ = kernel_artifacts(config, arch)
+    values = _int_values(ptx)
+    mmas = _mmas(ptx)
+    assert len(mmas) == (len(K96_SCHEDULE) if config.mma_k == 96 else config.tile_k // 64)
+    for args in mmas:
+        descs = values(args[3])
+        assert descs, args
+        for desc in descs:
+            f = _idesc_fields(desc)
+            assert f["k96"] == (config.mma_k == 96), (hex(desc), f)
+            assert (f["m"], f["n"], f["a_format"], f["b_format"], f["a_major"], f["b_major"]) == (
+                128, config.tile_n, 1, 1, 0, 0), f
+            assert f["sf_format"] == 0 and f["sparse"] == 0, f  # UE4M3 scales, dense
+            if config.mma_k == 64:
+                assert f["a_sf_id"] == f["b_sf_id"] == 0, f
+
+
+@pytest.mark.parametrize("config,arch", K96_VARIANTS, ids=K96_IDS)
+def test_k96_kernel_issues_the_schedule(kernel_artifacts, kernel_plan, config, arch):
+    """The sm_103a kernel's main loop, read in its PTX, is :data:`K96_SCHEDULE`: per 768-wide
+    k-tile, eight K = 96 MMAs (exact instruction text ``MMA_K96``); MMA j's A and B
+    descriptors start at chunk ``(3 j) % 8`` (16-byte units) of their buffer (0, 3, 6, 1, 4, 7,
+    2, 5: 48 bytes per MMA); its scales are read at tensor-memory column ``acc + (c // 4) *
+    rows / 32`` and byte ``c % 4`` of the staged 192-wide scale slice, c = 0 or 6, and that
+    byte is the scale-factor ID in its instruction descriptor. Loads: 3 A + 3 B buffer TMAs
+    and 4 x (SFA + SFB) scale TMAs per k-tile; 4 scale stages of 3 (A) and 3 x tile_n / 128
+    (B) ``tcgen05.cp`` copies. Plan: 7 warps, a scale ring of its own."""
+    ptx, _ = kernel_artifacts(config, arch)
+    plan = kernel_plan(config, arch)
+    assert f".target {arch}" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.[\w:.]+", ptx)
+    assert mmas == [MMA_K96] * len(K96_SCHEDULE), sorted(set(mmas))
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", ptx)) == 3 * 2 + 4 * 2
+    cps = re.findall(r"tcgen05\.cp\.[\w:.]+", ptx)
+    assert cps == ["tcgen05.cp.cta_group::1.32x128b.warpx4"] * (4 * (3 + 3 * config.tile_n // 128))
+    assert plan["mma_k"] == 96 and plan["threads"] == 7 * 32 and plan["sf_stages"] >= 2 and plan["ab_stages"] >= 2
+    assert plan["tmem_cols"] <= 512
+
+    defs = {args[0]: (op, args[1:]) for op, args in _instructions(ptx) if args}
+    values = _int_values(ptx)
+    acc_cols = config.tile_n * plan["acc_stages"]
+    sfa_cols = 4 * 3
+    for args, step in zip(_mmas(ptx), K96_SCHEDULE):
+        for desc in args[1:3]:  # A, B
+            op, srcs = defs[desc]
+            chunk = int(srcs[1]) if op == "add.s64" else 0
+            assert chunk == step.chunk, (step, op, srcs)
+        (idesc,), (sfa,), (sfb,) = values(args[3]) & {max(values(args[3]))}, values(args[4]), values(args[5])
+        c = step.sf_column
+        assert (sfa & 0xFFFF, sfa >> 30) == (acc_cols + (c // 4) * 4, c % 4), (step, hex(sfa))
+        assert (sfb & 0xFFFF, sfb >> 30) == (acc_cols + sfa_cols + (c // 4) * config.tile_n // 32, c % 4), (step, hex(sfb))
+        f = _idesc_fields(idesc)
+        assert f["a_sf_id"] == f["b_sf_id"] == c % 4, (step, f)
+
+
+def test_k96_kernel_is_refused_for_sm100a():
+    """Only sm_103a has the K = 96 MMA: compiling that variant for sm_100a is one clear error."""
+    from minite_kernels.cute._host import dsl_import_error
+
+    if dsl_import_error() is not None:
+        pytest.skip(dsl_import_error())
+    from minite_kernels.cute._blockscaled_gemm_impl import compile_artifacts, compile_gemm
+
+    config = K96_VARIANTS[0][0]
+    for compile_fn in (compile_gemm, compile_artifacts):
+        with pytest.raises(ValueError, match="sm_103a only"):
+            compile_fn(config, "sm_100a")

@@ -16,7 +16,7 @@ from minite_kernels.cute.backend import BACKEND
 from minite_kernels.cute.gemm import nvfp4_gemm, validate_gemm_operands
 from minite_kernels.cute.grouped_gemm import group_offsets, nvfp4_grouped_gemm, validate_grouped_operands
 from minite_kernels.cute.scales import check_swizzled, grouped_weight_scales, operand_scales, per_group_swizzle
-from minite_kernels.cute.tiles import GemmConfig, check_k, choose_tile_n
+from minite_kernels.cute.tiles import K96_SCHEDULE, GemmConfig, check_k, choose_mma_k, choose_tile_n
 
 
 def _random_scales(*shape, seed=0):
@@ -48,6 +48,111 @@ def test_k_not_a_multiple_of_the_mma_k_is_rejected(k):
 @pytest.mark.parametrize("k", [64, 128, 192, 256, 320, 4096])
 def test_k_multiple_of_64_is_accepted(k):
     check_k(k)
+
+
+@pytest.mark.parametrize("k", [32, 96, 160, 864, 2048, 4096])
+def test_k96_kernel_takes_multiples_of_32(k):
+    """sm_103a's K = 96 kernel: 16-byte rows for TMA are all it needs (the last 768-wide
+    k-tile's tail is zero-filled and its MMAs past K are skipped): no multiple of 96 or 768."""
+    check_k(k, 96)
+
+
+@pytest.mark.parametrize("k", [16, 48, 80, 0, -32])
+def test_k96_kernel_rejects_other_k_in_one_line(k):
+    with pytest.raises(ValueError, match=f"K={k} must be a positive multiple of 32 .*K = 96 kernel") as info:
+        check_k(k, 96)
+    assert "\n" not in str(info.value)
+
+
+def test_mma_k_is_chosen_by_the_gpu_never_by_m(monkeypatch):
+    """96 on sm_103a for the dense and row-grouped GEMMs, 64 for the wgrad there, 64 on sm_100a
+    and off Blackwell; ``MINITE_BLACKWELL_MMA_K`` overrides (64 anywhere, 96 on sm_103a only),
+    anything else is one clear error naming the variable."""
+    monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    assert [choose_mma_k(a) for a in ("sm_103a", "sm_100a", None)] == [96, 64, 64]
+    assert choose_mma_k("sm_103a", k_grouped=True) == 64
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    assert choose_mma_k("sm_103a") == 64
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "96")
+    assert choose_mma_k("sm_103a") == 96 and choose_mma_k(None) == 64
+    with pytest.raises(ValueError, match="sm_103a"):
+        choose_mma_k("sm_100a")
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "128")
+    with pytest.raises(ValueError, match="MINITE_BLACKWELL_MMA_K='128'"):
+        choose_mma_k("sm_103a")
+
+
+def test_k96_config_validates():
+    assert GemmConfig(mma_k=96, grouped=True).name == "n128_bfloat16_grouped_k96"
+    assert GemmConfig(mma_k=96).tile_k == 768 and GemmConfig().tile_k == 256
+    with pytest.raises(ValueError, match="mma_k"):
+        GemmConfig(mma_k=128)
+    with pytest.raises(ValueError, match="K-grouped"):
+        GemmConfig(mma_k=96, k_grouped=True)
+
+
+def test_k96_schedule_reads_each_byte_and_scale_once_in_order():
+    """The static plan of a 768-wide k-tile, from first principles: MMA j covers K elements
+    [96 j, 96 j + 96), i.e. the 16-byte chunks 3 j .. 3 j + 2 of the tile's 24 (8 per 256-wide
+    buffer) and scale columns 6 j .. 6 j + 5 of its 48 (12 per 192-wide scale stage). So the
+    descriptors start at chunks 0, 3, 6, 1, 4, 7, 2, 5; MMAs 2 and 5 run into the next buffer
+    (circular descriptors); every buffer is waited for before its first reader and released
+    after its last, every scale stage is copied before its first MMA."""
+    plan = K96_SCHEDULE
+    assert [s.chunk for s in plan] == [0, 3, 6, 1, 4, 7, 2, 5]
+    assert [s.buffer for s in plan] == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert [s.next_buffer for s in plan] == [0, 0, 1, 1, 1, 2, 2, 2]
+    covered = []
+    for s in plan:
+        chunks = [8 * s.buffer + s.chunk + i for i in range(3)]
+        assert all(c // 8 in (s.buffer, s.next_buffer) for c in chunks) and chunks[-1] // 8 == s.next_buffer
+        covered += chunks
+        assert s.k_start == 32 * chunks[0]
+        assert 12 * s.sf_stage + s.sf_column == s.k_start // 16 and s.sf_column in (0, 6)
+    assert covered == list(range(24))
+    waited, released = [], []
+    for s in plan:
+        waited += s.waits
+        assert {s.buffer, s.next_buffer} <= set(waited) and not ({s.buffer, s.next_buffer} & set(released))
+        released += s.releases
+        assert s.loads_scales == (s.sf_column == 0)
+    assert waited == released == [0, 1, 2]
+
+
+if _host.dsl_import_error() is None:
+    import cutlass
+    import cutlass.cute as cute
+
+    from minite_kernels.cute._blockscaled_gemm_impl import k96_issues, k96_tiles
+
+    @cute.jit
+    def _k96_k_loop(issued: cute.Tensor, tiles: cute.Tensor, k: cutlass.Int32):
+        tiles[0] = k96_tiles(k)
+        for kt in cutlass.range(cute.size(issued, mode=[0])):
+            for j in cutlass.range_constexpr(8):
+                issued[kt, j] = cutlass.Int32(0)
+                if k96_issues(kt, 96 * j, k):
+                    issued[kt, j] = cutlass.Int32(1)
+
+
+@pytest.mark.parametrize("k", [32, 96, 128, 192, 736, 768, 800, 864, 1536, 2048, 2304])
+def test_k96_k_loop_covers_k_and_skips_only_the_zero_tail(k):
+    """The K = 96 kernel's K loop (its device functions ``k96_tiles`` / ``k96_issues``, run on
+    the host by the DSL): ceil(K / 768) k-tiles, and the issued MMAs are exactly those that
+    start before K, so they cover [0, K) (plus at most 95 zero-filled elements) and every
+    k-tile's first MMA runs (the accumulate flag's reset is never skipped)."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    issued = torch.full((4, 8), -1, dtype=torch.int32)
+    tiles = torch.zeros(1, dtype=torch.int32)
+    _k96_k_loop(from_dlpack(issued), from_dlpack(tiles), k)
+    n_tiles = tiles.item()
+    assert n_tiles == -(-k // 768)
+    starts = [768 * kt + 96 * j for kt in range(n_tiles) for j in range(8) if issued[kt, j]]
+    assert starts == list(range(0, k, 96))
+    assert all(issued[kt, 0] == 1 for kt in range(n_tiles))
 
 
 def test_tile_choice_depends_on_n_only_and_configs_validate():
@@ -88,6 +193,14 @@ def test_bad_raw_operands_raise_clear_errors(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         validate_gemm_operands(**args)
+
+
+def test_raw_validation_applies_the_kernels_k_rule():
+    """K = 96 passes the checks of sm_103a's K = 96 kernel and fails the K = 64 kernel's with a
+    line that names both rules."""
+    assert validate_gemm_operands(**_raw_operands(64, 96, 96), mma_k=96) == (64, 96, 96)
+    with pytest.raises(ValueError, match="multiple of 64 .*multiples of 32"):
+        validate_gemm_operands(**_raw_operands(64, 96, 96))
 
 
 def test_per_tensor_weight_scale_is_accepted():
@@ -360,17 +473,20 @@ def test_check_swizzled_names_the_expected_size():
         check_swizzled(_random_scales(10), 80, 128, 2, "b_scales")
 
 
-def test_contract_swizzle_is_cutlass_block_scaled_layout():
+@pytest.mark.parametrize("k", [192, 96])
+def test_contract_swizzle_is_cutlass_block_scaled_layout(k):
     """The bytes the kernel reads are where CUTLASS's ``tile_atom_to_shape_SF`` says: for every
     (row, K block, group), CUTLASS's layout of an (M, K, G) operand maps to the offset at which
     ``per_group_swizzle`` (== ``nvfp4.swizzle_scales`` per group) stored that scale. Pins the
-    layout agreement between the contract and the kernel without a GPU."""
+    layout agreement between the contract and the kernel without a GPU. Both kernels (K = 64 and
+    sm_103a's K = 96) address the scales with this one layout; K = 96 (6 scale columns,
+    not a multiple of 4, which only the K = 96 kernel takes) ends in the swizzle's zero padding."""
     if _host.dsl_import_error() is not None:
         pytest.skip(_host.dsl_import_error())
     import cutlass.cute as cute
     import cutlass.utils.blockscaled_layout as blockscaled_utils
 
-    groups, rows, k = 2, 160, 192
+    groups, rows = 2, 160
     cols = k // 16
     found = {}
 
@@ -584,14 +700,49 @@ def test_epilogue_thread_owns_one_row_and_consecutive_columns(tile_n):
     assert torch.equal(out[..., 1], cols.to(torch.int32))
 
 
+if _host.dsl_import_error() is None:
+
+    @cute.jit
+    def _ring_views(rows: cutlass.Constexpr, found: cutlass.Constexpr):
+        import cutlass.utils.blackwell_helpers as sm100_utils
+        from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+        from minite_kernels.cute._blockscaled_gemm_impl import k96_byte_view_layout
+
+        mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            cutlass.Float4E2M1FN, cutlass.Float4E2M1FN, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float8E4M3FN, 16, tcgen05.CtaGroup.ONE, (128, rows),
+        )
+        fp4 = sm100_utils.make_smem_layout_b(mma, (128, rows, 256), cutlass.Float4E2M1FN, 3)
+        byte = k96_byte_view_layout(rows, 3)
+        found["swizzles"] = (str(fp4.inner), str(byte.inner))
+        found["offsets"] = [
+            (fp4.outer(((r, e % 64), 0, e // 64, st)), byte.outer(((r, (e // 2) % 16), 0, e // 32, st)))
+            for st in range(3) for r in (0, 1, 7, 8, 31, rows - 1) for e in (0, 2, 30, 32, 62, 64, 126, 128, 200, 254)
+        ]
+
+
+@pytest.mark.parametrize("rows", [128, 256])
+def test_k96_byte_view_is_the_memory_tma_fills(rows):
+    """The K = 96 MMAs read the A/B ring through a byte view (16-byte chunks of 128-byte rows)
+    of buffers that TMA fills through the K = 64 kernel's FP4 layout: both views carry the same
+    128B swizzle (applied to the byte address) and map every (stage, row, K element) to the
+    same byte, so chunk c of a row is K elements 32 c .. 32 c + 31 of that buffer."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    found: dict = {}
+    _ring_views(rows, found)
+    assert found["swizzles"] == ("S<3,4,3>", "S<3,4,3>")
+    assert all(fp4 == 2 * byte for fp4, byte in found["offsets"]), found["offsets"][:8]
+
+
 def test_cutlass_dsl_offers_the_sm103_k96_nvf4_mma_on_the_same_scale_layout():
     """What a B300 (sm_103a) K = 96 variant would build on, pinned against the installed DSL
     (4.8.1): ``SM103MmaMXF4NVF4Op`` is a K = 96 ``kind::mxf4nvf4`` MMA with 16-element UE4M3
     scales (NVFP4), and its scale-factor atom (``Sm103BlockScaledBasicChunk``) addresses every
     (row, K block) at the byte where the contract's 128x4 swizzle stores it: the host-side
-    scale layout would not change. The kernel itself still uses the K = 64 form on sm_103a
-    (docs/blackwell.md says why: the K = 96 mainloop needs CUTLASS's sm103 smem layouts and
-    circular descriptors)."""
+    scale layout does not change (the K = 96 kernel, selected on sm_103a, reads the same
+    swizzled scales)."""
     if _host.dsl_import_error() is not None:
         pytest.skip(_host.dsl_import_error())
     found: dict = {}

@@ -168,12 +168,27 @@ def test_gpu_bi_matmul_invariant_across_m(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_bi_matmul_tile_keeps_the_bits():
+    """The tensor-core tile (MMA_CONFIG, issue 16 round 2) against the 64x64x32 tile it replaced (FMA_CONFIG, here on the tensor cores):
+    the same k16 MMA sequence per element, so the same bits (strict LM head and router shapes:
+    bf16 operands, fp32 output, a partial row / column / K tile)."""
+    from minite_kernels.triton.bi_matmul import FMA_CONFIG, MMA_CONFIG, _launch
+
+    assert MMA_CONFIG != FMA_CONFIG
+    for m, n in ((4099, 1000), (33, 128)):
+        x, w = _rand(m, 2080, dtype=torch.bfloat16), _rand(n, 2080, dtype=torch.bfloat16, seed=1, scale=0.02)
+        b = _rand(n, seed=2)
+        new = _launch(x, w, b, torch.float32, MMA_CONFIG)
+        assert_bitwise_equal(new, _launch(x, w, b, torch.float32, FMA_CONFIG), f"{m}x{n}")
+
+
+@pytest.mark.gpu
 def test_gpu_bi_attention_decode_equals_prefill():
     from minite_kernels.triton.bi_attention import bi_attention
 
     q, k, v = _qkv(4, 16, 4, 300, 128, dtype=torch.bfloat16)
     full = bi_attention(q, k, v)
-    for t in (0, 31, 32, 127, 128, 299):
+    for t in (0, 31, 32, 63, 64, 127, 128, 200, 255, 256, 299):
         assert_bitwise_equal(bi_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1]), full[:, :, t : t + 1])
     assert float((full.double() - _exact(q, k, v)).abs().max()) < 2e-2  # p rounded to bf16 for the PV product
 

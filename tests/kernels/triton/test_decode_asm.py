@@ -1,12 +1,13 @@
 """The decode kernels' dequantization PTX (``_decode_common._DEQUANT_ASM``), run on the CPU by a
 small interpreter of the instructions it uses, against the contract's image values.
 
-The interpreter runs no GPU code, so this pins the asm's *logic*: the byte-permute lookup
-tables (``DEQUANT_TABLES``), the sign handling, the nibble selection and the pairing of
-outputs, for every code byte, both nibbles and scales from subnormal to 448 and NaN -- and that
-each output depends only on its own element (Triton hands an asm block 4 elements of its
-choosing). Regression: a first version decoded 4 packed bytes per block and assumed they were
-consecutive along K; on the H200 it gave wrong values for some layouts.
+The interpreter runs no GPU code, so this pins the asm's *logic*: the two-level byte-permute
+lookup (``DEQUANT_TABLES``: selector bytes, then the distinct bf16 bytes), the sign handling,
+the pairing of the two nibbles of a byte into one bf16x2 register, for every code byte in every
+slot of the 4-byte word and scales from subnormal to 448 and NaN -- and that each output
+depends only on its own byte and scale (Triton hands an asm block 4 elements of its choosing).
+Regression: a first version decoded 4 packed bytes into 8 separately placed outputs and assumed
+they were consecutive along K; on the H200 it gave wrong values for some layouts.
 """
 
 from __future__ import annotations
@@ -85,16 +86,22 @@ def run_asm(operands: dict) -> dict:
     return regs
 
 
-def _operands(bytes4, flags4, scales4):
-    """The asm's inputs (see its comment): $2 bytes, $3 nibble flags, $4 / $5 bf16x2 scales,
-    $6 / $10 / $14 / $18 / $22 the tables."""
+def _operands(bytes4, scales4):
+    """The asm's inputs (see its comment): $4 the 4 packed bytes, $5..$8 each byte's bf16x2
+    (s, s) scale, $9 / $13 / $17 / $21 / $25 the tables."""
     word = sum(b << (8 * i) for i, b in enumerate(bytes4))
-    flags = sum((0xFF if f else 0) << (8 * i) for i, f in enumerate(flags4))
     sb = torch.tensor(scales4, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
-    ops = {"$2": word, "$3": flags, "$4": int(sb[0]) | int(sb[1]) << 16, "$5": int(sb[2]) | int(sb[3]) << 16}
-    for reg, t in zip(("$6", "$10", "$14", "$18", "$22"), DEQUANT_TABLES):
+    ops = {"$4": word}
+    for j in range(4):
+        ops[f"${5 + j}"] = int(sb[j]) | int(sb[j]) << 16
+    for reg, t in zip(("$9", "$13", "$17", "$21", "$25"), DEQUANT_TABLES):
         ops[reg] = t
     return ops
+
+
+def _outputs(regs):
+    """(low-nibble value, high-nibble value) bits of each of the 4 bytes."""
+    return [(regs[f"${j}"] & 0xFFFF, regs[f"${j}"] >> 16) for j in range(4)]
 
 
 def _expected_bits(code, scale):
@@ -105,41 +112,37 @@ def _expected_bits(code, scale):
 SCALES = [float.fromhex("0x1p-9"), float.fromhex("0x1.cp-7"), 0.0, 1.0, 1.125, 3.5, 448.0]
 
 
-def test_every_code_nibble_and_scale():
+def test_every_code_byte_in_every_slot_and_scale():
     rng = random.Random(0)
-    cases = list(itertools.product(range(256), (False, True)))
-    rng.shuffle(cases)
-    for i in range(0, len(cases), 4):
-        chunk = cases[i : i + 4]
-        scales = [rng.choice(SCALES) for _ in chunk]
-        regs = run_asm(_operands([b for b, _ in chunk], [f for _, f in chunk], scales))
-        got = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
-        for (byte, high), s, g in zip(chunk, scales, got):
-            code = byte >> 4 if high else byte & 15
-            assert g == _expected_bits(code, s), (byte, high, s, hex(g))
+    for slot in range(4):
+        for byte in range(256):
+            others = [rng.randrange(256) for _ in range(4)]
+            others[slot] = byte
+            scales = [rng.choice(SCALES) for _ in range(4)]
+            lo, hi = _outputs(run_asm(_operands(others, scales)))[slot]
+            assert lo == _expected_bits(byte & 15, scales[slot]), (slot, byte, scales[slot], hex(lo))
+            assert hi == _expected_bits(byte >> 4, scales[slot]), (slot, byte, scales[slot], hex(hi))
 
 
-def test_each_output_depends_only_on_its_own_element():
-    """Changing elements 1..3 never changes output 0 (and so on for every slot)."""
+def test_each_output_depends_only_on_its_own_byte():
+    """Changing the other 3 bytes and scales never changes a slot's output."""
     rng = random.Random(1)
-    for _ in range(200):
-        base = ([rng.randrange(256) for _ in range(4)], [rng.random() < 0.5 for _ in range(4)],
-                [rng.choice(SCALES) for _ in range(4)])
-        ref = run_asm(_operands(*base))
-        ref_out = [ref["$0"] & 0xFFFF, ref["$0"] >> 16, ref["$1"] & 0xFFFF, ref["$1"] >> 16]
+    for _ in range(300):
+        base = ([rng.randrange(256) for _ in range(4)], [rng.choice(SCALES) for _ in range(4)])
+        ref = _outputs(run_asm(_operands(*base)))
         slot = rng.randrange(4)
         other = [list(x) for x in base]
         for j in range(4):
             if j != slot:
-                other[0][j], other[1][j], other[2][j] = rng.randrange(256), rng.random() < 0.5, rng.choice(SCALES)
-        new = run_asm(_operands(*other))
-        new_out = [new["$0"] & 0xFFFF, new["$0"] >> 16, new["$1"] & 0xFFFF, new["$1"] >> 16]
-        assert new_out[slot] == ref_out[slot]
+                other[0][j], other[1][j] = rng.randrange(256), rng.choice(SCALES)
+        assert _outputs(run_asm(_operands(*other)))[slot] == ref[slot]
 
 
-def test_nan_scale_gives_nan():
-    regs = run_asm(_operands([0x21, 0x21, 0x21, 0x21], [False] * 4, [float("nan"), 1.0, 1.0, 1.0]))
-    assert (regs["$0"] & 0x7F80) == 0x7F80 and (regs["$0"] & 0x7F) != 0  # a bf16 NaN
+def test_nan_scale_gives_nan_and_negative_zero_code():
+    (lo, hi), *_ = _outputs(run_asm(_operands([0x21, 0x21, 0x21, 0x21], [float("nan"), 1.0, 1.0, 1.0])))
+    assert (lo & 0x7F80) == 0x7F80 and (lo & 0x7F) != 0 and (hi & 0x7F80) == 0x7F80  # bf16 NaNs
+    (lo, hi), *_ = _outputs(run_asm(_operands([0x08, 0, 0, 0], [2.0] * 4)))
+    assert (lo, hi) == (0x8000, 0x0000)  # code 8 is -0.0, as formats.e2m1_decode
 
 
 def test_asm_uses_only_interpreted_instructions():
