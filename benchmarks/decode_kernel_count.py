@@ -2,15 +2,21 @@
 
     python -m benchmarks.decode_kernel_count             # default mode, qwen3-moe's structure, small dims
     python -m benchmarks.decode_kernel_count --strict
+    python -m benchmarks.decode_kernel_count --unfused   # the decode step on the learner's modules only
 
 The decode step is launch-bound on the H200 (BENCHMARKS.md run 7), so its kernel count is the
 number to shrink. This counts, for one eager decode step of the fast path on a model with the
 qwen3-moe preset's structure (4 layers, GQA 32/4 -> 8/2 heads, 16 experts top-8, qk-layernorm)
 but tiny dimensions, every ATen op dispatched that is not a view or an allocation and every
-Triton kernel launch (ops inside a kernel's interpreter run are not counted). The CPU path is
-not the GPU's in every detail: torch's norms decompose into several ops here, and in strict mode
-the strict ops run their torch formulations (many more ops) instead of one ``bi_*`` kernel each.
-Prints the total and the most frequent ops.
+Triton kernel launch (ops inside a kernel's interpreter run are not counted). To count what the
+GPU launches, the model is bf16 (the GPU's dtype: the fused norm -> NVFP4 producers run), the
+batch-invariant ops take their Triton kernels (``strict.backend.use_backend("triton")``, the GPU's
+choice), the decode step's fused kernels run (``rollout.fused_ops.KERNELS_ON_CPU``), and the
+backend dispatches the decode GEMMs as on a GPU whose packed decode kernels are verified or not
+(``--gpu-decode``, default: what ``decode_gemm.DECODE_GPU_VERIFIED`` / ``STRICT_DECODE_VERIFIED``
+say today; unverified means the image GEMM and the learner's grouped GEMM on sorted rows).
+The eager-only host checks a graph capture skips (expert ids in range, the attention mask's
+effect) are left out. Prints the total and the most frequent ops.
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--unfused", action="store_true", help="no fused decode kernels (the learner's modules only)")
+    ap.add_argument("--gpu-decode", choices=("as-verified", "verified", "unverified"), default="as-verified",
+                    help="dispatch the decode GEMMs as on a GPU whose packed decode kernels are (not) verified")
+    ap.add_argument("--top", type=int, default=40, help="how many of the most frequent ops to list")
+    ap.add_argument("--fp32", action="store_true", help="an fp32 model (the CPU tests' dtype) instead of bf16")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from minite_kernels.triton._interpreter_compat import install
@@ -51,19 +62,30 @@ def main(argv=None) -> int:
     install()
     import triton.runtime.interpreter as interp
 
+    import minite_kernels.triton.backend as triton_backend
+    import minite_kernels.triton.decode_gemm as decode_gemm
+
     from minite_megatron.recipe import Recipe
+    from minite_megatron.rollout import fused_ops
     from minite_megatron.rollout.engine import RolloutEngine
     from minite_megatron.rollout.sampling import SamplingConfig
+    from minite_megatron.strict.backend import use_backend
     from minite_megatron.training.presets import build_gpt, init_single_process
 
     init_single_process(1)
+    fused_ops.KERNELS_ON_CPU = not args.unfused
+    verified = {"verified": (True, True), "unverified": (False, False),
+                "as-verified": (decode_gemm.DECODE_GPU_VERIFIED, decode_gemm.STRICT_DECODE_VERIFIED)}[args.gpu_decode]
+    triton_backend.decode_ok = lambda device: verified[0]
+    triton_backend.strict_decode_ok = lambda k, device: verified[0] and verified[1]
     counts: collections.Counter = collections.Counter()
     depth = [0]
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
-            if not depth[0] and name not in NOT_KERNELS:
+            # miniTE's custom ops (``minite::``) are counted by their Triton launches
+            if not depth[0] and name not in NOT_KERNELS and getattr(func, "namespace", "") != "minite":
                 counts["aten::" + name] += 1
             return func(*args, **(kwargs or {}))
 
@@ -79,19 +101,33 @@ def main(argv=None) -> int:
 
     interp.InterpretedFunction.run = counted
     preset = dict(layers=4, hidden=128, heads=8, groups=2, head_dim=16, experts=16, topk=8, moe_ffn=32, vocab=256)
+    dtype = torch.float32 if args.fp32 else torch.bfloat16
     model = build_gpt(preset, Recipe(strict=args.strict, backend="triton"), max_seq=32, device="cpu",
-                      dtype=torch.float32, seed=3).eval()
+                      dtype=dtype, seed=3).eval()
     engine = RolloutEngine(model, eod_id=0)
     prompts = [[5, 17, 33, 2], [64, 7, 8], [11, 22, 33, 1], [9, 9]][: args.batch]
-    with torch.no_grad():
+    with torch.no_grad(), use_backend("triton"):
         engine.generate(prompts, 2, temperature=1.0, seed=1, stop_at_eod=False)  # warm: weights, prefill, cache
         body = engine._fast._body(len(prompts), SamplingConfig(1.0, 0, 0.0, 1.0, True))
         counts.clear()
-        with Count():
-            body()
+        # what a CUDA graph's capture skips: the eager host-side checks (expert ids in range, whether
+        # an attention mask hides anything the causal rule does not)
+        import minite_megatron.strict.attention as strict_attention
+
+        saved = triton_backend.check_expert_ids_in_range, strict_attention.effective_mask
+        triton_backend.check_expert_ids_in_range = lambda ids, e: None
+        strict_attention.effective_mask = lambda mask, sq, sk, causal: mask
+        try:
+            with Count():
+                body()
+        finally:
+            triton_backend.check_expert_ids_in_range, strict_attention.effective_mask = saved
     mode = "strict" if args.strict else "default"
-    print(f"{mode}: {sum(counts.values())} kernels in one decode step ({preset['layers']} layers)")
-    for name, n in counts.most_common(30):
+    how = (f"{'unfused' if args.unfused else 'fused'}, {'fp32' if args.fp32 else 'bf16'}, "
+           f"GPU decode kernels {'verified' if verified[0] else 'unverified'}"
+           + (f" (strict config {'verified' if verified[1] else 'unverified'})" if verified[0] else ""))
+    print(f"{mode}: {sum(counts.values())} kernels in one decode step ({preset['layers']} layers; {how})")
+    for name, n in counts.most_common(args.top):
         print(f"  {n:4d}  {name}")
     return 0
 

@@ -20,12 +20,16 @@ prefill ms, the weight bytes a decode step must read (packed FP4 codes + E4M3 sc
 select, ``E (1 - (1 - k/E)^B)``, which uniform routing gives), the effective weight bandwidth
 (those bytes / step time) and the byte floor (those bytes plus the KV cache read, at the measured
 copy bandwidth), ``speedup_vs_bf16``, and the learner/sampler gap on the generated tokens
-(temperature 1, :func:`~minite_megatron.diagnostics.gap_metrics`). Then, at ``--gap-batch``:
-default mode with the split-K decode GEMMs instead of the learner's order, with Megatron's
-atomic combine in the learner, and with the router weights scaled x10 / x50; Megatron's own
-static engine (``--megatron``); whether the decode GEMMs' invariant configuration equals the
-learner's full-batch GEMM bits; and what the deterministic combine costs the learner (one MoE
-layer's forward + backward at ``--learner-tokens``). Prints tables, appends one JSON line.
+(temperature 1, :func:`~minite_megatron.diagnostics.gap_metrics`). Then, at ``--gap-batch``, the
+default-mode variants (gap and decode ms): the decode step on the learner's modules without the
+fused decode kernels (``rollout.fused_ops.ENABLED``), torch SDPA attention in the learner and the
+decode step (``recipe.aligned_attention`` off), round 1's default (SDPA and no aligned norms /
+routing either), the split-K decode GEMMs instead of the learner's order, Megatron's atomic
+combine in the learner; Megatron's own static engine (``--megatron``, slow); whether the decode
+GEMMs' invariant configuration equals the learner's full-batch GEMM bits; what the deterministic
+combine costs the learner (one MoE layer's forward + backward at ``--learner-tokens``) and what
+the aligned ops and attention cost it (the whole model's forward + backward at
+``--learner-tokens``, aligned vs round 1's default). Prints tables, appends one JSON line.
 """
 
 from __future__ import annotations
@@ -128,6 +132,8 @@ def gap_of(model, engine, prompts, new: int, seed: int = 3) -> dict:
 def time_engine(engine, prompts, new: int, repeats: int) -> dict:
     """Median decode-step ms and prefill ms of ``generate`` (GPU: the engine's CUDA events)."""
     engine.generate(prompts, new, temperature=1.0, seed=1, stop_at_eod=False)  # warm-up: compile, capture
+    if repeats < 1:  # a warm-up run (fills Triton's cache): nothing timed
+        return {"decode_step_ms": float("nan"), "prefill_ms": None, "generate_ms": None}
     steps, prefill, walls = [], [], []
     for r in range(repeats):
         sync()
@@ -172,7 +178,8 @@ def run_engine(name, model, preset, args, batches, copy_gbps, attention) -> list
 
 
 def default_mode_variants(model, preset, args) -> list[dict]:
-    """The default-mode gap under the alternatives the alignment fix chose between."""
+    """The default-mode gap (and decode ms) under the alternatives round 1 and 2 chose between."""
+    from minite_megatron.rollout import fused_ops
     from minite_megatron.rollout.engine import RolloutEngine
 
     max_seq = args.prompt_max + args.new
@@ -180,30 +187,79 @@ def default_mode_variants(model, preset, args) -> list[dict]:
     out = []
 
     def variant(label, **kw):
+        if time.perf_counter() - args._t0 > args.time_budget:
+            out.append({"variant": label, "skipped": "time budget"})
+            return
         engine = RolloutEngine(model, eod_id=0, max_batch_size=args.gap_batch, max_sequence_length=max_seq, **kw)
         row = {"variant": label, **gap_of(model, engine, prompts, args.new)}
         if engine.path == "fast":
             row.update(time_engine(engine, prompts, args.new, 1))
         out.append(row)
-        print(f"  variant {label}: gap {row['gap_mean_abs']:.3g}", flush=True)
+        print(f"  variant {label}: gap {row['gap_mean_abs']:.3g}, {row.get('decode_step_ms', 0):.3f} ms/step", flush=True)
 
-    variant("default (learner's GEMM order, deterministic combine)")
+    variant("default (aligned ops + attention, fused decode kernels)")
+    fused_ops.ENABLED = False
+    try:
+        variant("decode step on the learner's modules (no fused decode kernels)")
+    finally:
+        fused_ops.ENABLED = True
+    with sdpa_attention(model):
+        variant("SDPA attention in learner and decode (aligned_attention off)")
+        with unaligned_ops(model):
+            variant("round 1's default (SDPA, torch RMSNorm, Megatron's router)")
     variant("split-K decode GEMMs", invariant_gemm=False)
     with megatron_combine(model):
         variant("Megatron's atomic combine in the learner")
-    routers = [layer.mlp.router.weight for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-    saved = [w.detach().clone() for w in routers]
-    for scale in (10.0, 50.0):
-        with torch.no_grad():
-            for w, s in zip(routers, saved):
-                w.copy_(s * scale)
-        variant(f"router weights x{scale:g}")
-    with torch.no_grad():
-        for w, s in zip(routers, saved):
-            w.copy_(s)
-    if args.megatron and time.perf_counter() - args._t0 < args.time_budget:
+    if args.megatron:
         variant("Megatron's static engine", fast=False)
     return out
+
+
+class sdpa_attention:
+    """Every aligned core attention of ``model`` computes torch SDPA instead (``aligned_attention`` off)."""
+
+    def __init__(self, model):
+        from minite_megatron.strict.core_attention import AlignedDotProductAttention
+
+        self.mods = [layer.self_attention.core_attention for layer in model.decoder.layers
+                     if type(layer.self_attention.core_attention) is AlignedDotProductAttention]
+
+    def __enter__(self):
+        from minite_megatron.modules.attention import MiniteDotProductAttention
+
+        for m in self.mods:
+            m.sdpa_scale = m.strict_scale
+            m.__class__ = MiniteDotProductAttention
+
+    def __exit__(self, *exc):
+        from minite_megatron.strict.core_attention import AlignedDotProductAttention
+
+        for m in self.mods:
+            m.__class__ = AlignedDotProductAttention
+
+
+class unaligned_ops:
+    """Default mode's norms and routers as before ``aligned_ops``: torch's RMSNorm (the fused
+    norm -> NVFP4 producers keep their batch-invariant arithmetic), Megatron's TopKRouter."""
+
+    def __init__(self, model):
+        from minite_megatron.modules.norm import MiniteNorm
+        from minite_megatron.strict.router import AlignedTopKRouter
+
+        self.norms = [m for m in model.modules() if isinstance(m, MiniteNorm) and not m.batch_invariant]
+        self.routers = [m for m in model.modules() if type(m) is AlignedTopKRouter and m.aligned]
+
+    def __enter__(self):
+        for m in self.norms:
+            m.invariant_rms = False
+        for r in self.routers:
+            r.aligned = False
+
+    def __exit__(self, *exc):
+        for m in self.norms:
+            m.invariant_rms = True
+        for r in self.routers:
+            r.aligned = True
 
 
 class megatron_combine:
@@ -253,6 +309,47 @@ def combine_cost(model, tokens: int) -> dict:
     model.eval()
     model.zero_grad(set_to_none=True)
     return {"tokens": tokens, "deterministic_ms": det, "megatron_ms": meg, "overhead": det / meg - 1}
+
+
+def alignment_cost(model, tokens: int) -> dict:
+    """The learner's forward + backward of the whole model over one sequence of ``tokens``, with
+    the aligned ops and attention (today's default mode) vs round 1's default (ms, median of 5)."""
+    from minite_megatron.rollout.logprobs import causal_mask
+
+    ids = torch.randint(1, model.vocab_size, (1, tokens), device="cuda")
+    pos = torch.arange(tokens, device="cuda").unsqueeze(0)
+    mask = causal_mask(tokens, device="cuda")
+    model.train()
+
+    def once():
+        logits = model(ids, pos, mask)
+        logits.float().mean().backward()
+
+    def timed():
+        for _ in range(2):
+            once()
+        sync()
+        ts = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            once()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        return statistics.median(ts)
+
+    try:
+        aligned = timed()
+        with sdpa_attention(model):
+            sdpa = timed()
+            with unaligned_ops(model):
+                round1 = timed()
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return {"tokens": tokens, "aligned_ms": aligned, "sdpa_attention_ms": sdpa, "round1_default_ms": round1,
+            "overhead_vs_round1": aligned / round1 - 1}
 
 
 def gemm_order_checks(model) -> dict:
@@ -338,7 +435,7 @@ def main(argv=None):
     ap.add_argument("--gap-all", action="store_true", help="the gap at every batch size")
     ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                     help="default-mode gap variants, GEMM order checks and the learner's combine cost")
-    ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=False,
                     help="Megatron's static engine as a variant (slow)")
     ap.add_argument("--learner-tokens", type=int, default=4096)
     ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
@@ -416,6 +513,8 @@ def main(argv=None):
         results["default_mode_variants"] = guarded("variants", lambda: default_mode_variants(models["nvfp4"], preset, args))
         if gpu:
             results["combine_cost"] = guarded("combine_cost", lambda: combine_cost(models["nvfp4"], args.learner_tokens))
+            results["alignment_cost"] = guarded("alignment_cost",
+                                                lambda: alignment_cost(models["nvfp4"], args.learner_tokens))
     models.clear()
     bf16 = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "bf16"}
     default = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "nvfp4"}
@@ -435,7 +534,7 @@ def main(argv=None):
     if results.get("default_mode_variants"):
         print_table("default-mode gap variants", results["default_mode_variants"],
                     ["variant", "gap_mean_abs", "gap_max_abs", "k3_kl", "gap_tokens_equal", "gap_tokens", "decode_step_ms"])
-    for key in ("gemm_order", "combine_cost", "errors"):
+    for key in ("gemm_order", "combine_cost", "alignment_cost", "errors", "skipped"):
         if key in results:
             print(f"{key}: {results[key]}")
     for path in save(results, "rollout", [args.out, os.path.dirname(args.json) if args.json else None]):

@@ -15,7 +15,11 @@ The defaults are chosen for learner/rollout alignment (DESIGN.md section 2):
   GEMMs, with every linear in BF16 (Megatron's GEMM; experts through ``torch._grouped_mm``),
   so NVFP4 is compared against the best BF16 this machine runs with everything else equal;
 * ``strict``: batch-invariant kernels and ops end to end, so teacher-forced learner log-probs
-  equal the sampler's bit for bit.
+  equal the sampler's bit for bit;
+* default mode keeps the fast NVFP4 GEMM kernels but, with ``aligned_ops`` / ``aligned_attention``
+  (on by default), computes the cheap reductions -- RMSNorm, MoE routing -- and the attention
+  forward with strict mode's batch-invariant formulations, so that the sampler's decode steps
+  compute them in the learner's order (issue 15: the learner/sampler gap of default mode).
 
 Built from Python (``Recipe(...)``, ``Recipe.from_dict``) or from ``--minite-*`` command-line
 flags (:func:`add_recipe_args`, :func:`recipe_from_args`).
@@ -81,6 +85,16 @@ class Recipe:
     # ---- alignment ----------------------------------------------------------------------------
     strict: bool = field(
         default=False, metadata={"help": "batch-invariant kernels and ops: learner log-probs == sampler's, bitwise"}
+    )
+    aligned_ops: bool = field(
+        default=True,
+        metadata={"help": "default mode too: RMSNorm and MoE routing (FP32 gating, stable top-k, softmax) in strict "
+                          "mode's batch-invariant formulation, so prefill and decode compute them in the same order"},
+    )
+    aligned_attention: bool = field(
+        default=True,
+        metadata={"help": "default mode too: the batch-invariant attention forward (strict mode's), so a query gets the "
+                          "same bits in the learner's forward and in a decode step (else torch SDPA)"},
     )
     # ---- execution ----------------------------------------------------------------------------
     backend: str | None = field(default=None, metadata={"help": "NVFP4 backend (reference, triton, blackwell); default: best for the device"})

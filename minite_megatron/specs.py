@@ -113,27 +113,41 @@ class MiniteSpecProvider(BackendSpecProvider):
 
     # ---- the rest: fallback, or the strict (batch-invariant) modules -----------------------------
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
-        return partial(MiniteNorm, batch_invariant=self.recipe.strict)
+        """RMSNorm batch invariant in strict mode, and in default mode with ``recipe.aligned_ops``."""
+        return partial(MiniteNorm, batch_invariant=self.recipe.strict, aligned=self.recipe.aligned_ops)
 
     def input_norm(self):
         """The norm in front of this provider's column-parallel linear (qkv, dense fc1): it hands
         an NVFP4 linear its quantized output (fused on the GPU: ``ops.producers``)."""
         offer = self.recipe if self.linear_precision == "nvfp4" else None
-        return partial(MiniteNorm, batch_invariant=self.recipe.strict, offer_to=offer)
+        return partial(MiniteNorm, batch_invariant=self.recipe.strict, aligned=self.recipe.aligned_ops, offer_to=offer)
 
     def core_attention(self):
-        """Strict mode: the batch-invariant attention; else torch SDPA (flash / cuDNN kernels)."""
+        """Strict mode: the batch-invariant attention; default mode: the same forward with
+        ``recipe.aligned_attention`` (training with attention dropout falls back to SDPA), else
+        torch SDPA (flash / cuDNN kernels)."""
         if self.recipe.strict:
             from .strict.megatron import StrictDotProductAttention
 
             return StrictDotProductAttention
+        if self.recipe.aligned_attention:
+            from .strict.core_attention import AlignedDotProductAttention
+
+            return AlignedDotProductAttention
         return MiniteDotProductAttention
 
     def router(self):
+        """Strict mode: FP32 batch-invariant gating and stable top-k (refusing what it cannot make
+        deterministic); default mode: the same with ``recipe.aligned_ops`` where the config allows
+        it (else Megatron's ``TopKRouter``)."""
         if self.recipe.strict:
             from .strict.megatron import StrictTopKRouter
 
             return StrictTopKRouter
+        if self.recipe.aligned_ops:
+            from .strict.router import AlignedTopKRouter
+
+            return AlignedTopKRouter
         return TopKRouter
 
     def moe_layer(self):

@@ -47,7 +47,7 @@ from . import decode_gemm as _decode
 from .decode_gemm import decode_gemm_forward
 from .decode_grouped_gemm import decode_grouped_gemm_forward
 from .gemm import OUT_DTYPES, gemm_forward
-from .grouped_gemm import group_offsets, grouped_gemm_forward
+from .grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
 from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
@@ -88,6 +88,17 @@ def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
     if q.global_scale in ("row", "tensor"):
         return q.global_decode.reshape(-1).contiguous()
     return q.row_global_decode().contiguous()
+
+
+def _stacked_operands(w: NVFP4Tensor, e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [E*N, K/2], linear block scales [E*N, K/16], global decode)`` of stacked expert
+    weights: ``[E]`` per expert for ``"group"`` weights (no per-row expansion: that is a copy of
+    ``E*N`` scales per call), ``[E*N]`` per row for the ``[E*N, K]`` matrix form."""
+    if w.global_scale == "group":
+        lin = w.linear()
+        return lin.codes.reshape(e * n, k // 2), lin.block_scales.reshape(e * n, k // BLOCK), w.global_decode.reshape(-1)
+    m = w.matrix()
+    return m.codes, m.block_scales, m.global_decode
 
 
 def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
@@ -249,42 +260,57 @@ class TritonBackend:
         batch_invariant: bool = False,
         *,
         num_experts: int | None = None,
+        group_offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]``
         (``nvfp4.grouped.decode_grouped_gemm_reference``'s contract; ``w_stacked`` ``[E, N, K]``
         or its ``[E*N, K]`` matrix with ``num_experts``). No host sync while a CUDA graph is being
-        captured; eagerly, expert ids outside ``[0, E)`` raise ValueError (one sync)."""
+        captured; eagerly, expert ids outside ``[0, E)`` raise ValueError (one sync).
+        ``group_offsets`` (optional int32 ``[E + 1]`` prefix offsets on the device) says the rows are
+        already sorted by expert (Megatron's expert-major order), expert ``g``'s rows at
+        ``offsets[g]:offsets[g + 1]``: the fallback through the learner's grouped GEMM then reads
+        them as they are instead of sorting (same bits)."""
         e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             check_expert_ids_in_range(expert_ids, e)
-        w = w_stacked.matrix()
-        a_scale = _global_decode(a)
-        w_scale = w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group" else w.global_decode
         if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
-            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant)
-        return decode_grouped_gemm_forward(image_2d(a), w.codes, w.block_scales.view(torch.uint8), w_scale,
-                                           expert_ids, a_scale, e, out_dtype, batch_invariant)
+            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
+                                               group_offsets)
+        w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
+        return decode_grouped_gemm_forward(image_2d(a), w_codes, w_scales.view(torch.uint8), w_scale,
+                                           expert_ids, _global_decode(a), e, out_dtype, batch_invariant)
 
-    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant):
+    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
+                               group_offsets=None):
         """Decode through the learner's grouped GEMM (strict: its strict config): rows sorted by
         expert on the device (stable), group sizes counted with ``scatter_add_`` (no sync),
-        results put back. Needs the experts' bf16 images: the attached one (the learner's
-        ``"group"`` weights carry it) or one made here from all experts' bytes."""
-        ids = expert_ids.to(torch.int64)
-        order = torch.argsort(ids, stable=True)
-        sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
-            0, ids, torch.ones_like(ids, dtype=torch.int32))
+        results put back -- or, with ``group_offsets``, the rows as given (already sorted). Needs
+        the experts' bf16 images: the attached one (the learner's ``"group"`` weights carry it)
+        or one made here from all experts' bytes."""
+        order = sizes = None
+        if group_offsets is None:
+            ids = expert_ids.to(torch.int64)
+            order = torch.argsort(ids, stable=True)
+            sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=torch.int32))
         a_img, a_scale = image_2d(a), _global_decode(a)
-        w = w_stacked.matrix()
+        w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
         if w_stacked.image is not None:
             w_img = w_stacked.image.reshape(e, n, k)
         else:
-            w_img = image_op(w.codes, w.block_scales.view(torch.uint8)).view(e, n, k)
-        w_scale = (w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group"
-                   else w.global_decode.reshape(e, n)[:, 0].contiguous())
+            w_img = image_op(w_codes, w_scales.view(torch.uint8)).view(e, n, k)
+        if w_stacked.global_scale != "group":
+            w_scale = w_scale.reshape(e, n)[:, 0].contiguous()
+        if order is None:  # rows already sorted: the learner's grouped GEMM on the given offsets
+            if tuple(group_offsets.shape) != (e + 1,) or group_offsets.dtype != torch.int32:
+                raise ValueError(f"decode_grouped_gemm: group_offsets must be int32 [{e + 1}], got "
+                                 f"{group_offsets.dtype} {tuple(group_offsets.shape)}")
+            return grouped_gemm_op(a_img.contiguous(), w_img, group_offsets, a_scale.float().reshape(-1),
+                                   w_scale.float().reshape(-1), None, out_dtype, batch_invariant,
+                                   batch_invariant and STRICT_CANONICAL)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
                                           canonical=batch_invariant and STRICT_CANONICAL)

@@ -15,6 +15,10 @@
   elements whose silu lies within that ulp of a 16-bit rounding boundary (the tests bound it).
 * ``q`` bitwise equal to ``nvfp4.quantize_reference(a, global_scale="row", with_image=...)``
   (always: it is computed from the ``a`` the kernel writes).
+* with ``probs`` (``[M]`` fp32, the MoE routing probability of each row): ``a`` is multiplied
+  by its row's probability as Megatron's ``TEGroupedMLP`` does after the activation,
+  ``round(fp32(a) * p)`` (``(x * permuted_probs).to(dtype)``: one fp32 product, one rounding to
+  ``h.dtype``; no add follows, so contraction cannot touch it), and quantized after that.
 
 Reference (CPU path without a GPU): :func:`minite_megatron.nvfp4.producers.swiglu_quantize_reference`.
 
@@ -96,26 +100,31 @@ def silu_f32(g, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_half(gw, uw, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr):
-    """Words of gate and up -> words of ``a = round(round(silu(gate)) * up)``."""
+def _swiglu_half(gw, uw, p, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                 WEIGHTED: tl.constexpr):
+    """Words of gate and up -> words of ``a = round(round(silu(gate)) * up)`` (times the row's
+    probability ``p``, rounded again, when ``WEIGHTED``)."""
     g_lo, g_hi = _unpack(gw, IS_FP16)
     u_lo, u_hi = _unpack(uw, IS_FP16)
     _b, s_lo = round_half(silu_f32(g_lo, ACCURATE_EXP), IS_FP16, BITWISE_BF16)
     _b2, s_hi = round_half(silu_f32(g_hi, ACCURATE_EXP), IS_FP16, BITWISE_BF16)
-    a_lo, _v = round_half(s_lo * u_lo, IS_FP16, BITWISE_BF16)
-    a_hi, _v2 = round_half(s_hi * u_hi, IS_FP16, BITWISE_BF16)
+    a_lo, va_lo = round_half(s_lo * u_lo, IS_FP16, BITWISE_BF16)
+    a_hi, va_hi = round_half(s_hi * u_hi, IS_FP16, BITWISE_BF16)
+    if WEIGHTED:
+        a_lo, _w = round_half(va_lo * p, IS_FP16, BITWISE_BF16)
+        a_hi, _w2 = round_half(va_hi * p, IS_FP16, BITWISE_BF16)
     return a_lo | (a_hi << 16)
 
 
 @triton.jit
-def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3,
+def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p,
                   BLOCK_NB: tl.constexpr, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr,
-                  ACCURATE_EXP: tl.constexpr):
+                  ACCURATE_EXP: tl.constexpr, WEIGHTED: tl.constexpr):
     """a of chunk ``c``: stored, and returned as words (0-3, 4-7 of each block) with the block amax."""
     ga, gb = _load_chunk(g_row, jw, c, BLOCK_NB, rmask3)
     ua, ub = _load_chunk(g_row + F // 2, jw, c, BLOCK_NB, rmask3)
-    aa = _swiglu_half(ga, ua, IS_FP16, BITWISE_BF16, ACCURATE_EXP)
-    ab = _swiglu_half(gb, ub, IS_FP16, BITWISE_BF16, ACCURATE_EXP)
+    aa = _swiglu_half(ga, ua, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED)
+    ab = _swiglu_half(gb, ub, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED)
     off = a_row + c * (BLOCK_NB * 8) + jw
     tl.store(off, aa, mask=rmask3)
     tl.store(off + 4, ab, mask=rmask3)
@@ -124,10 +133,10 @@ def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3,
 
 @triton.jit
 def _swiglu_quantize_kernel(
-    h_ptr, a_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
+    h_ptr, a_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr, p_ptr,
     R, F, stride_w,
     IS_FP16: tl.constexpr, WITH_IMAGE: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-    BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, WEIGHTED: tl.constexpr = False,
 ):
     """BLOCK_R rows per program, BLOCK_NB threads (one output block each) per row and chunk;
     tiles ``[BLOCK_NB, BLOCK_R, 4]`` words as in :mod:`.quantize_rows`. ``stride_w``: h's row
@@ -141,26 +150,30 @@ def _swiglu_quantize_kernel(
     a_row = a_ptr.to(tl.pointer_type(tl.int32)) + r64 * (F // 2)
     jw = (tl.arange(0, BLOCK_NB) * 8)[:, None, None] + tl.arange(0, 4)[None, None, :]
     inner = tl.zeros((1, BLOCK_R, 1), tl.uint32)
+    p = 1.0
+    if WEIGHTED:  # the rows' routing probabilities, [1, BR, 1]
+        p = tl.load(p_ptr + rows, mask=rmask, other=0.0)[:, :, None]
     if CHUNKS > 0:  # a of the whole row in registers
-        aa0, ab0, bm0 = _swiglu_chunk(g_row, a_row, F, jw, 0, rmask3, BLOCK_NB, IS_FP16, BITWISE_BF16, ACCURATE_EXP)
+        aa0, ab0, bm0 = _swiglu_chunk(g_row, a_row, F, jw, 0, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16, ACCURATE_EXP,
+                                      WEIGHTED)
         m = bm0
         if CHUNKS > 1:
-            aa1, ab1, bm1 = _swiglu_chunk(g_row, a_row, F, jw, 1, rmask3, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP)
+            aa1, ab1, bm1 = _swiglu_chunk(g_row, a_row, F, jw, 1, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
+                                          ACCURATE_EXP, WEIGHTED)
             m = tl.maximum(m, bm1, propagate_nan=tl.PropagateNan.ALL)
         if CHUNKS > 2:
-            aa2, ab2, bm2 = _swiglu_chunk(g_row, a_row, F, jw, 2, rmask3, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP)
+            aa2, ab2, bm2 = _swiglu_chunk(g_row, a_row, F, jw, 2, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
+                                          ACCURATE_EXP, WEIGHTED)
             m = tl.maximum(m, bm2, propagate_nan=tl.PropagateNan.ALL)
         if CHUNKS > 3:
-            aa3, ab3, bm3 = _swiglu_chunk(g_row, a_row, F, jw, 3, rmask3, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP)
+            aa3, ab3, bm3 = _swiglu_chunk(g_row, a_row, F, jw, 3, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
+                                          ACCURATE_EXP, WEIGHTED)
             m = tl.maximum(m, bm3, propagate_nan=tl.PropagateNan.ALL)
     else:  # long rows: a stored chunk by chunk, read back below by the same threads
         m = tl.zeros((BLOCK_NB, BLOCK_R), tl.float32)
         for c in range(0, F // (16 * BLOCK_NB)):
-            aa, ab, bm = _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                       ACCURATE_EXP)
+            aa, ab, bm = _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
+                                       ACCURATE_EXP, WEIGHTED)
             m = tl.maximum(m, bm, propagate_nan=tl.PropagateNan.ALL)
     amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
     s_enc, s_dec = global_scales_from_amax(amax)
@@ -188,10 +201,10 @@ def _swiglu_quantize_kernel(
 
 @custom_op("minite::swiglu_quantize", mutates_args=())
 def swiglu_quantize_op(
-    h: torch.Tensor, with_image: bool,
+    h: torch.Tensor, with_image: bool, probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch: ``h`` [M, 2F] bf16/fp16 (unit stride along the last dim, rows on 4-byte
-    boundaries). Returns ``(a [M, F], codes [M, F/2] uint8, scales [M, F/16] uint8 (E4M3 bits),
+    boundaries), ``probs`` None or [M] fp32 contiguous. Returns ``(a [M, F], codes [M, F/2] uint8, scales [M, F/16] uint8 (E4M3 bits),
     global decode [M] fp32, image [M, F] bf16 or [0])``."""
     m, f2 = h.shape
     f = f2 // 2
@@ -206,17 +219,18 @@ def swiglu_quantize_op(
     block_nb, block_r, warps, chunks = config(m, f)
     interp = interpreting()
     _swiglu_quantize_kernel[(triton.cdiv(m, block_r),)](
-        h, a, codes, scales, sdec, image if with_image else codes,
+        h, a, codes, scales, sdec, image if with_image else codes, probs if probs is not None else sdec,
         m, f, h.stride(0) // 2,
         IS_FP16=h.dtype == torch.float16, WITH_IMAGE=with_image, BITWISE_BF16=interp and h.dtype == torch.bfloat16,
-        ACCURATE_EXP=not interp, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, num_warps=warps,
+        ACCURATE_EXP=not interp, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=probs is not None,
+        num_warps=warps,
         **({} if interp else LAUNCH),
     )
     return a, codes, scales, sdec, image
 
 
 @swiglu_quantize_op.register_fake
-def _(h, with_image):
+def _(h, with_image, probs=None):
     m, f2 = h.shape
     f = f2 // 2
     return (h.new_empty((m, f)), h.new_empty((m, f // 2), dtype=torch.uint8),
@@ -229,6 +243,7 @@ def swiglu_quantize(
     *,
     with_image: bool = True,
     nonfinite: str = "propagate",
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor]:
     """Megatron's SwiGLU fused with NVFP4 quantization of its output (per-row scales).
 
@@ -238,6 +253,8 @@ def swiglu_quantize(
         with_image: also write the bf16 image (codes x block scales) for the emulated GEMMs.
         nonfinite: ``"propagate"`` (a row whose ``a`` holds NaN/inf gets NaN scales) or
             ``"raise"`` (ValueError naming the first non-finite element of h, then of a).
+        probs: optional ``[M]`` fp32 routing probabilities: ``a`` is each row's SwiGLU times its
+            probability (Megatron's grouped experts), rounded to ``h.dtype``.
     Returns:
         ``(a, q)``: ``a`` [M, F] in ``h.dtype``, ``q`` the NVFP4Tensor of ``a``, bitwise
         ``quantize_reference(a, global_scale="row", with_image=with_image)``.
@@ -245,27 +262,27 @@ def swiglu_quantize(
         TypeError / ValueError as :func:`~minite_megatron.nvfp4.producers.validate_swiglu`.
     Without a GPU (and outside the interpreter) the torch reference runs instead.
     """
-    validate_swiglu(h, nonfinite)
+    validate_swiglu(h, nonfinite, probs)
     if not h.is_cuda and not interpreting():
-        return swiglu_quantize_reference(h, with_image=with_image, nonfinite=nonfinite)
+        return swiglu_quantize_reference(h, with_image=with_image, nonfinite=nonfinite, probs=probs)
     if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:
         h = h.contiguous()
     if nonfinite == "raise":
         check_finite(h)
-    a, codes, scales, sdec, image = swiglu_quantize_op(h, bool(with_image))
+    a, codes, scales, sdec, image = swiglu_quantize_op(h, bool(with_image), None if probs is None else probs.contiguous())
     if nonfinite == "raise":
         checked_output(a, "swiglu_quantize: the activation a")
     return a, as_nvfp4(codes, scales, sdec, image, a.shape, with_image)
 
 
-def aot_kernel(r: int = 65536, f: int = 768, dtype: str = "bf16"):
+def aot_kernel(r: int = 65536, f: int = 768, dtype: str = "bf16", weighted: bool = False):
     """The kernel at its GPU launch config for [r, 2f] ``dtype`` (image written), compiled for
     sm_90a on this machine (needs a process without ``TRITON_INTERPRET``)."""
     from ._aot import compile_for
 
     block_nb, block_r, warps, chunks = config(r, f)
     sig = {"h_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "codes_ptr": "*u8", "scales_ptr": "*u8", "sdec_ptr": "*fp32",
-           "image_ptr": "*bf16", "R": "i32", "F": "i32", "stride_w": "i32"}
+           "image_ptr": "*bf16", "p_ptr": "*fp32", "R": "i32", "F": "i32", "stride_w": "i32"}
     ce = dict(IS_FP16=dtype == "fp16", WITH_IMAGE=True, BITWISE_BF16=False, ACCURATE_EXP=True,
-              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks)
+              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=weighted)
     return compile_for(_swiglu_quantize_kernel, sig, ce, num_warps=warps, divisible=("F", "stride_w"), **LAUNCH)

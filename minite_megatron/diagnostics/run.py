@@ -38,6 +38,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="model dtype (default: bf16 on a GPU, fp32 on a CPU; bf16 on a CPU shows which ops round differently)")
     p.add_argument("--atol", type=float, default=None, help="points within atol + rtol*|ref| count as equal (default: bitwise)")
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--fail-on-divergence", action="store_true")
@@ -62,7 +64,10 @@ def _run(args: argparse.Namespace) -> int:
     lengths = torch.linspace(3, 12, args.prompts).round().int().tolist()
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
     max_seq = max(lengths) + args.new_tokens
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     def model_for(overrides: str, backend: str | None):
         fields = {"strict": args.strict, "backend": backend, **json.loads(overrides)}

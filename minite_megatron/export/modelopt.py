@@ -257,12 +257,14 @@ class _Writer:
                             alpha=float(alpha), alpha_bits=fp32_bits(alpha))
 
 
-SERVING_RECIPE_FIELDS = ("strict", "fp32_router", "fp32_lm_head", "activation_scale", "weight_tile")
+SERVING_RECIPE_FIELDS = ("strict", "fp32_router", "fp32_lm_head", "activation_scale", "weight_tile", "aligned_ops",
+                         "aligned_attention")
 
 
 def _quantization_config(variant: str, exclude: list[str], tiles: list, recipe: dict) -> dict:
     """``config.json["quantization_config"]`` of each variant (module docstring). The default's
-    ``recipe`` holds the recipe fields a serving plugin needs (strict mode, FP32 router / LM head)."""
+    ``recipe`` holds the recipe fields a serving plugin needs (strict mode, FP32 router / LM head,
+    default mode's aligned ops and attention)."""
     fp4 = {"num_bits": 4, "type": "float", "group_size": BLOCK}
     if variant == VARIANT_MINITE:
         return {

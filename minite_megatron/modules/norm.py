@@ -4,7 +4,10 @@ Megatron's torch fallback norm refuses sequence parallelism (its SP gradient all
 on the ``sequence_parallel`` attribute that apex's fused norm sets on its parameters); this norm
 sets it, so Megatron's ``finalize_model_grads`` all-reduces the norm weights across TP ranks as
 it does for apex/TE norms. In strict mode RMSNorm uses the batch-invariant formulation of
-:mod:`minite_megatron.strict.rmsnorm`. A norm that feeds an NVFP4 linear (``offer_to=recipe``,
+:mod:`minite_megatron.strict.rmsnorm`; so does default mode with ``aligned`` (the recipe's
+``aligned_ops``, on by default), so that the rollout engine's decode steps normalize a token
+with the learner's bits (the cost is the same: one kernel per norm forward on the GPU, the
+ordinary gradient formulas backward). A norm that feeds an NVFP4 linear (``offer_to=recipe``,
 set by the spec) hands that linear its quantized output (:mod:`minite_megatron.ops.producers`:
 one fused kernel on the GPU).
 """
@@ -21,7 +24,7 @@ class MiniteNorm(torch.nn.Module):
     """Megatron's ``LayerNormBuilder`` interface: ``MiniteNorm(config=, hidden_size=, eps=)``."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, batch_invariant: bool = False,
-                 offer_to=None, **_):
+                 offer_to=None, aligned: bool = False, **_):
         super().__init__()
         self.normalization = getattr(config, "normalization", "LayerNorm")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -29,6 +32,8 @@ class MiniteNorm(torch.nn.Module):
         self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
         self.eps = eps
         self.batch_invariant = batch_invariant
+        # RMSNorm in the batch-invariant formulation (strict mode, or default mode aligned with decode)
+        self.invariant_rms = bool(batch_invariant or aligned)
         self.hidden_size = hidden_size
         device = "cpu" if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available() else torch.cuda.current_device()
         init = 0.0 if self.zero_centered_gamma else 1.0
@@ -54,7 +59,7 @@ class MiniteNorm(torch.nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.normalization == "RMSNorm":
-            if self.batch_invariant:
+            if self.invariant_rms:
                 from ..strict.rmsnorm import rms_norm
 
                 return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)

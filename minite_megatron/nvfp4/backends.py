@@ -76,6 +76,7 @@ class Backend(Protocol):
         batch_invariant: bool = False,
         *,
         num_experts: int | None = None,
+        group_offsets: torch.Tensor | None = None,  # rows already sorted by expert: [E + 1] prefix offsets
     ) -> torch.Tensor: ...
 
     # optional: the GEMM half of grouped_wgrad on pre-quantized operands (the reference's is
@@ -117,7 +118,8 @@ class ReferenceBackend:
         return grouped_wgrad_reference(grad_out, x, group_sizes, **kwargs)
 
     def decode_grouped_gemm(self, a, w_stacked, expert_ids, out_dtype=torch.bfloat16, batch_invariant=False, *,
-                            num_experts=None):
+                            num_experts=None, group_offsets=None):
+        # group_offsets (rows already sorted by expert) changes nothing here: every row is its own GEMM
         return decode_grouped_gemm_reference(a, w_stacked, expert_ids, out_dtype, batch_invariant,
                                              num_experts=num_experts)
 

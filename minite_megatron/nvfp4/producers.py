@@ -58,7 +58,7 @@ def validate_rmsnorm(x: torch.Tensor, weight: torch.Tensor, nonfinite: str) -> N
         raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
 
 
-def validate_swiglu(h: torch.Tensor, nonfinite: str) -> None:
+def validate_swiglu(h: torch.Tensor, nonfinite: str, probs: torch.Tensor | None = None) -> None:
     """The argument checks of the fused SwiGLU + quantize (shared with the kernel wrapper)."""
     if not isinstance(h, torch.Tensor):
         raise TypeError("swiglu_quantize: h must be a torch.Tensor")
@@ -71,6 +71,10 @@ def validate_swiglu(h: torch.Tensor, nonfinite: str) -> None:
                          f"multiple of 16")
     if nonfinite not in ("propagate", "raise"):
         raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+    if probs is not None and (not isinstance(probs, torch.Tensor) or probs.dtype != torch.float32
+                              or tuple(probs.shape) != (h.shape[0],) or probs.device != h.device):
+        raise ValueError(f"swiglu_quantize: probs must be an fp32 [{h.shape[0]}] tensor on {h.device}, got "
+                         f"{getattr(probs, 'dtype', type(probs))} {tuple(getattr(probs, 'shape', ()))}")
 
 
 def checked_output(t: torch.Tensor, what: str) -> None:
@@ -150,6 +154,7 @@ def swiglu_quantize_reference(
     *,
     with_image: bool = True,
     nonfinite: str = "propagate",
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NVFP4Tensor]:
     """Megatron's SwiGLU then NVFP4 with per-row global scales: ``(a [M, F] h.dtype, q)``.
 
@@ -157,14 +162,18 @@ def swiglu_quantize_reference(
         h: ``[M, 2F]`` bf16 / fp16 (gate = first half, up = second half), F a positive multiple
             of 16 (M may be 0).
         with_image, nonfinite: as :func:`rmsnorm_quantize_reference`.
+        probs: optional ``[M]`` fp32: ``a = (swiglu(h) * probs[:, None]).to(h.dtype)``, what
+            Megatron's grouped experts compute after the activation (the MoE routing weights).
     Raises:
         TypeError (dtype), ValueError (shape, F, ``nonfinite``, non-finite values with
         ``nonfinite="raise"``).
     """
-    validate_swiglu(h, nonfinite)
+    validate_swiglu(h, nonfinite, probs)
     if nonfinite == "raise":
         check_finite(h)
     a = swiglu_reference(h)
+    if probs is not None:
+        a = (a * probs.unsqueeze(-1)).to(h.dtype)
     if nonfinite == "raise":
         checked_output(a, "swiglu_quantize: the activation a")
     return a, quantize_reference(a, global_scale="row", with_image=with_image)

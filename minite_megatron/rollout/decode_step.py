@@ -30,6 +30,17 @@ modules, the final norm and the LM head. Three things it does itself, with the l
   weights, or, for strict BF16 experts, each expert's own modules on its rows (a host loop:
   eager only).
 
+**Fused kernels** (:mod:`.fused_ops`, on the GPU; on a CPU the learner's modules run): where the
+learner's modules are the batch-invariant formulations (strict mode, or default mode's
+``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
+q/k RMSNorm + RoPE + KV-cache write of all heads (``minite_kernels.triton.qk_norm_rope``), the
+router's top-k + softmax + Megatron's expert-major rows after the learner's own gating
+(``moe_route``), the experts' SwiGLU times the routing weight -> NVFP4 (``swiglu_quantize``), the
+grouped GEMMs told the rows are sorted (``decode_grouped_gemm(group_offsets=)``), and the
+combine (``moe_combine``). A step of the qwen3-moe preset's structure runs ~100 kernels instead
+of ~470 (``python -m benchmarks.decode_kernel_count``). While a tracer fires the modules' hooks,
+the unfused path runs (same bits).
+
 The prefill is the learner's forward itself (``GPTModel.forward`` over the padded prompts, as
 ``teacher_forced_logprobs`` runs it), with a pre-hook on every ``core_attention`` that copies the
 keys and values it receives (after RoPE) into the cache: prompt log-probs are the learner's.
@@ -57,6 +68,7 @@ from ..modules.grouped_linear import NVFP4GroupedLinear
 from ..nvfp4.tensor import NVFP4Tensor
 from ..ops.linear import backend_for, quantize_activation
 from ..strict.moe import ordered_sum
+from . import fused_ops
 from .decode_weights import StaticWeight, stacked_nvfp4
 from .support import is_nvfp4_linear, unwrap_gpt
 
@@ -281,6 +293,39 @@ class ExpertsStep:
             y = torch.empty_like(y).index_copy_(0, perm, y)
         return y.view(t, k, -1)
 
+    # ---- the fused decode path: rows already in expert-major order -----------------------------
+    def sorted_supported(self) -> bool:
+        """Can :meth:`sorted_rows` run these experts (packed NVFP4 weights of grouped experts)?"""
+        return self.kind == "nvfp4"
+
+    def sorted_rows(self, x: torch.Tensor, route) -> torch.Tensor:
+        """fc2 outputs ``[T * k, H]`` of the expert-major rows of ``route`` (a
+        :class:`~minite_kernels.triton.moe_route.Route`) for tokens ``x`` ``[T, H]``: the rows of
+        Megatron's permutation, quantized per row as the learner quantizes them, the grouped
+        decode GEMMs on the stacked weights (the backend is told the rows are sorted), the
+        experts' activation times the routing probabilities (one fused SwiGLU -> NVFP4 kernel on
+        the GPU, :func:`.fused_ops.use_kernels`), fc2."""
+        backend = backend_for(self.recipe, x.device)
+        xs = x.index_select(0, route.tokens)
+        qx = quantize_activation(xs, self.lctx1, backend)
+        h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype,
+                                        batch_invariant=self.invariant, group_offsets=route.offsets)
+        if self._fused_activation(h, backend):
+            _a, qa = backend.swiglu_quantize(h, with_image=True, nonfinite=self.recipe.nonfinite, probs=route.probs)
+        else:
+            qa = quantize_activation(mlp_activation(self.owner, h, None, route.probs), self.lctx2, backend)
+        return backend.decode_grouped_gemm(qa, self.w2.value, route.ids, out_dtype=x.dtype,
+                                           batch_invariant=self.invariant, group_offsets=route.offsets)
+
+    def _fused_activation(self, h: torch.Tensor, backend) -> bool:
+        """Is the experts' activation Megatron's plain SwiGLU (what ``swiglu_quantize`` computes)?"""
+        c = self.owner.config
+        return (fused_ops.use_kernels(h) and hasattr(backend, "swiglu_quantize") and self.recipe.activation_scale == "row"
+                and h.dtype in (torch.bfloat16, torch.float16) and h.shape[-1] % 32 == 0
+                and c.gated_linear_unit and c.activation_func is torch.nn.functional.silu
+                and not c.bias_activation_fusion and c.activation_func_clamp_value is None
+                and not c.glu_linear_offset and getattr(c, "moe_mlp_glu_interleave_size", None) is None)
+
     def _fc(self, module, x, compute, fire: bool):
         """A grouped linear's output, its hooks fired (``TEGroupedMLP`` experts only)."""
         if fire and isinstance(self.experts, TEGroupedMLP):
@@ -368,13 +413,27 @@ class MoEStep:
         self.experts = ExpertsStep(moe.experts, invariant, weights)
         self.shared = MLPStep(moe.shared_experts, invariant, weights) if moe.use_shared_expert else None
 
+    def fused_supported(self, tokens: int) -> bool:
+        """The routing kernel and the expert-major rows can stand in for the router module and
+        :class:`ExpertsStep`'s token-major rows (same bits; not while tracing)."""
+        return fused_ops.route_supported(self.moe.router, tokens) and self.experts.sorted_supported()
+
     def __call__(self, x: torch.Tensor, fire: bool = False):
         def compute():
             s, b, h = x.shape
-            probs, routing_map = self.moe.router(x)
-            experts, weights = routed_experts(routing_map, probs, self.topk)
-            rows = self.experts(x.reshape(s * b, h), experts, weights, fire)
-            out = ordered_sum(rows).view(s, b, h)
+            x2 = x.reshape(s * b, h)
+            if not fire and self.fused_supported(s * b):
+                router = self.moe.router
+                logits = router.gating(x2)  # the learner's FP32 batch-invariant gating
+                route = fused_ops.moe_route(logits.view(s * b, -1), self.topk,
+                                            router.config.moe_router_topk_scaling_factor)
+                rows = self.experts.sorted_rows(x2, route)
+                out = fused_ops.combine_rows(rows, route.combine, self.topk).view(s, b, h)
+            else:
+                probs, routing_map = self.moe.router(x)
+                experts, weights = routed_experts(routing_map, probs, self.topk)
+                rows = self.experts(x2, experts, weights, fire)
+                out = ordered_sum(rows).view(s, b, h)
             if self.shared is not None:
                 shared, _ = self.shared(x, fire)
                 out = out + shared
@@ -408,22 +467,59 @@ class AttentionStep:
             k = attn.k_layernorm(k)
         return q, k, v
 
-    def __call__(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool = False):
-        return module_call(self.attn, (x,), lambda: self._attend(x, freqs, hidden, rows, positions, cache, fire), fire)
+    def __call__(self, x, rope, hidden, rows, positions, cache: KVCache, fire: bool = False):
+        return module_call(self.attn, (x,), lambda: self._attend(x, rope, hidden, rows, positions, cache, fire), fire)
 
-    def _attend(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool):
+    def _qk_norms(self):
+        """``(q weight, k weight, eps, zero_centered)`` of the q/k norms if they are the
+        batch-invariant RMSNorm computed by ``bi_rmsnorm`` here (what the fused kernel
+        reproduces), ``(None, None, 0, False)`` without qk-layernorm, else None."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        from ..modules.norm import MiniteNorm
+        from ..strict.backend import resolve
+
+        qn, kn = self.attn.q_layernorm, self.attn.k_layernorm
+        if (qn is None or isinstance(qn, IdentityOp)) and (kn is None or isinstance(kn, IdentityOp)):
+            return None, None, 0.0, False
+        if not (isinstance(qn, MiniteNorm) and isinstance(kn, MiniteNorm)):
+            return None
+        if not all(n.normalization == "RMSNorm" and n.invariant_rms and n.offer_to is None for n in (qn, kn)):
+            return None
+        if qn.eps != kn.eps or qn.zero_centered_gamma != kn.zero_centered_gamma or resolve(qn.weight.device) != "triton":
+            return None
+        return qn.weight, kn.weight, qn.eps, qn.zero_centered_gamma
+
+    def _fused_qk(self, mixed: torch.Tensor, rope) -> bool:
+        c = self.attn.config
+        return (fused_ops.use_kernels(mixed) and mixed.dtype in (torch.bfloat16, torch.float16)
+                and self._qk_norms() is not None and self.hn <= 4096
+                and (rope is None or (not c.rotary_interleaved and not c.apply_rope_fusion
+                                      and not c.multi_latent_attention and getattr(c, "mrope_section", None) is None)))
+
+    def _attend(self, x, rope, hidden, rows, positions, cache: KVCache, fire: bool):
         attn = self.attn
         mixed, bias = self.qkv(x, fire)
         if bias is not None:
             mixed = mixed + bias
-        q, k, v = self.split(mixed)
-        if freqs is not None:
-            mscale = attn._yarn_concentration_factor
-            q = apply_rotary_pos_emb(q, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
-            k = apply_rotary_pos_emb(k, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
         kc, vc = cache.view(self.index, x.shape[1])
-        kc.index_put_((positions, rows), k[0].to(kc.dtype))
-        vc.index_put_((positions, rows), v[0].to(vc.dtype))
+        b = x.shape[1]
+        if not fire and self._fused_qk(mixed, rope):
+            from minite_kernels.triton.qk_norm_rope import qk_norm_rope_cache
+
+            wq, wk, eps, zc = self._qk_norms()
+            cos, sin = (None, None) if rope is None else rope.tables(mixed.dtype, attn._yarn_concentration_factor)
+            q = qk_norm_rope_cache(mixed.view(b, -1), wq, wk, eps, zc, cos, sin, positions, kc, vc,
+                                   self.ng, self.np // self.ng).view(1, b, self.np, self.hn)
+        else:
+            q, k, v = self.split(mixed)
+            if rope is not None:
+                freqs = rope.freqs
+                mscale = attn._yarn_concentration_factor
+                q = apply_rotary_pos_emb(q, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
+                k = apply_rotary_pos_emb(k, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
+            kc.index_put_((positions, rows), k[0].to(kc.dtype))
+            vc.index_put_((positions, rows), v[0].to(vc.dtype))
         if self.mode == "sdpa":
             ctx = torch.nn.functional.scaled_dot_product_attention(
                 q.permute(1, 2, 0, 3), kc.permute(1, 2, 0, 3), vc.permute(1, 2, 0, 3), attn_mask=~hidden,
@@ -445,11 +541,11 @@ class LayerStep:
         self.mlp = MoEStep(layer.mlp, invariant, weights) if isinstance(layer.mlp, MoELayer) else MLPStep(
             layer.mlp, invariant, weights)
 
-    def __call__(self, h, freqs, hidden, rows, positions, cache, fire: bool = False):
+    def __call__(self, h, rope, hidden, rows, positions, cache, fire: bool = False):
         layer = self.layer
         fusion = layer.config.bias_dropout_fusion
         residual = h
-        out = self.attention(layer.input_layernorm(h), freqs, hidden, rows, positions, cache, fire)
+        out = self.attention(layer.input_layernorm(h), rope, hidden, rows, positions, cache, fire)
         h = layer.self_attn_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
         residual = h
         out = self.mlp(layer.pre_mlp_layernorm(h), fire)
@@ -475,6 +571,7 @@ class DecodeModel:
         attn = gpt.decoder.layers[0].self_attention
         self.groups, self.head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
         self._rope_table: dict[int, torch.Tensor] = {}
+        self._rope_cs: dict = {}
         # a GlobalMemoryBuffer of our own while capturing: Megatron's DotProductAttention takes its
         # score buffer from the global one, which the learner may reallocate later
         self.graph_memory = GlobalMemoryBuffer()
@@ -494,6 +591,14 @@ class DecodeModel:
         if max_seq not in self._rope_table:
             self._rope_table[max_seq] = self.gpt.rotary_pos_emb(max_seq)
         return self._rope_table[max_seq]
+
+    def rope_tables(self, max_seq: int, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[S, ROT]`` of :meth:`rope`'s table, Megatron's per-call values
+        (:func:`.fused_ops.rope_tables`), computed once (before any graph capture reads them)."""
+        key = (max_seq, dtype, float(mscale))
+        if key not in self._rope_cs:
+            self._rope_cs[key] = fused_ops.rope_tables(self.rope(max_seq), mscale, dtype)
+        return self._rope_cs[key]
 
     @contextlib.contextmanager
     def capturing(self):
@@ -548,16 +653,34 @@ class DecodeModel:
         gpt = self.gpt
         b = tokens.shape[0]
         h = gpt.embedding(input_ids=tokens.view(b, 1), position_ids=positions.view(b, 1))  # [1, B, H]
-        table = self.rope(cache.max_seq)
-        freqs = None if table is None else table.index_select(0, positions).view(1, b, 1, -1)
+        rope = None if self.rope(cache.max_seq) is None else _StepRope(self, cache.max_seq, positions)
         keys = torch.arange(cache.max_seq, device=tokens.device)
         hidden = (keys.view(1, -1) > positions.view(-1, 1)).view(b, 1, 1, -1)  # True = after the row's position
         rows = torch.arange(b, device=tokens.device)
         for layer in self.layers:
-            h = layer(h, freqs, hidden, rows, positions, cache, fire_hooks)
+            h = layer(h, rope, hidden, rows, positions, cache, fire_hooks)
         if gpt.decoder.final_layernorm is not None:
             h = gpt.decoder.final_layernorm(h)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
         logits = gpt._scale_logits(logits)
         return logits[0]
+
+
+class _StepRope:
+    """RoPE of one decode step: Megatron's frequency rows at the step's positions (made on first
+    use, for the unfused path) or the cos / sin tables (the fused q/k kernel reads them per position)."""
+
+    def __init__(self, model: DecodeModel, max_seq: int, positions: torch.Tensor):
+        self.model, self.max_seq, self.positions = model, max_seq, positions
+        self._freqs = None
+
+    @property
+    def freqs(self) -> torch.Tensor:
+        if self._freqs is None:
+            b = self.positions.shape[0]
+            self._freqs = self.model.rope(self.max_seq).index_select(0, self.positions).view(1, b, 1, -1)
+        return self._freqs
+
+    def tables(self, dtype: torch.dtype, mscale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rope_tables(self.max_seq, dtype, mscale)

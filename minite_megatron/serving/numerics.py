@@ -106,14 +106,16 @@ def glu_activation(h: torch.Tensor, strict: bool) -> torch.Tensor:
     return MiniteActivation(cfg).activation(h)
 
 
-def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = False,
+          invariant: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's top-k on FP32 logits ``[T, E]`` -> ``(probs [T, E] fp32, routing_map bool)``.
 
     ``renormalize`` (HF ``norm_topk_prob``) is Megatron's softmax over the selected k
     (``moe_router_pre_softmax=False``); without it, softmax over all experts then top-k.
 
-    Strict mode: :func:`~minite_megatron.strict.router.topk_routing` (``StrictTopKRouter``: stable
-    top-k, the fixed-order softmax). Default mode: Megatron's ``topk_routing_with_score_function``
+    Strict mode, and default mode with the recipe's ``aligned_ops`` (``invariant``, default: ``strict``):
+    :func:`~minite_megatron.strict.router.topk_routing` (``StrictTopKRouter`` / ``AlignedTopKRouter``:
+    stable top-k, the fixed-order softmax). Default mode without aligned ops: Megatron's ``topk_routing_with_score_function``
     (``TopKRouter``: ``torch.topk`` and ``torch.softmax``) with the experts of a *sorted*
     ``torch.topk``, i.e. the learner's training forward. Megatron itself sorts the top-k only
     while grad is enabled (``sorted=torch.is_grad_enabled()``), and the softmax over the k
@@ -121,10 +123,11 @@ def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = Fal
     can differ from its training forward in the last bits of the probabilities
     (``docs/serving.md``). The plugin serves the training forward's bits."""
     logits = logits.float()
-    if strict:
+    if strict if invariant is None else invariant:
         from ..strict.router import topk_routing
 
-        return topk_routing(logits, topk, score_function="softmax", use_pre_softmax=not renormalize)
+        return topk_routing(logits, topk, score_function="softmax", use_pre_softmax=not renormalize,
+                            check_finite=strict)
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
     scores = logits if renormalize else torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -134,7 +137,8 @@ def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = Fal
 
 
 def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
-                    renormalize: bool = True, strict: bool = False, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    renormalize: bool = True, strict: bool = False, backend=None,
+                    invariant_routing: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' outputs before the combine: ``(rows [P, H] in x.dtype, token_of [P])``.
 
     ``P = T * topk`` rows in Megatron's permuted order (expert-major, tokens increasing inside an
@@ -153,7 +157,7 @@ def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2:
     bad = torch.isnan(logits).any(dim=1)
     if bool(bad.any()):
         logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
-    probs, routing_map = route(logits, topk, renormalize, strict)
+    probs, routing_map = route(logits, topk, renormalize, strict, invariant_routing)
     # Megatron's permute: expert-major, tokens in increasing order inside an expert
     expert_of, token_of = routing_map.t().nonzero(as_tuple=True)
     permuted_probs = probs.t()[expert_of, token_of]
@@ -168,7 +172,8 @@ def moe_expert_rows(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2:
 
 
 def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, *, topk: int,
-                renormalize: bool = True, strict: bool = False, backend=None) -> torch.Tensor:
+                renormalize: bool = True, strict: bool = False, backend=None,
+                invariant_routing: bool | None = None) -> torch.Tensor:
     """The learner's MoE block (module docstring) on ``x [T, H]`` bf16 with FP32 ``logits [T, E]``.
 
     The combine is :func:`~minite_megatron.strict.moe.deterministic_unpermute` (a token's rows
@@ -180,6 +185,8 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     Args:
         w13: ``[E, 2F, H]`` NVFP4, ``"group"`` scales (each expert's gate/up with one global scale);
         w2: ``[E, H, F]`` NVFP4, ``"group"`` scales.
+        invariant_routing: strict routing's top-k and softmax (default: ``strict``; the recipe's
+            ``aligned_ops`` gives default mode that router, :func:`route`).
     Returns:
         ``[T, H]`` in ``x.dtype``.
     Non-finite input: a token whose router logits hold a NaN gets a NaN output row (the learner's
@@ -191,7 +198,7 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     from ..strict.moe import deterministic_unpermute
 
     rows, token_of = moe_expert_rows(x, logits, w13, w2, topk=topk, renormalize=renormalize, strict=strict,
-                                     backend=backend)
+                                     backend=backend, invariant_routing=invariant_routing)
     return deterministic_unpermute(rows, token_of, logits.shape[0])
 
 

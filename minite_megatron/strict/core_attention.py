@@ -15,6 +15,9 @@ module keeps the causal rule of its constructor's ``attn_mask_type`` (which give
 visibility for the last positions) and additionally honours ``attention_mask`` (bool, True =
 hidden). Output ``[sq, b, np * hn]`` in the query dtype.
 
+:class:`AlignedDotProductAttention` is the same forward for default mode (``recipe.aligned_attention``),
+not flagged strict, falling back to torch SDPA in training with attention dropout.
+
 Not supported (raise): packed sequences (THD), attention bias, sliding windows, softmax types
 other than ``vanilla``, context parallelism, and attention dropout in training mode (set
 ``attention_dropout=0``: RL learners run without dropout, and dropout would break alignment).
@@ -65,3 +68,23 @@ class StrictDotProductAttention(DotProductAttention):
         ctx = batch_invariant_attention(q, k, v, scale=self.strict_scale, causal=self.causal, mask=mask)
         sq, b = query.shape[0], query.shape[1]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+class AlignedDotProductAttention(StrictDotProductAttention):
+    """Default mode's core attention with ``recipe.aligned_attention``: the forward of
+    :class:`StrictDotProductAttention` (a query gets the same bits in the learner's forward and in
+    the rollout engine's decode step), not flagged strict; in training mode with attention
+    dropout it is torch SDPA (:class:`~minite_megatron.modules.attention.MiniteDotProductAttention`'s
+    computation), since dropout draws per call anyway."""
+
+    minite_strict = False
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if self.training and self.attention_dropout.p > 0:
+            from ..modules.attention import MiniteDotProductAttention
+
+            if not hasattr(self, "sdpa_scale"):
+                self.sdpa_scale = self.strict_scale
+            return MiniteDotProductAttention.forward(self, query, key, value, attention_mask, attn_mask_type,
+                                                     attention_bias, packed_seq_params)
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)

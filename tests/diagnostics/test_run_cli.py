@@ -25,7 +25,11 @@ def _run(tmp_path, *extra):
 
 
 def test_default_mode_names_the_attention_as_first_divergence(tmp_path):
-    res, out = _run(tmp_path)
+    """With torch SDPA in both engines (``aligned_attention`` off: the learner's causal kernel vs
+    the decode step's masked one), the report names the attention output first. (With the
+    default recipe the CPU engines agree bitwise: tests/rollout/test_fast_path.py.)"""
+    sdpa = '{"aligned_attention": false}'
+    res, out = _run(tmp_path, "--learner-recipe", sdpa, "--rollout-recipe", sdpa)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert report["first_divergence"] == "decoder.layers.0.self_attention.core_attention.output"

@@ -120,15 +120,21 @@ def test_kv_cache_layout_queries_are_the_last_positions():
         sdpa_attention(q, k[:, :, :5], v[:, :, :5], scale=1.0)
 
 
-def test_the_minite_spec_uses_sdpa_except_in_strict_mode():
+def test_the_minite_spec_uses_sdpa_except_in_strict_or_aligned_mode():
+    """Default mode (and the BF16 twin) take the batch-invariant attention forward
+    (``aligned_attention``, on by default: the sampler's decode steps get the learner's bits);
+    with it off, torch SDPA; strict mode its own strict module."""
     from minite_megatron.recipe import Recipe
     from minite_megatron.specs import get_gpt_layer_minite_spec
-    from minite_megatron.strict.core_attention import StrictDotProductAttention
+    from minite_megatron.strict.core_attention import AlignedDotProductAttention, StrictDotProductAttention
 
-    for recipe, cls in ((Recipe(), MiniteDotProductAttention), (Recipe(precision="bf16"), MiniteDotProductAttention),
+    for recipe, cls in ((Recipe(), AlignedDotProductAttention), (Recipe(precision="bf16"), AlignedDotProductAttention),
+                        (Recipe(aligned_attention=False), MiniteDotProductAttention),
+                        (Recipe(precision="bf16", aligned_attention=False), MiniteDotProductAttention),
                         (Recipe(strict=True), StrictDotProductAttention)):
         spec = get_gpt_layer_minite_spec(recipe, num_experts=4, qk_layernorm=True)
         assert spec.submodules.self_attention.submodules.core_attention is cls
+    assert not AlignedDotProductAttention.minite_strict  # default mode is not reported as strict
 
 
 def test_model_loss_and_grads_equal_megatron_attention_in_fp32(config):
@@ -140,7 +146,7 @@ def test_model_loss_and_grads_equal_megatron_attention_in_fp32(config):
     cfg = tiny_config()
     outs = []
     for core in (None, DotProductAttention):
-        spec = get_gpt_decoder_block_minite_spec(cfg, Recipe(precision="bf16"))
+        spec = get_gpt_decoder_block_minite_spec(cfg, Recipe(precision="bf16", aligned_attention=False))
         if core is not None:
             for layer in spec.layer_specs:
                 layer.submodules.self_attention.submodules.core_attention = core

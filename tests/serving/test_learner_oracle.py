@@ -61,12 +61,14 @@ def _learner(recipe: Recipe):
     return cfg, finalize_gpt_model(model, recipe).eval()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["default", "strict"])
+@pytest.fixture(scope="module", params=["default", "strict", "unaligned"])
 def pair(request, megatron_env, tmp_path_factory):
-    """(learner model, vLLM blocks, vLLM config, recipe) on the same exported weights."""
+    """(learner model, vLLM blocks, vLLM config, recipe) on the same exported weights; "unaligned"
+    is default mode without the recipe's aligned ops and attention (Megatron's router)."""
     from safetensors.torch import load_file
 
-    recipe = Recipe(strict=request.param)
+    recipe = {"default": Recipe(), "strict": Recipe(strict=True),
+              "unaligned": Recipe(aligned_ops=False, aligned_attention=False)}[request.param]
     cfg, model = _learner(recipe)
     d = tmp_path_factory.mktemp("oracle")
     export_modelopt(d, learner_weights(model), cfg, recipe, rope_theta=1e6, max_position_embeddings=64)
@@ -121,7 +123,7 @@ def test_router_routing_and_lm_head_equal_the_learners_modules(pair):
     with V.running(vc):
         logits = root.moe.gate(x)[0]
         head = root.lm_head.quant_method.apply(root.lm_head, x)
-        probs, rmap = numerics.route(logits, TOPK, True, recipe.strict)
+        probs, rmap = numerics.route(logits, TOPK, True, recipe.strict, invariant=recipe.strict or recipe.aligned_ops)
     with torch.enable_grad():
         want_logits = router.gating(x)
         want_probs, want_map = router.routing(want_logits.detach().view(9, 1, EXPERTS))
@@ -149,7 +151,8 @@ def test_moe_block_equals_the_learners_moe_layer(pair):
         got = root.moe(x)
         e = root.moe.experts.routed_experts
         rows, token_of = numerics.moe_expert_rows(x, root.moe.gate(x)[0], e.minite_w13, e.minite_w2, topk=TOPK,
-                                                  strict=recipe.strict)
+                                                  strict=recipe.strict,
+                                                  invariant_routing=recipe.strict or recipe.aligned_ops)
     assert_bitwise_equal(rows, rows_seen[0], "expert outputs (permuted rows)")
     assert_bitwise_equal(got, deterministic_unpermute(rows, token_of, x.shape[0]), "plugin combine")
     if type(layer.token_dispatcher).__module__ == "minite_megatron.strict.moe":  # the deterministic combine

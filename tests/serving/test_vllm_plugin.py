@@ -66,6 +66,7 @@ def test_vllm_parses_the_export_into_our_method(vllm_env, export):
     mc, qc = _quant_config(d)
     assert mc.quantization == "minite_nvfp4" and type(qc).__name__ == "MiniteNvfp4Config"
     assert (qc.strict, qc.fp32_router, qc.fp32_lm_head) == (recipe.strict, recipe.fp32_router, recipe.fp32_lm_head)
+    assert qc.invariant_routing == (recipe.strict or recipe.aligned_ops)
     assert "lm_head" in qc.exclude and "model.layers.1.mlp.gate" in qc.exclude
 
 
@@ -262,7 +263,8 @@ def test_router_and_lm_head_are_fp32_as_the_learner(loaded):
     logits, _ = m.gate(x)
     assert logits.dtype == torch.float32
     w = W["decoder.layers.1.mlp.router.weight"].to(torch.bfloat16)
-    assert_bitwise_equal(logits, numerics.high_precision_linear(x, w, strict=recipe.strict))
+    # the strict and the aligned router (default mode's aligned_ops) gate with the batch-invariant GEMM
+    assert_bitwise_equal(logits, numerics.high_precision_linear(x, w, strict=recipe.strict or recipe.aligned_ops))
     head = m.lm_head.quant_method.apply(m.lm_head, x)
     if recipe.fp32_lm_head:
         assert head.dtype == torch.float32
@@ -276,8 +278,8 @@ def _contract_moe(x, W, recipe):
     order starting from +0 (the strict combine; ``test_learner_oracle`` compares with the
     learner's own MoE layer)."""
     wr = W["decoder.layers.1.mlp.router.weight"].to(torch.bfloat16)
-    logits = numerics.high_precision_linear(x, wr, strict=recipe.strict)
-    if recipe.strict:
+    logits = numerics.high_precision_linear(x, wr, strict=recipe.strict or recipe.aligned_ops)
+    if recipe.strict or recipe.aligned_ops:  # StrictTopKRouter / AlignedTopKRouter
         probs, rmap = topk_routing(logits, TOPK, use_pre_softmax=False)
     else:  # Megatron's TopKRouter in the training forward (grad enabled: sorted top-k)
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

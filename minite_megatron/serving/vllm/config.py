@@ -37,14 +37,19 @@ class MiniteNvfp4Config(QuantizationConfig):
         exclude: HF module names kept in high precision (the export's ``ignore`` list).
         strict: the recipe's strict mode (batch-invariant GEMMs, router and LM head).
         fp32_router / fp32_lm_head: the recipe's FP32 router / LM head.
+        aligned_ops: the recipe's ``aligned_ops`` (default mode's router is strict routing's: the
+            batch-invariant FP32 gating, stable top-k, fixed-order softmax; exports written before
+            the field existed lack it and had Megatron's router: False).
         backend: NVFP4 backend name (None: the best for the device; ``MINITE_BACKEND`` overrides).
     """
 
     def __init__(self, exclude: list[str], *, strict: bool = False, fp32_router: bool = True,
-                 fp32_lm_head: bool = False, backend: str | None = None):
+                 fp32_lm_head: bool = False, backend: str | None = None, aligned_ops: bool = False):
         super().__init__()
         self.exclude = list(exclude)
         self.strict = bool(strict)
+        # the learner's router is strict routing's in strict mode and with aligned ops (FP32 router)
+        self.invariant_routing = bool(strict or (aligned_ops and fp32_router))
         self.fp32_router = bool(fp32_router)
         self.fp32_lm_head = bool(fp32_lm_head)
         self.backend = backend
@@ -88,7 +93,7 @@ class MiniteNvfp4Config(QuantizationConfig):
         recipe = config.get("recipe") or {}
         return cls(config.get("ignore", []), strict=recipe.get("strict", False),
                    fp32_router=recipe.get("fp32_router", True), fp32_lm_head=recipe.get("fp32_lm_head", False),
-                   backend=recipe.get("backend"))
+                   backend=recipe.get("backend"), aligned_ops=recipe.get("aligned_ops", False))
 
     def is_excluded(self, prefix: str) -> bool:
         """Whether the vLLM module ``prefix`` is high precision (fused modules: all pieces or none)."""
@@ -109,7 +114,9 @@ class MiniteNvfp4Config(QuantizationConfig):
             return methods.MiniteFP32LinearMethod(self) if self.fp32_lm_head else methods.MiniteBF16LinearMethod(self)
         if isinstance(layer, LinearBase):
             if prefix.endswith(".mlp.gate"):  # the MoE router
-                return methods.MiniteFP32LinearMethod(self) if self.fp32_router else methods.MiniteBF16LinearMethod(self)
+                if self.fp32_router:
+                    return methods.MiniteFP32LinearMethod(self, invariant=self.invariant_routing)
+                return methods.MiniteBF16LinearMethod(self)
             if self.is_excluded(prefix):
                 return methods.MiniteBF16LinearMethod(self)
             return methods.MiniteNvfp4LinearMethod(self)

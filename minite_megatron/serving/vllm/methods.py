@@ -95,18 +95,19 @@ class MiniteNvfp4LinearMethod(LinearMethodBase):
 
 @register_weight_loader_v2_supported_method
 class MiniteFP32LinearMethod(UnquantizedLinearMethod):
-    """The router / LM head: BF16 weights, FP32 logits as the learner computes them."""
+    """The router / LM head: BF16 weights, FP32 logits as the learner computes them (``invariant``:
+    the batch-invariant GEMM, as the strict / aligned router's gating; else strict mode's choice)."""
 
-    def __init__(self, quant_config):
+    def __init__(self, quant_config, invariant: bool | None = None):
         super().__init__()
         self.quant_config = quant_config
+        self.invariant = quant_config.strict if invariant is None else bool(invariant)
 
     def process_weights_after_loading(self, layer) -> None:
         pass  # keep the weight as loaded (vLLM's CPU path would repack it into oneDNN's layout and drop it)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return numerics.high_precision_linear(x, layer.weight, bias, strict=self.quant_config.strict,
-                                              out_dtype=torch.float32)
+        return numerics.high_precision_linear(x, layer.weight, bias, strict=self.invariant, out_dtype=torch.float32)
 
 
 @register_weight_loader_v2_supported_method
@@ -190,6 +191,7 @@ class MiniteNvfp4MoEMethod(FusedMoEMethodBase):
         cfg = self.quant_config
         return numerics.moe_forward(x, router_logits, layer.minite_w13, layer.minite_w2, topk=layer.top_k,
                                     renormalize=bool(layer.renormalize), strict=cfg.strict,
+                                    invariant_routing=cfg.invariant_routing,
                                     backend=nvfp4.get_backend(cfg.backend, x.device))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):

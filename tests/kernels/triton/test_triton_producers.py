@@ -264,6 +264,30 @@ def test_swiglu_random(dtype, m, f):
     check_swiglu(randn(m, 2 * f, seed=m + f, scale=3.0, dtype=dtype))
 
 
+@pytest.mark.parametrize("m,f", [(5, 48), (6, 80)])
+def test_weighted_swiglu_is_megatrons_grouped_expert_activation(m, f):
+    """``probs`` (the MoE decode step's routing weights): ``a = round(fp32(swiglu) * p)``, what
+    ``TEGroupedMLP`` computes after the activation (``(x * permuted_probs).to(dtype)``), and ``q``
+    its quantization; a zero probability, one of 1, subnormal-producing ones."""
+    h = randn(m, 2 * f, seed=m * f, scale=3.0, dtype=torch.bfloat16)
+    p = torch.rand(m, generator=torch.Generator().manual_seed(f))
+    p[0], p[1] = 0.0, 1.0
+    p[-1] = 1e-38
+    a, q = swiglu_quantize(h.to(DEVICE), probs=p.to(DEVICE))
+    if HAS_CUDA:
+        g, u = torch.chunk(h.to(DEVICE), 2, -1)
+        expected = ((torch.nn.functional.silu(g) * u) * p.to(DEVICE).unsqueeze(-1)).to(h.dtype).cpu()
+    else:
+        with np.errstate(all="ignore"):
+            expected = (_numpy_exp_swiglu(h) * p.unsqueeze(-1)).to(h.dtype)
+    assert_bitwise_equal(a.cpu(), expected, "weighted a", nan_equal=True)
+    assert_quantized_equal(_cpu_q(q), nvfp4.quantize_reference(a.cpu(), global_scale="row", with_image=True), "weighted q")
+    ref_a, _ = swiglu_quantize_reference(h, probs=p)
+    assert ref_a.dtype == h.dtype and ref_a.shape == a.shape
+    with pytest.raises(ValueError, match="probs"):
+        swiglu_quantize(h.to(DEVICE), probs=p[:-1].to(DEVICE))
+
+
 def test_swiglu_heavy_tails_and_dense_width():
     check_swiglu(heavy_tailed(7, 2 * 160, seed=15, dtype=torch.bfloat16), name="heavy")
     check_swiglu(randn(2, 2 * 2048, seed=16, scale=2.0, dtype=torch.float16), name="F=2048")
@@ -371,9 +395,10 @@ def ffma(ptx, fmad):
 
 out = {}
 kn, kb, ks = N.aot_kernel(2048, "bf16"), N.aot_bi_rmsnorm(2048, "bf16"), S.aot_kernel(65536, 768, "bf16")
+kw = S.aot_kernel(512, 768, "bf16", weighted=True)
 out["same_reduction"] = N.reduction_ptx(kn.asm["ptx"]) == N.reduction_ptx(kb.asm["ptx"])
 out["reduction_len"] = len(N.reduction_ptx(kn.asm["ptx"]))
-for name, k in (("norm", kn), ("bi", kb), ("swiglu", ks)):
+for name, k in (("norm", kn), ("bi", kb), ("swiglu", ks), ("swiglu_weighted", kw)):
     ptx = k.asm["ptx"]
     fmas = [re.sub(r"%r\d+", "R", l.split(None, 1)[1].split(",", 1)[1].strip())
             for l in ptx.splitlines() if "fma.rn.f32" in l]
@@ -408,7 +433,10 @@ def test_sm90_contraction_only_merges_exact_products(aot):
     sw_forms = set(aot["swiglu"]["fma_forms"])
     assert sw_forms <= {"R, R, R;", "R, 0f44000000, 0f4B000000;", "R, R, 0f3F800000;"}, sw_forms
     assert aot["swiglu"]["ptxas_contractions"] == 0, aot["swiglu"]
-    for name in ("norm", "swiglu"):
+    # the routing weight's multiply (probs=) is one more FMUL per element, never contracted
+    assert set(aot["swiglu_weighted"]["fma_forms"]) <= sw_forms | {"R, R, R;"}, aot["swiglu_weighted"]
+    assert aot["swiglu_weighted"]["FFMA"] == aot["swiglu"]["FFMA"] and aot["swiglu_weighted"]["ptxas_contractions"] == 0
+    for name in ("norm", "swiglu", "swiglu_weighted"):
         ops = aot[name]["ops"]
         assert "div.rn.f32" in ops and not [o for o in ops if o.startswith(("rcp.approx", "div.approx"))], ops
 

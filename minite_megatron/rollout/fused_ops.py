@@ -1,0 +1,131 @@
+"""The decode step's fused ops: one Triton kernel each on the GPU, a torch reference elsewhere.
+
+Each op computes what the learner's modules compute for the same tokens, bit for bit (the
+kernels' tests compare them with these references on fresh data and on the hard cases):
+
+* :func:`moe_route`: router logits -> stable top-k -> softmax probabilities -> Megatron's
+  expert-major rows (``minite_kernels.triton.moe_route``; reference :func:`moe_route_reference`:
+  :func:`minite_megatron.strict.router.topk_routing`, the strict / aligned router's function,
+  and the permutation in torch);
+* :func:`combine_rows`: the deterministic MoE combine of expert-major rows
+  (:func:`minite_megatron.strict.moe.ordered_sum`'s order; ``minite_kernels.triton.moe_combine``);
+* :func:`rope_tables`: the ``cos`` / ``sin`` tables of Megatron's unfused RoPE, computed once by
+  torch (``(cos(freqs) * mscale).to(dtype)``, what ``_apply_rotary_pos_emb_bshd`` computes per call),
+  read per position by ``minite_kernels.triton.qk_norm_rope``.
+
+Where the kernels run: CUDA tensors; CPU tensors only with :data:`KERNELS_ON_CPU` under
+``TRITON_INTERPRET=1`` (tests, ``benchmarks.decode_kernel_count``). The CPU path of the engine
+otherwise runs the references: on a CPU the learner's own torch ops are the oracle (the
+interpreter's ``exp`` is numpy's, not torch's).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KERNELS_ON_CPU = False
+"""Run the fused kernels on CPU tensors too (under ``TRITON_INTERPRET=1``): tests and the kernel counter."""
+ENABLED = True
+"""False: the decode step runs the learner's modules only, on every device (tests compare the two)."""
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Do the fused kernels run for tensors like ``t``?"""
+    if not ENABLED:
+        return False
+    if t.is_cuda:
+        return True
+    return KERNELS_ON_CPU and t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[S, ROT]`` in ``dtype`` from Megatron's RoPE frequencies ``[S, 1, 1, ROT]``:
+    ``(torch.cos(freqs) * mscale).to(dtype)`` as ``_apply_rotary_pos_emb_bshd`` computes them
+    (element-wise, so a row is the same whatever the length of the table)."""
+    f = freqs.reshape(freqs.shape[0], freqs.shape[-1])
+    return (torch.cos(f) * mscale).to(dtype).contiguous(), (torch.sin(f) * mscale).to(dtype).contiguous()
+
+
+# ---- MoE routing ---------------------------------------------------------------------------------
+def route_supported(router, tokens: int) -> bool:
+    """Can :func:`moe_route` stand in for ``router``'s forward on ``tokens`` tokens? The strict or
+    aligned router (batch-invariant fp32 gating, :func:`topk_routing`) with a softmax after the
+    top-k, no expert bias, not training (no aux losses, no jitter), and a shape one program routes."""
+    from minite_kernels.triton.moe_route import fits
+
+    from ..strict.router import StrictTopKRouter
+
+    if not isinstance(router, StrictTopKRouter) or not getattr(router, "aligned", True):
+        return False  # Megatron's TopKRouter (or an aligned one that kept it): call the module
+    c = router.config
+    return (not router.training and router.score_function == "softmax" and not c.moe_router_pre_softmax
+            and router.expert_bias is None and not c.moe_input_jitter_eps
+            and fits(tokens, c.num_moe_experts, router.topk))
+
+
+def moe_route_reference(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
+    """:func:`moe_route` in torch: the learner's :func:`~minite_megatron.strict.router.topk_routing`
+    (softmax after the top-k), then the rows of Megatron's expert-major permutation."""
+    from minite_kernels.triton.moe_route import Route
+
+    from ..strict.router import topk_routing
+
+    t, e = logits.shape
+    probs, routing_map = topk_routing(logits, k, score_function="softmax", use_pre_softmax=False,
+                                      scaling_factor=scaling_factor, check_finite=False)
+    return route_from_map(probs, routing_map, k, Route)
+
+
+def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route_cls=None):
+    """The expert-major rows of a router's output (``probs`` ``[T, E]``, ``routing_map`` bool ``[T, E]``
+    with exactly ``k`` experts per token): a :class:`~minite_kernels.triton.moe_route.Route`. No host sync."""
+    if route_cls is None:
+        from minite_kernels.triton.moe_route import Route as route_cls
+    t, e = routing_map.shape
+    dev = routing_map.device
+    # the experts of each token in increasing index (distinct keys: the lowest expert first)
+    rank = routing_map.to(torch.int32) * (e - torch.arange(e, device=dev, dtype=torch.int32))
+    experts = torch.topk(rank, k, dim=1, sorted=True).indices  # [T, k]
+    weights = torch.gather(probs, 1, experts)
+    tok = torch.arange(t, device=dev).repeat_interleave(k)
+    ids = experts.reshape(-1)
+    order = torch.argsort(ids * t + tok)  # expert-major, tokens in order within an expert
+    combine = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=dev))
+    sizes = torch.zeros(e, dtype=torch.int32, device=dev).scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+    offsets = torch.nn.functional.pad(torch.cumsum(sizes, 0, dtype=torch.int32), (1, 0))
+    return route_cls(ids[order].to(torch.int32), tok[order].to(torch.int32), weights.reshape(-1)[order].float(),
+                     combine.to(torch.int32), sizes, offsets)
+
+
+def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
+    """The routing of fp32 ``logits`` ``[T, E]`` (:mod:`minite_kernels.triton.moe_route`'s
+    :class:`Route`): the kernel where :func:`use_kernels`, else :func:`moe_route_reference`."""
+    if use_kernels(logits):
+        from minite_kernels.triton.moe_route import moe_route as kernel
+
+        return kernel(logits, k, scaling_factor)
+    return moe_route_reference(logits, k, scaling_factor)
+
+
+# ---- the combine -----------------------------------------------------------------------------------
+_BOUNDS: dict = {}
+
+
+def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T * k, H]`` expert-major rows -> ``[T, H]``: each token's rows added in increasing expert
+    order from ``+0.0`` (:func:`~minite_megatron.strict.moe.ordered_sum`'s bits), ``combine`` the
+    rows of token ``t`` at ``t * k .. t * k + k - 1``. One kernel on the GPU."""
+    t = combine.numel() // k
+    if use_kernels(rows) and rows.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        import minite_kernels.triton.moe_combine  # noqa: F401  (registers minite::moe_sum_rows)
+
+        key = (t, k, rows.device)
+        bounds = _BOUNDS.get(key)
+        if bounds is None:  # made on the first (eager) call, before any graph capture reads it
+            bounds = _BOUNDS[key] = torch.arange(0, t * k + 1, k, dtype=torch.int32, device=rows.device)
+        return torch.ops.minite.moe_sum_rows(rows, combine, bounds, 0)
+    from ..strict.moe import ordered_sum_reference
+
+    return ordered_sum_reference(rows.index_select(0, combine.long()).view(t, k, rows.shape[-1]))

@@ -1,0 +1,159 @@
+"""The decode step's fused kernels (``rollout.fused_ops``: q/k norm + RoPE + KV-cache write, MoE
+routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine) inside the engine.
+
+Pinned here, on the CPU with the kernels forced under the interpreter (``KERNELS_ON_CPU``) and
+the batch-invariant ops on their Triton kernels (``strict.backend.use_backend("triton")``, what
+a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
+the unfused step on the learner's modules, in default (aligned) and strict mode; and the
+routing reference is the router module's own output. The kernels' own contracts are in
+tests/kernels/triton/test_qk_norm_rope.py, test_moe_route.py and test_triton_producers.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minite_megatron.rollout import fused_ops
+from minite_megatron.testing import assert_bitwise_equal
+
+INTERPRETING = __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _tiny(strict: bool, seed: int = 3, backend: str = "reference"):
+    """One MoE layer of the tiny preset in bf16; NVFP4 GEMMs on the reference backend (the
+    interpreted Triton GEMMs would take minutes and are tested on their own)."""
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.training.presets import PRESETS, build_gpt
+
+    preset = dict(PRESETS["tiny"], vocab=64, layers=1)
+    return build_gpt(preset, Recipe(strict=strict, backend=backend), max_seq=16, device="cpu",
+                     dtype=torch.bfloat16, seed=seed).eval()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
+    """Prefill 3 prompts, then two decode steps each way from the same cache: logits and every
+    layer's keys and values bitwise equal (and the fused path really ran its kernels). The data
+    are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
+    CPU bits on them (tests/kernels/triton/test_moe_route.py compares exactly that)."""
+    from minite_megatron.rollout.decode_step import DecodeModel, KVCache
+    from minite_megatron.strict.backend import use_backend
+    from minite_megatron.training.presets import init_single_process
+
+    init_single_process(1)
+    model = _tiny(strict)
+    runner = DecodeModel(model, invariant_gemm=True)
+    prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
+    launched = []
+    import minite_kernels.triton.moe_route as mr
+    import minite_kernels.triton.qk_norm_rope as qk
+
+    for mod, name in ((mr, "moe_route"), (qk, "qk_norm_rope_cache")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: (launched.append(_n), _fn(*a, **k))[1])
+    with use_backend("triton"), torch.no_grad():
+        outs = {}
+        prefilled = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
+        runner.prefill(prompts, prefilled)
+        for fused in (False, True):
+            monkeypatch.setattr(fused_ops, "KERNELS_ON_CPU", fused)
+            cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
+            for dst, src in zip(cache.k + cache.v, prefilled.k + prefilled.v):
+                dst.copy_(src)
+            tokens, positions = torch.tensor([3, 1, 4]), torch.tensor([4, 4, 4])
+            logits = []
+            for _ in range(2):
+                logits.append(runner.step(tokens, positions, cache))
+                tokens, positions = logits[-1].argmax(-1), positions + 1
+            outs[fused] = (logits, [t.clone() for t in cache.k + cache.v])
+    assert {"moe_route", "qk_norm_rope_cache"} <= set(launched)
+    for i, (a, b) in enumerate(zip(outs[False][0], outs[True][0])):
+        assert_bitwise_equal(b, a, f"step {i} logits")
+    for i, (a, b) in enumerate(zip(outs[False][1], outs[True][1])):
+        assert_bitwise_equal(b, a, f"cache {i}")
+
+
+def test_route_reference_is_the_router_modules_output():
+    """``moe_route_reference`` on the aligned router's logits is the router module's forward
+    (probabilities and routing map) laid out in Megatron's expert-major order."""
+    from minite_megatron.training.presets import init_single_process
+
+    init_single_process(1)
+    model = _tiny(False, seed=5)
+    moe = model.decoder.layers[0].mlp
+    x = torch.randn(6, 1, moe.router.weight.shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        probs, routing_map = moe.router(x)
+        logits = moe.router.gating(x.view(6, -1))
+    assert fused_ops.route_supported(moe.router, 6)
+    route = fused_ops.moe_route_reference(logits, moe.router.topk)
+    t, e = routing_map.shape
+    order_e, order_t = torch.nonzero(routing_map.t(), as_tuple=True)  # expert-major, tokens in order
+    assert_bitwise_equal(route.ids.long(), order_e, "ids")
+    assert_bitwise_equal(route.tokens.long(), order_t, "tokens")
+    assert_bitwise_equal(route.probs, probs[order_t, order_e], "probs")
+    assert_bitwise_equal(route.sizes, routing_map.sum(0).to(torch.int32), "sizes")
+    assert_bitwise_equal(route.offsets[1:], torch.cumsum(route.sizes, 0, dtype=torch.int32), "offsets")
+    assert int(route.offsets[0]) == 0
+    # combine lists each token's rows in increasing expert order
+    rows = torch.arange(t * moe.router.topk).view(t, -1)
+    assert_bitwise_equal(order_e[route.combine.long()].view(t, -1), torch.sort(order_e[route.combine.long()].view(t, -1), -1).values, "combine")
+    assert_bitwise_equal(order_t[route.combine.long()].view(t, -1), rows // moe.router.topk, "combine tokens")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
+def test_sorted_rows_skip_the_fallbacks_sort(monkeypatch):
+    """``decode_grouped_gemm(..., group_offsets=)`` on rows already in expert order: the learner's
+    grouped-GEMM fallback (a device without verified decode kernels) reads them as they are and
+    gives the bits of its sorting path."""
+    import minite_kernels.triton.backend as tb
+    from minite_megatron import nvfp4
+    from minite_megatron.nvfp4.grouped import stack_expert_weights
+
+    g = torch.Generator().manual_seed(0)
+    qs = [nvfp4.quantize_reference(torch.randn(32, 64, generator=g), global_scale="tensor", tile=(16, 16))
+          for _ in range(4)]
+    st = stack_expert_weights(qs)
+    ids = torch.tensor([0, 0, 2, 3, 3, 3], dtype=torch.int32)
+    a = nvfp4.quantize_reference(torch.randn(6, 64, generator=g), global_scale="row", with_image=True)
+    offsets = torch.tensor([0, 2, 2, 3, 6], dtype=torch.int32)
+    monkeypatch.setattr(tb, "decode_ok", lambda device: False)
+    sorted_out = tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True, group_offsets=offsets)
+    assert_bitwise_equal(sorted_out, tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True), "fallback")
+    assert_bitwise_equal(sorted_out, nvfp4.decode_grouped_gemm_reference(a, st, ids), "reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_gpu_fused_graphs_equal_the_unfused_eager_steps(monkeypatch, strict):
+    """On the GPU (bf16, Triton backend, CUDA graphs): the fused decode kernels give bitwise the
+    tokens and log-probs of the unfused eager steps on the learner's modules, and the learner's
+    teacher-forced log-probs: exactly in strict mode, within the issue's 1e-3 mean |dlogp| in
+    default mode (aligned ops: only the bf16 LM head's cuBLAS kernel still sums by shape)."""
+    from minite_megatron.rollout.engine import RolloutEngine
+    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
+    from minite_megatron.training.presets import PRESETS, build_gpt, init_single_process
+    from minite_megatron.recipe import Recipe
+
+    init_single_process()
+    preset = dict(PRESETS["tiny"], vocab=96)
+    model = build_gpt(preset, Recipe(strict=strict), max_seq=48, device="cuda", dtype=torch.bfloat16, seed=3).eval()
+    prompts = [[5, 17, 33, 2, 71, 9, 12], [64, 7], [11, 22, 33, 44, 55], [90, 1, 4, 9]]
+    fused = RolloutEngine(model, eod_id=0, max_batch_size=4).generate(prompts, 12, temperature=1.0, seed=4)
+    monkeypatch.setattr(fused_ops, "ENABLED", False)
+    unfused = RolloutEngine(model, eod_id=0, max_batch_size=4, cuda_graphs=False).generate(prompts, 12, temperature=1.0,
+                                                                                          seed=4)
+    monkeypatch.setattr(fused_ops, "ENABLED", True)
+    for a, b in zip(fused, unfused):
+        assert a.tokens == b.tokens
+        assert_bitwise_equal(a.log_probs, b.log_probs, "fused vs unfused")
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(model, [r.tokens for r in fused])
+    gaps = torch.cat([(r.log_probs - lp.float().cpu()).abs() for r, lp in zip(fused, learner)])
+    if strict:
+        assert float(gaps.max()) == 0.0
+    else:
+        assert float(gaps.mean()) <= 1e-3, f"default-mode mean |dlogp| {float(gaps.mean()):.3g}"
