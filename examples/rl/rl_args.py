@@ -16,9 +16,14 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--preset", default="tiny", help="fresh model of minite_megatron.training.presets (tiny, qwen3-moe)")
     m.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    m.add_argument("--hidden-size", type=int, default=None, help="override the preset's hidden size (head dim follows)")
+    m.add_argument("--num-experts", type=int, default=None, help="override the preset's routed expert count")
+    m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="override the preset's expert FFN size")
     m.add_argument("--hf-checkpoint", default=None, help="start from a Hugging Face Qwen3 / Qwen3-MoE directory")
     m.add_argument("--load", default=None, help="Megatron checkpoint: an RL run of this script resumes exactly; "
                    "any other torch_dist checkpoint gives the starting weights")
+    m.add_argument("--finetune", action="store_true",
+                   help="with --load: take the weights only and start a new run (Megatron's --finetune)")
     m.add_argument("--save", default=None, help="checkpoint directory (Megatron dist_checkpointing, torch_dist)")
     m.add_argument("--save-interval", type=int, default=0, help="save every N RL steps (0: only at the end)")
     m.add_argument("--params-dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -35,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--digits", type=int, default=2)
     t.add_argument("--no-reverse", action="store_true", help="answers most significant digit first")
     t.add_argument("--partial-credit", action="store_true", help="half credit for the fraction of digits right")
-    t.add_argument("--eval-size", type=int, default=128, help="held-out prompts (never trained on)")
+    t.add_argument("--eval-size", type=int, default=128, help="held-out prompts, at most (never trained on)")
     t.add_argument("--eval-interval", type=int, default=5, help="greedy held-out accuracy every N steps (0: off)")
     s = p.add_argument_group("supervised warm-up (SFT on correct answers)")
     s.add_argument("--sft-steps", type=int, default=60)
@@ -74,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--no-tensorboard", action="store_true")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--verbose", action="store_true", help="Megatron's INFO logs too")
     o.add_argument("--gap-threshold", type=float, default=1e-2, help="alert above this mean |dlogp|")
     o.add_argument("--seed", type=int, default=1234)
     return p
@@ -90,8 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.group < 2:
         _fail(parser, f"--group {args.group}: group-relative advantages (GRPO) need at least 2 samples per prompt "
                       "(a group of one has no baseline: its advantage is 0/0)")
-    if args.hf_checkpoint and args.num_layers:
-        _fail(parser, "--num-layers applies to --preset models, not to --hf-checkpoint")
+    overrides = [f for f in ("num_layers", "hidden_size", "num_experts", "moe_ffn_hidden_size") if getattr(args, f)]
+    if args.hf_checkpoint and overrides:
+        _fail(parser, f"--{overrides[0].replace('_', '-')} applies to --preset models, not to --hf-checkpoint")
     for name in ("steps", "rollout_batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "sft_batch_size"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             _fail(parser, f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")

@@ -76,6 +76,16 @@ def model_architecture(args, vocab_size: int, max_seq: int) -> dict:
     arch = dict(PRESETS[args.preset], vocab=vocab_size)
     if args.num_layers:
         arch["layers"] = int(args.num_layers)
+    if args.hidden_size:
+        if args.hidden_size % (16 * arch["heads"]):
+            raise ValueError(f"--hidden-size {args.hidden_size}: must be a multiple of 16 x {arch['heads']} heads")
+        arch["hidden"], arch["head_dim"] = int(args.hidden_size), int(args.hidden_size) // arch["heads"]
+    if args.num_experts:
+        if args.num_experts < arch["topk"]:
+            raise ValueError(f"--num-experts {args.num_experts}: fewer than the router's top-{arch['topk']}")
+        arch["experts"] = int(args.num_experts)
+    if args.moe_ffn_hidden_size:
+        arch["moe_ffn"] = int(args.moe_ffn_hidden_size)
     return {"preset": args.preset, **arch, "max_seq": max_seq}
 
 

@@ -70,9 +70,12 @@ class AdditionTask:
         self.tokenizer = CharTokenizer()
         self.eod = CharTokenizer.EOD
         self._max = 10**digits
-        held = list(dict.fromkeys(ab for ab in self._candidates(max(40 * eval_size, 4096)) if self.is_held_out(*ab)))
-        if len(held) < eval_size:
-            raise ValueError(f"--eval-size {eval_size}: only {len(held)} held-out pairs exist with {digits} digit(s)")
+        if self._max**2 <= 40 * eval_size:  # few pairs: take every held-out one, in order
+            held = [(a, b) for a in range(self._max) for b in range(self._max) if self.is_held_out(a, b)]
+        else:
+            held = list(dict.fromkeys(ab for ab in self._candidates(40 * eval_size) if self.is_held_out(*ab)))
+        if not held:
+            raise ValueError(f"no held-out pair exists with {digits} digit(s)")
         self.eval_pairs = held[:eval_size]
 
     # ---- sizes -----------------------------------------------------------------------------

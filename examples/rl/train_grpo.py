@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     bar_disabled = args.no_progress or not logging_rank
     say = (lambda s: tqdm.write(s)) if logging_rank else (lambda s: None)
     logging.getLogger("minite_megatron.diagnostics.monitor").setLevel(logging.WARNING)  # our line, not its
+    if not args.verbose:
+        logging.getLogger("megatron").setLevel(logging.WARNING)
 
     model = rl_model.build_policy_model(args, arch, recipe, device, dtype, args.seed)
     rl_model.check_rollout_layout(model, args.tp, args.ep)
@@ -103,9 +105,11 @@ def main(argv=None) -> dict:
     rl_state = None
     if args.load:
         rl_state = rl_checkpoint.read_rl_state(args.load)
-        if rl_state is None:
+        if rl_state is None or args.finetune:
             rl_checkpoint.load_weights(args.load, model)
-            say(f"loaded the weights of {args.load} (not an RL checkpoint of this script: starting from them)")
+            why = "--finetune" if rl_state is not None else "not an RL checkpoint of this script"
+            say(f"loaded the weights of {args.load} ({why}: a new run starts from them)")
+            rl_state = None
 
     def log_record(rec):
         log.write(rec)
@@ -210,6 +214,10 @@ def main(argv=None) -> dict:
                                ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
             say(f"saved {args.save} at RL step {step}")
     bar.close()
+    if args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
+        rl_checkpoint.save(args.save, start, model=model, optimizer=optimizer, scheduler=scheduler,
+                           ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
+        say(f"saved {args.save} at RL step {start}")
     log.close()
     rl = [h for h in history if h.get("phase") == "rl"]
     if logging_rank and rl:
