@@ -190,22 +190,24 @@ def _ppo_loss(mb: dict, logits: torch.Tensor, *, args, strict: bool, denom: floa
 
 def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, step: int, strict: bool,
                device, sums: MetricSums) -> dict:
-    """``--ppo-epochs`` passes over the batch in ``--mini-batch-size`` mini-batches, one optimizer
-    step each. Returns the per-update values that are not token means (grad norms, losses, lr)."""
+    """``--ppo-epochs`` passes over the batch in mini-batches of ``--mini-batch-size`` prompts (whole
+    groups, shuffled per epoch), one optimizer step each. Returns the per-update values that are not token means (grad norms, losses, lr)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank, dp_size, dp_group = dp_info()
     n = batch.tokens.shape[0]
     num_mini = args.rollout_batch_size // args.mini_batch_size
-    per_mini = n // num_mini
+    groups = n // args.group
+    per_mini = groups // num_mini  # whole groups (prompts) per mini-batch
     forward_backward = get_forward_backward_func()
     grad_norms, pg_losses, skipped = [], [], 0
     ddp_model.train()
     for epoch in range(args.ppo_epochs):
         g = torch.Generator().manual_seed(mix_seed(args.seed, 3, step, epoch, dp_rank))
-        perm = torch.randperm(n, generator=g)
+        perm = torch.randperm(groups, generator=g)
         for u in range(num_mini):
-            idx = perm[u * per_mini : (u + 1) * per_mini]
+            chosen = perm[u * per_mini : (u + 1) * per_mini]
+            idx = (chosen.unsqueeze(1) * args.group + torch.arange(args.group)).reshape(-1)
             m = batch.loss_mask[idx]
             local = [float(m.sum()), float((m.sum(1) > 0).sum())]
             tokens_all, seqs_all = all_reduce_sum(local, dp_group)
