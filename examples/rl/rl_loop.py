@@ -67,6 +67,25 @@ def gather_objects(obj, group):
     return out
 
 
+def generate(engine, *args, **kwargs):
+    """``engine.generate`` that leaves the model's sequence parallelism as it found it.
+
+    Megatron's static generation loop (``TextGenerationController``) switches sequence parallelism
+    off in every non-MoE module of a TP + EP model and never switches it back, after which the
+    learner's MoE layers refuse to train (megatron-core 0.19.2); this restores it through the same
+    Megatron helper and module cache."""
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.utils import get_attr_wrapped_model
+
+    config = get_attr_wrapped_model(engine.model, "config")
+    sequence_parallel = config.sequence_parallel
+    try:
+        return engine.generate(*args, **kwargs)
+    finally:
+        if sequence_parallel and not config.sequence_parallel:
+            set_model_to_sequence_parallel(engine.model, True)
+
+
 @dataclasses.dataclass
 class RolloutBatch:
     """This rank's share of a rollout batch (CPU tensors; ``[N, L - 1]`` per token, see
@@ -91,7 +110,7 @@ def generate_rollouts(engine, task, pairs, args, *, seed: int, stop_at_eod: bool
     """``args.group`` samples of every pair's prompt at ``args.temperature`` with the log-probs of
     the sampled distribution; rewards, group advantages and the loss mask."""
     prompts = [task.prompt(a, b) for a, b in pairs for _ in range(args.group)]
-    rollouts = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, seed=seed,
+    rollouts = generate(engine, prompts, args.max_new_tokens, temperature=args.temperature, seed=seed,
                                stop_at_eod=stop_at_eod, logprobs="sampled")
     responses, lps, rewards, correct, truncated = [], [], [], [], []
     generated = 0
@@ -254,7 +273,7 @@ def evaluate(engine, task, args) -> float:
     pairs = task.eval_pairs[dp_rank::dp_size]
     correct = 0
     if pairs:
-        outs = engine.generate([task.prompt(a, b) for a, b in pairs], args.max_new_tokens, temperature=0.0, seed=0,
+        outs = generate(engine, [task.prompt(a, b) for a, b in pairs], args.max_new_tokens, temperature=0.0, seed=0,
                                stop_at_eod=not args.lockstep_rollouts)
         correct = sum(task.correct(a, b, o.generated_tokens) for (a, b), o in zip(pairs, outs))
     total_correct, total = all_reduce_sum([float(correct), float(len(pairs))], dp_group)
