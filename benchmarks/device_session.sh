@@ -36,8 +36,8 @@ for s in $STEPS; do
   case $s in
     kernel_tests)  # the Triton kernel tests on CUDA (they run under the interpreter on CPU; not marked gpu)
       step kernel_tests python3 -m pytest -q -p no:cacheprovider -ra tests/kernels/triton ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
-    decode)  # the decode GEMM: config sweep and the table against BF16
-      step decode python3 -m benchmarks.nvfp4_kernels --sections decode_sweep,decode --out "$OUT" ;;
+    decode)  # the decode GEMMs: strict bitwise checks, config sweep, dense + MoE tables against BF16
+      step decode python3 -m benchmarks.decode_gemm --out "$OUT" ;;
     tests)  # every GPU test of the suite (Triton kernels, strict mode, minite model, reference on CUDA)
       step gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu -ra tests ;;
     alignment)  # ALIGNMENT.md: gaps and strict-mode overhead on a Qwen3-MoE-shaped model

@@ -14,8 +14,6 @@ Sections (each prints a table; all results are appended as one JSON line to
   plain-torch emulation (quantize_reference -> dequantize -> matmul).
 * ``grouped``: MoE grouped fwd+bwd at Qwen3-30B-A3B shapes vs ``torch._grouped_mm`` (BF16)
   and vs a per-expert loop.
-* ``decode``: M = 1..64 GEMM on packed weights vs BF16 ``torch.mm`` (weights rotated
-  through more than the L2, timed as CUDA-graph replays).
 * ``memory``: bytes a Linear saves for backward, NVFP4 vs BF16.
 
 ``--smoke`` runs every section at tiny shapes on the CPU under TRITON_INTERPRET=1 (a check
@@ -37,7 +35,6 @@ ensure_minite_kernels()
 
 from minite_megatron import nvfp4  # noqa: E402
 from minite_kernels.triton import quantize as tq  # noqa: E402
-from minite_kernels.triton.decode_gemm import decode_gemm_op  # noqa: E402
 from minite_kernels.triton.gemm import gemm_op  # noqa: E402
 from minite_kernels.triton.grouped_gemm import group_offsets, grouped_gemm_op  # noqa: E402
 from minite_kernels.triton.grouped_wgrad import grouped_wgrad_forward  # noqa: E402
@@ -502,71 +499,6 @@ def sec_grouped(res, tokens_list):
                 ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_rht", "t_wgrad_all_old"])
 
 
-# ---- decode -------------------------------------------------------------------------------------
-DECODE_SWEEP = [dict(block_n=64, warps=4, programs_per_sm=4), dict(block_n=128, warps=8, programs_per_sm=2),
-                dict(block_n=128, warps=4, programs_per_sm=2), dict(block_n=64, warps=4, programs_per_sm=8)]
-
-
-def sec_decode_sweep(res):
-    from minite_kernels.triton import decode_gemm as td
-
-    rows, base = [], dict(td.GPU_DECODE)
-    k, n = DENSE["qkv"]
-    if SMOKE:
-        k, n = 64, 32
-    copies = 1 if SMOKE else 16
-    qws = [quantize_forward(rnd(n, k, scale=0.02), global_scale="tensor", tile=(16, 16)) for _ in range(copies)]
-    for m in (1, 16, 64):
-        qx = quantize_forward(rnd(m, k), with_image=True)
-        row = {"M": m}
-        for i, cfg in enumerate([{}] + DECODE_SWEEP[: 1 if SMOKE else None]):
-            td.GPU_DECODE.update(cfg)
-            try:
-                row[f"cfg{i}_us"] = 1e3 * timed(lambda: [decode_gemm_op(qx.image, q.codes, q.block_scales.view(torch.uint8),
-                                                                        qx.global_decode, q.global_decode, None, BF16)
-                                                         for q in qws], graph=True) / copies
-            except Exception as e:
-                row[f"cfg{i}_us"] = f"FAILED {type(e).__name__}"
-            td.GPU_DECODE.clear()
-            td.GPU_DECODE.update(base)
-        rows.append(row)
-    res["decode_sweep"] = {"configs": [base] + DECODE_SWEEP, "rows": rows}
-    print("decode configs:", [base] + DECODE_SWEEP)
-    print_table("decode config sweep, qkv 5120x2048 (us per GEMM)", rows, ["M"] + [f"cfg{i}_us" for i in range(len(DECODE_SWEEP) + 1)])
-
-
-def sec_decode(res, ms):
-    rows = []
-    l2_bytes = 0 if SMOKE else 60 * 2**20
-    for name, (k, n) in DENSE.items():
-        if SMOKE:
-            k, n = 64, 32
-        copies = max(2, -(-4 * l2_bytes // (n * k * 2)))  # BF16 weights: 4x the L2
-        ws = [rnd(n, k, scale=0.02) for _ in range(copies)]
-        qws = [quantize_forward(w, global_scale="tensor", tile=(16, 16)) for w in ws]
-        for m in ms:
-            x = rnd(m, k)
-            qx = quantize_forward(x, with_image=True)
-            t_b = timed(lambda: [torch.mm(x, w.t()) for w in ws], graph=True) / copies
-            t_f = timed(lambda: [decode_gemm_op(qx.image, q.codes, q.block_scales.view(torch.uint8), qx.global_decode,
-                                               q.global_decode, None, BF16) for q in qws], graph=True) / copies
-            qimgs = [quantize_forward(w, global_scale="tensor", tile=(16, 16), with_image=True) for w in ws[:4]]
-            t_img = timed(lambda: [gemm_op(qx.image, q.image, qx.global_decode, q.global_decode, None, BF16, False,
-                                           False) for q in qimgs], graph=True) / len(qimgs)
-            t_fq = timed(lambda: [decode_gemm_op(quantize_forward(x, with_image=True).image, q.codes,
-                                                q.block_scales.view(torch.uint8), qx.global_decode, q.global_decode,
-                                                None, BF16) for q in qws], graph=True) / copies
-            wbytes = n * k // 2 + n * k // 16
-            rows.append({"shape": name, "M": m, "bf16_us": 1e3 * t_b, "nvfp4_us": 1e3 * t_f, "image_gemm_us": 1e3 * t_img,
-                         "speedup": t_b / t_f, "with_act_quant_speedup": t_b / t_fq,
-                         "nvfp4_weight_GBps": wbytes / t_f / 1e6, "bf16_weight_GBps": n * k * 2 / t_b / 1e6})
-        del ws, qws
-    res["decode"] = rows
-    print_table("decode GEMM (per GEMM; weights rotated through 4x L2; CUDA-graph replay)", rows,
-                ["shape", "M", "bf16_us", "nvfp4_us", "image_gemm_us", "speedup", "with_act_quant_speedup",
-                 "nvfp4_weight_GBps", "bf16_weight_GBps"])
-
-
 # ---- memory ---------------------------------------------------------------------------------------
 def sec_memory(res):
     rows = []
@@ -584,8 +516,8 @@ def sec_memory(res):
                 rows, ["shape", "T", "bf16_MB", "nvfp4_MB", "saved_MB", "ratio"])
 
 
-SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "grouped", "decode_sweep", "decode",
-            "memory")
+SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "grouped", "memory")
+# the decode GEMMs (dense and MoE, default and strict) have their own script: benchmarks/decode_gemm.py
 
 
 def main(argv=None):
@@ -594,7 +526,6 @@ def main(argv=None):
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
     p.add_argument("--grouped-tokens", default="8192", help="tokens before top-8 routing")
-    p.add_argument("--decode-m", default="1,4,16,64")
     p.add_argument("--sweep", action="store_true", help="also sweep quantize tile configs")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -623,14 +554,10 @@ def main(argv=None):
             sec_gemm(res, tokens)
         elif sec == "gemm_sweep":
             sec_gemm_sweep(res, tokens[0])
-        elif sec == "decode_sweep":
-            sec_decode_sweep(res)
         elif sec == "linear":
             sec_linear(res, tokens)
         elif sec == "grouped":
             sec_grouped(res, [int(t) for t in args.grouped_tokens.split(",")])
-        elif sec == "decode":
-            sec_decode(res, [int(m) for m in args.decode_m.split(",")])
         elif sec == "memory":
             sec_memory(res)
         else:

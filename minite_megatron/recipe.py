@@ -11,6 +11,9 @@ The defaults are chosen for learner/rollout alignment (DESIGN.md section 2):
 * backward ("full update"): dgrad and wgrad in NVFP4 too; gradients 1x16, stochastic rounding,
   a 16x16 random Hadamard transform on both wgrad operands;
 * precision knobs: BF16 first/last layers, FP32 router, optional FP32 LM head;
+* ``precision="bf16"``: the fair BF16 twin -- the same model, modules and kernels around the
+  GEMMs, with every linear in BF16 (Megatron's GEMM; experts through ``torch._grouped_mm``),
+  so NVFP4 is compared against the best BF16 this machine runs with everything else equal;
 * ``strict``: batch-invariant kernels and ops end to end, so teacher-forced learner log-probs
   equal the sampler's bit for bit.
 
@@ -62,6 +65,10 @@ class Recipe:
     )
     rht_seed: int = field(default=0, metadata={"help": "seed of the RHT sign vector (-1: fixed all-ones signs)"})
     # ---- precision knobs ----------------------------------------------------------------------
+    precision: Literal["nvfp4", "bf16"] = field(
+        default="nvfp4",
+        metadata={"help": "nvfp4, or bf16: the fair BF16 twin (every linear in BF16, experts through torch._grouped_mm)"},
+    )
     bf16_first_layers: int = field(default=0, metadata={"help": "keep the first N transformer layers in BF16"})
     bf16_last_layers: int = field(default=0, metadata={"help": "keep the last N transformer layers in BF16"})
     quantize_attention: bool = field(default=True, metadata={"help": "attention qkv/proj linears in NVFP4"})
@@ -122,6 +129,11 @@ class Recipe:
             )
 
     # ---- derived settings used by the modules -------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        """Does this recipe run any linear in NVFP4 (False for the BF16 twin)?"""
+        return self.precision == "nvfp4"
+
     @property
     def weight_tile_shape(self) -> tuple[int, int]:
         return (16, 16) if self.weight_tile == "2d" else (1, 16)

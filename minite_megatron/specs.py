@@ -2,8 +2,9 @@
 
 ``MiniteSpecProvider`` follows Megatron's ``BackendSpecProvider`` protocol: it wraps a fallback
 provider (Megatron's local one) and overrides only the linears, the grouped experts, the norm
-(sequence-parallel capable; batch invariant in strict mode), the core attention and the router in
-strict mode. The builders below only ever call ``backend.X()``.
+(sequence-parallel capable; batch invariant in strict mode), the core attention (torch SDPA; batch
+invariant in strict mode) and the router in strict mode. ``Recipe(precision="bf16")`` builds the
+fair BF16 twin: the same modules with every linear in BF16. The builders below only ever call ``backend.X()``.
 
 * :func:`get_gpt_layer_minite_spec`: one transformer layer (dense or MoE; qk-layernorm; per-layer
   BF16 override; in strict mode batch-invariant attention, norms, router and linears).
@@ -14,6 +15,7 @@ strict mode. The builders below only ever call ``backend.X()``.
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -37,7 +39,9 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from .modules.attention import MiniteDotProductAttention
 from .modules.grouped_linear import NVFP4GroupedLinear
+from .modules.moe import MiniteMoELayer
 from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
 from .modules.activation import MiniteActivation
 from .modules.norm import MiniteNorm
@@ -46,8 +50,8 @@ from .recipe import Recipe
 log = logging.getLogger(__name__)
 
 
-def _precision(quantized: bool, layer_in_bf16: bool) -> str:
-    return "nvfp4" if quantized and not layer_in_bf16 else "bf16"
+def _precision(recipe: Recipe, quantized: bool, layer_in_bf16: bool) -> str:
+    return "nvfp4" if recipe.quantized and quantized and not layer_in_bf16 else "bf16"
 
 
 class MiniteSpecProvider(BackendSpecProvider):
@@ -106,11 +110,12 @@ class MiniteSpecProvider(BackendSpecProvider):
         return partial(MiniteNorm, batch_invariant=self.recipe.strict, offer_to=offer)
 
     def core_attention(self):
+        """Strict mode: the batch-invariant attention; else torch SDPA (flash / cuDNN kernels)."""
         if self.recipe.strict:
             from .strict.megatron import StrictDotProductAttention
 
             return StrictDotProductAttention
-        return self.fallback.core_attention()
+        return MiniteDotProductAttention
 
     def router(self):
         if self.recipe.strict:
@@ -120,12 +125,20 @@ class MiniteSpecProvider(BackendSpecProvider):
         return TopKRouter
 
     def moe_layer(self):
-        """The MoE layer class: Megatron's, or in strict mode one with a deterministic combine."""
+        """The MoE layer class: Megatron's with a deterministic combine in both modes
+        (:mod:`minite_megatron.strict.moe`: the learner and the rollout engine add a token's
+        expert outputs in the same order; strict mode also refuses what it cannot make
+        deterministic). ``MINITE_MEGATRON_COMBINE=1`` keeps Megatron's atomic combine in default
+        mode (the benchmark's before/after comparison)."""
         if self.recipe.strict:
             from .strict.megatron import StrictMoELayer
 
             return StrictMoELayer
-        return MoELayer
+        if os.environ.get("MINITE_MEGATRON_COMBINE") == "1":
+            return MiniteMoELayer
+        from .strict.moe import DeterministicMoELayer
+
+        return DeterministicMoELayer
 
     def activation_func(self):
         """The MLP activation module (used where ``config.use_te_activation_func``): it hands an
@@ -210,12 +223,12 @@ def get_gpt_layer_minite_spec(
     """
     recipe = recipe if recipe is not None else Recipe()
     return build_layer_spec(
-        attn=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_attention, layer_in_bf16)),
-        mlp=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_dense_mlp, layer_in_bf16)),
+        attn=MiniteSpecProvider(recipe, linear_precision=_precision(recipe, recipe.quantize_attention, layer_in_bf16)),
+        mlp=MiniteSpecProvider(recipe, linear_precision=_precision(recipe, recipe.quantize_dense_mlp, layer_in_bf16)),
         num_experts=num_experts,
         qk_layernorm=qk_layernorm,
-        experts=MiniteSpecProvider(recipe, expert_precision=_precision(recipe.quantize_experts, layer_in_bf16)),
-        shared=MiniteSpecProvider(recipe, linear_precision=_precision(recipe.quantize_shared_experts, layer_in_bf16)),
+        experts=MiniteSpecProvider(recipe, expert_precision=_precision(recipe, recipe.quantize_experts, layer_in_bf16)),
+        shared=MiniteSpecProvider(recipe, linear_precision=_precision(recipe, recipe.quantize_shared_experts, layer_in_bf16)),
     )
 
 
@@ -233,7 +246,8 @@ def moe_layer_pattern(config) -> list[int]:
 
 def validate_config_for_minite(config, recipe: Recipe) -> None:
     """Fail fast, naming the flag, on model settings the recipe cannot run."""
-    check_multiple_of_16(config.hidden_size, "the hidden size", "--hidden-size")
+    if recipe.quantized:
+        check_multiple_of_16(config.hidden_size, "the hidden size", "--hidden-size")
     if config.multi_latent_attention:
         raise MiniteConfigError("--multi-latent-attention is not supported by the minite specs yet")
     if getattr(config, "mtp_num_layers", None):

@@ -35,6 +35,15 @@ def device_arch(device: torch.device | str | None) -> str:
     return _ARCH_BY_CAPABILITY[torch.cuda.get_device_capability(torch.device(device))]
 
 
+def blackwell_arch(device: torch.device | str | None) -> str | None:
+    """The ``--gpu-arch`` of ``device`` if it is a CUDA GPU these kernels target, else None
+    (never raises, imports no DSL): what decides which kernel variant's rules apply."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _ARCH_BY_CAPABILITY.get(torch.cuda.get_device_capability(device))
+
+
 def why_not(device: torch.device | str | None) -> str | None:
     """None if the Blackwell kernels can run on ``device``, else the reason."""
     device = torch.device(device) if device is not None else None
@@ -50,6 +59,19 @@ def why_not(device: torch.device | str | None) -> str | None:
             f"tcgen05 FP4 tensor cores; {name} is {cap[0]}.{cap[1]}"
         )
     return dsl_import_error()
+
+
+OUTPUT_FILL: float | None = None
+"""Bring-up aid (``benchmarks.blackwell_bringup``): when set, the ops allocate their outputs
+filled with this value (NaN there) instead of uninitialised memory, so any cell the kernel
+fails to write shows up. None (the default) costs nothing."""
+
+
+def new_output(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The output buffer of an op: ``torch.empty``, or filled with :data:`OUTPUT_FILL`."""
+    if OUTPUT_FILL is None:
+        return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.full(shape, OUTPUT_FILL, dtype=dtype, device=device)
 
 
 def tma_operand(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ Protocol of :mod:`minite_megatron.nvfp4.backends`. What runs where:
 * ``gemm`` / ``grouped_gemm``: the CuTe DSL kernels (:mod:`.gemm`, :mod:`.grouped_gemm`).
   Operands with linear scales are converted to the swizzled layout first. Both kernels are
   batch invariant (tiles fixed by N, no split-K), so ``batch_invariant`` needs nothing more.
+  On sm_103a (B300) they run B300's K = 96 MMA (``MINITE_BLACKWELL_MMA_K=64`` forces K = 64).
 * ``quantize``: delegated to the Triton backend (bitwise equal to the contract) when it is
   importable and available on the device, else to the reference; the result carries
   swizzled scales, the layout the GEMMs read.

@@ -6,6 +6,8 @@ rounding), with ``acc`` accumulated in fp32 by ``tcgen05.mma ... kind::mxf4nvf4.
 .block16`` (its order differs from the contract's canonical one: results are held to
 :func:`nvfp4.fp32_accumulation_bound`, and are bitwise equal whenever every partial sum is
 exact). Batch invariant: fixed 128 x ``tile_n`` x 256 tiles chosen from N only, no split-K.
+On sm_103a (B300) the kernel runs B300's K = 96 MMA (768-wide k-tiles; :func:`.tiles.choose_mma_k`,
+``MINITE_BLACKWELL_MMA_K=64`` forces the K = 64 one); the form depends on the GPU, never on M.
 
 Operands (``torch.library`` op ``minite_cute::nvfp4_gemm``, CUDA, sm_100a / sm_103a):
     a_codes   uint8 ``[M, K/2]``  E2M1 codes, element 2i in the low nibble.
@@ -14,7 +16,8 @@ Operands (``torch.library`` op ``minite_cute::nvfp4_gemm``, CUDA, sm_100a / sm_1
     b_codes   uint8 ``[N, K/2]``; b_scales likewise ``[N, K/16]`` swizzled.
     b_global  fp32 ``[N]`` (per row) or ``[1]`` (per tensor).
     bias      fp32/bf16 ``[N]`` or None; ``out_dtype`` bfloat16 (default), float16 or float32.
-Limits: K a positive multiple of 64 (the MMA K); any M >= 0 and N >= 0 (tails are masked);
+Limits: K a positive multiple of 64 (the MMA K), or of 32 on sm_103a's K = 96 kernel (the last
+k-tile's tail is zero-filled by TMA; no padding copy); any M >= 0 and N >= 0 (tails are masked);
 M * N < 2^31.
 Raises TypeError (dtypes), ValueError (shapes, K, unswizzled scales) before touching the
 device, then BackendUnavailable (with the reason) where no Blackwell GPU or DSL is present.
@@ -28,9 +31,10 @@ import torch
 
 from minite_megatron.nvfp4 import NVFP4Tensor
 
-from ._host import device_arch, tma_operand
+from . import _host
+from ._host import blackwell_arch, device_arch, tma_operand
 from .scales import check_swizzled, operand_scales
-from .tiles import GemmConfig, check_k, choose_tile_n
+from .tiles import MMA_K, GemmConfig, check_k, choose_mma_k, choose_tile_n
 
 _OUT_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -72,14 +76,17 @@ def _check_bias(bias: torch.Tensor | None, shape: tuple[int, ...]) -> None:
         raise ValueError(f"bias must have shape {shape}, got {tuple(bias.shape)}")
 
 
-def validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype) -> tuple[int, int, int]:
-    """Check the raw operands of the dense op; returns (M, N, K). Device-independent."""
+def validate_gemm_operands(
+    a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype, mma_k: int = MMA_K
+) -> tuple[int, int, int]:
+    """Check the raw operands of the dense op for the kernel with MMA K ``mma_k`` (its K rule:
+    :func:`.tiles.check_k`); returns (M, N, K). Device-independent."""
     _check_codes(a_codes, "a_codes", 2)
     _check_codes(b_codes, "b_codes", 2)
     m, n, k = a_codes.shape[0], b_codes.shape[0], 2 * a_codes.shape[1]
     if 2 * b_codes.shape[1] != k:
         raise ValueError(f"blackwell NVFP4 GEMM: K mismatch, a has K={k} and b has K={2 * b_codes.shape[1]}")
-    check_k(k)
+    check_k(k, mma_k)
     check_swizzled(a_scales, m, k, 1, "a_scales")
     check_swizzled(b_scales, n, k, 1, "b_scales")
     _check_global(a_global, "a_global", (m,))
@@ -106,14 +113,17 @@ def nvfp4_gemm_op(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
-    m, n, k = validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype)
+    mma_k = choose_mma_k(blackwell_arch(a_codes.device))
+    m, n, k = validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype, mma_k)
     arch = device_arch(a_codes.device)
-    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
     if m == 0 or n == 0:
         return out
     from . import _blockscaled_gemm_impl as impl
 
-    config = GemmConfig(tile_n=choose_tile_n(n), out_dtype=_OUT_DTYPE_NAMES[out_dtype], has_bias=bias is not None)
+    config = GemmConfig(
+        tile_n=choose_tile_n(n), out_dtype=_OUT_DTYPE_NAMES[out_dtype], has_bias=bias is not None, mma_k=mma_k
+    )
     impl.launch(
         config,
         tma_operand(a_codes),

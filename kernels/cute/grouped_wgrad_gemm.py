@@ -29,6 +29,7 @@ import torch
 
 from minite_megatron.nvfp4 import BLOCK, NVFP4Tensor
 
+from . import _host
 from ._host import device_arch, tma_operand
 from .gemm import _OUT_DTYPE_NAMES, _check_codes, _check_global, _check_out_dtype, check_output_size
 from .scales import check_swizzled, operand_scales
@@ -95,6 +96,13 @@ def validate_wgrad_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_gl
     devices = {x.device for x in (a_codes, a_scales, a_global, b_codes, b_scales, b_global, k_offsets)}
     if len(devices) != 1:
         raise ValueError(f"grouped wgrad GEMM: operands on several devices: {sorted(map(str, devices))}")
+    if not (k_offsets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        values = k_offsets.tolist()  # one host sync; skipped while capturing a CUDA graph
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != t // MMA_K:
+            raise ValueError(
+                f"grouped wgrad GEMM: k_offsets must rise from 0 to T / 64 = {t // MMA_K} (64-token "
+                f"k-tiles), got {values[:8]}{' ...' if len(values) > 8 else ''}"
+            )
     return n, kout, t, g
 
 
@@ -114,7 +122,7 @@ def nvfp4_grouped_wgrad_gemm_op(
     arch = device_arch(a_codes.device)
     if t == 0 or n == 0 or kout == 0:  # no tokens at all: every expert's gradient is zero
         return torch.zeros(g, n, kout, dtype=out_dtype, device=a_codes.device)
-    out = torch.empty(g, n, kout, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(g, n, kout, dtype=out_dtype, device=a_codes.device)
     from . import _blockscaled_gemm_impl as impl
 
     config = GemmConfig(tile_n=choose_tile_n(kout), out_dtype=_OUT_DTYPE_NAMES[out_dtype], k_grouped=True)

@@ -57,6 +57,27 @@ def opcode_counts(text: str, names=("HGMMA", "HMMA", "FFMA", "FADD", "FMUL", "LD
     return {n: len(re.findall(rf"\b{n}\b", text)) for n in names}
 
 
+def loop_opcode_counts(text: str) -> dict:
+    """Opcode counts of the largest loop in the SASS (the body between a backward branch and its
+    target): e.g. SASS instructions per weight of a K loop = sum / weights per thread."""
+    import collections
+
+    lines = [ln for ln in text.splitlines() if re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", ln)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    best = []
+    for ln, here in zip(lines, addr):
+        m = re.search(r"BRA (0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < here:
+            body = [x for x, a in zip(lines, addr) if int(m.group(1), 16) <= a <= here]
+            best = body if len(body) > len(best) else best
+    counts = collections.Counter()
+    for ln in best:
+        m = re.search(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            counts[m.group(1)] += 1
+    return dict(counts)
+
+
 def ptxas_resources(kernel, arch: str = "sm_90a") -> dict:
     """Registers and spill bytes as ``ptxas -v`` reports them for the kernel's PTX."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -53,18 +53,18 @@ def _wgrad(config):
     return compile_for(_grouped_wgrad_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
 
 
-def _decode(m_pad=16):
+def _decode(m_pad=16, block_n=64, block_k=128, warps=4, stages=1, split_max=4, asm=True, prefetch=False):
     from .decode_gemm import _decode_gemm_kernel
 
     sig = {
         "a_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
-        "cnt_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32",
+        "cnt_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "bias_ptr": "*fp32", "lut_ptr": "*i32",
         "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "s_am": "i32", "s_om": "i32", "SPLIT": "i32",
     }
-    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, BLOCK_N=64, BLOCK_K=128 if m_pad <= 16 else 64,
-              M_PAD=m_pad, SPLIT_MAX=4, DOT_FP32=False)
-    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=4, divisible=("K", "K_PER_SPLIT", "s_am", "N"),
-                       **EXACT_LAUNCH)
+    ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, EVEN_K=True, BLOCK_N=block_n, BLOCK_K=block_k,
+              M_PAD=m_pad, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, PREFETCH=prefetch)
+    return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=stages,
+                       divisible=("K", "K_PER_SPLIT", "s_am", "N"), **EXACT_LAUNCH)
 
 
 def _quantize(block_r=32, block_k=128, warps=4, single=False, stochastic=False, row_amax=True, stride_k_one=True):

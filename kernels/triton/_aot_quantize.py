@@ -12,16 +12,17 @@ from ._aot import compile_for
 from ._nvfp4_math import EXACT_LAUNCH
 
 
-def rows_kernel(r: int = 1 << 20, k: int = 2048, stochastic: bool = False, row_amax: bool = True):
+def rows_kernel(r: int = 1 << 20, k: int = 2048, stochastic: bool = False, row_amax: bool = True,
+                tile16: bool = False, with_image: bool = True):
     """The row kernel at its GPU launch config for ``[r, k]`` bf16 input (image written)."""
     from . import quantize_rows as qr
 
-    block_nb, block_r, warps, chunks = qr.config(r, k)
+    block_nb, block_r, warps, chunks = qr.config(r, k, tile16)
     sig = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "sdec_ptr": "*fp32",
            "image_ptr": "*bf16", "R": "i32", "K": "i32", "stride_w": "i32", "rows_per_group": "i32", "key": "i32",
            "scale_cols_padded": "i32"}
-    ce = dict(ROW_AMAX=row_amax, STOCHASTIC=stochastic, WITH_IMAGE=True, SWIZZLED=False, IS_FP16=False,
-              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks)
+    ce = dict(ROW_AMAX=row_amax, STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=False, IS_FP16=False,
+              BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, TILE16=tile16)
     return compile_for(qr._quantize_rows_kernel, sig, ce, num_warps=warps,
                        divisible=("K", "stride_w", "scale_cols_padded"), **EXACT_LAUNCH)
 
@@ -45,4 +46,6 @@ def all_kernels():
     """(name, compiled kernel) of the fast quantize kernels at their H200 launch configs."""
     yield "quantize rows K=2048 (one read)", rows_kernel()
     yield "quantize rows K=5120 SR tensor (two reads)", rows_kernel(k=5120, stochastic=True, row_amax=False)
+    yield "quantize 16x16 weight tiles K=2048 (codes only)", rows_kernel(k=2048, row_amax=False, tile16=True,
+                                                                         with_image=False)
     yield "quantize cols SR RHT gather", cols_kernel(stochastic=True, rht=True, col_index=True)

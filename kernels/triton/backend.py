@@ -6,17 +6,24 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 * ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
 * ``quantize_row_col`` / ``amax_row_col`` (optional ops): :mod:`.quantize_dual`, one read of a
   ``[T, N]`` matrix for its row-wise and column-wise quantizations, bitwise.
-* ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows outside
-  strict mode (``DECODE_MAX_M`` / ``DECODE_MAX_N``) the decode GEMM on packed weights
-  (:mod:`.decode_gemm`). Operands quantized without an image get one from :mod:`.image`.
+* ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows
+  (``DECODE_MAX_M`` / ``DECODE_MAX_N``, where :func:`decode_ok`) the decode GEMM on packed
+  weights (:mod:`.decode_gemm`; in strict mode its batch-invariant configuration, where
+  :func:`strict_decode_ok`). Operands
+  quantized without an image get one from :mod:`.image`.
+* ``decode_grouped_gemm``: MoE decode on unsorted rows routed to experts, packed expert weights
+  (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); where the decode kernels
+  (:func:`decode_ok`) or their strict configuration (:func:`strict_decode_ok`) are not verified
+  on this device, the learner's grouped GEMM on rows sorted on the device.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
   through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
 
-``batch_invariant=True`` (strict mode) always takes the image GEMM with its one fixed config
+``batch_invariant=True`` (strict mode) takes the image GEMM with its one fixed config
 (``STRICT_CONFIG``; with :data:`STRICT_CANONICAL` the contract's own accumulation order, so
-strict results are also bitwise equal to the reference), never the decode kernel, whose
-split-K order differs from the image GEMM's.
+strict results are also bitwise equal to the reference), or the decode kernel's strict
+configuration, which runs the same chain of tensor-core steps (no split-K) and is used only
+where it is known to give the same bits (:func:`strict_decode_ok`).
 
 Where it runs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores; TMA paths need
 9.0 and fall back to pointer loads below), or CPU tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -33,9 +40,12 @@ from minite_megatron.nvfp4.backends import BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
+from minite_megatron.nvfp4.grouped import check_decode_grouped_operands, check_expert_ids_in_range
 
 from ._nvfp4_math import interpreting
-from .decode_gemm import MAX_M, decode_gemm_forward
+from . import decode_gemm as _decode
+from .decode_gemm import decode_gemm_forward
+from .decode_grouped_gemm import decode_grouped_gemm_forward
 from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
@@ -51,11 +61,26 @@ from .quantize_dual import amax_row_col_forward, quantize_row_col_forward
 #: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
 #: on adversarial data (BENCHMARKS.md).
 STRICT_CANONICAL = False
-#: Outside strict mode the decode kernel (packed weights) takes GEMMs with at most this many
-#: rows and at most DECODE_MAX_N outputs: where it measured faster than the image GEMM on the
-#: H200 (2026-11-29: o / fc2 at M <= 16; the image GEMM won at N >= 5120 and at M = 64).
+#: The decode kernel (packed weights) takes GEMMs with at most this many rows and at most
+#: DECODE_MAX_N outputs (None: any N).
 DECODE_MAX_M = 16
-DECODE_MAX_N = 4096
+DECODE_MAX_N: int | None = None
+
+
+def decode_ok(device: torch.device) -> bool:
+    """May the backend dispatch to the decode kernels? Under the interpreter always (CI tests
+    them); on a GPU once ``decode_gemm.DECODE_GPU_VERIFIED`` is set."""
+    return device.type == "cpu" or _decode.DECODE_GPU_VERIFIED
+
+
+def strict_decode_ok(k: int, device: torch.device) -> bool:
+    """May strict mode use the decode kernels' strict configuration for this K? Under the
+    interpreter it is the contract's order, as the learner's strict GEMM there; on a GPU only
+    once ``decode_gemm.STRICT_DECODE_VERIFIED`` records that its bits equal the learner's, and
+    for K a whole number of its K steps (the learner's zero-padded tail steps are not mimicked)."""
+    if device.type == "cpu":
+        return interpreting()
+    return decode_ok(device) and _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -63,6 +88,16 @@ def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
     if q.global_scale in ("row", "tensor"):
         return q.global_decode.reshape(-1).contiguous()
     return q.row_global_decode().contiguous()
+
+
+def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
+    """bf16 ``[G, N, K]`` image of grouped weights: the attached one, or one built now."""
+    if b.image is not None:
+        return b.image
+    groups, n, k = b.shape
+    lin = b.linear()
+    return image_op(lin.codes.reshape(groups * n, k // 2),
+                    lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
 
 
 class TritonBackend:
@@ -148,13 +183,40 @@ class TritonBackend:
             raise ValueError(f"nvfp4.gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
         a_img = image_2d(a)
         a_scale, b_scale = _global_decode(a), _global_decode(bm)
-        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and n <= DECODE_MAX_N and bm.layout == "linear":
+        if (0 < a.rows <= DECODE_MAX_M and decode_ok(a.device) and (DECODE_MAX_N is None or n <= DECODE_MAX_N) and bm.layout == "linear"
+                and (not batch_invariant or strict_decode_ok(a.k, a.device))):
             out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
-                                      bias, out_dtype)
+                                      bias, out_dtype, batch_invariant)
         else:
             out = gemm_forward(a_img, image_2d(bm), a_scale, b_scale, bias, out_dtype, batch_invariant,
                                canonical=batch_invariant and STRICT_CANONICAL)
         return out.reshape(*a.shape[:-1], n)
+
+    def gemm_nt(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """``a @ b`` for ``b`` ``[N, K]`` (16x16 tiles, tensor scale) -> ``[..., K]``: the dgrad
+        GEMM ``dY @ W``, equal to ``gemm(a, b.transpose())`` bit for bit, reading ``b``'s image
+        transposed (a strided view; built just in time if ``b`` has none) instead of a relayout."""
+        if b.tile != (BLOCK, BLOCK) or b.global_scale != "tensor" or len(b.shape) != 2:
+            raise ValueError("gemm_nt: b must be a [N, K] NVFP4 tensor with 16x16 tiles and a tensor scale")
+        if a.k != b.shape[0]:
+            raise ValueError(f"gemm_nt: a has K={a.k}, b has {b.shape[0]} rows")
+        self._require(a.device)
+        n_out = b.shape[1]
+        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and n_out <= DECODE_MAX_N:
+            return self.gemm(a, b.transpose(), bias, out_dtype, batch_invariant)  # the decode kernel reads codes
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        bm = b.linear()
+        out = gemm_forward(image_2d(a), image_2d(bm).t(), _global_decode(a), _global_decode(bm), bias, out_dtype,
+                           batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+        return out.reshape(*a.shape[:-1], n_out)
 
     # ---- grouped (MoE) GEMMs --------------------------------------------------------------
     def grouped_gemm(
@@ -175,15 +237,84 @@ class TritonBackend:
             raise ValueError(f"grouped_gemm: K mismatch, a has K={a.k} and b has K={b.k}")
         self._require(a.device)
         am = a.matrix()
-        groups, n, k = b.shape
-        if b.image is not None:
-            b_img = b.image
-        else:
-            lin = b.linear()
-            b_img = image_op(lin.codes.reshape(groups * n, k // 2),
-                             lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
-        return grouped_gemm_forward(image_2d(am), b_img, group_sizes, _global_decode(am), b.global_decode,
+        return grouped_gemm_forward(image_2d(am), _grouped_image(b), group_sizes, _global_decode(am), b.global_decode,
                                     bias, out_dtype, batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+
+    def decode_grouped_gemm(
+        self,
+        a: NVFP4Tensor,
+        w_stacked: NVFP4Tensor,
+        expert_ids: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+        *,
+        num_experts: int | None = None,
+    ) -> torch.Tensor:
+        """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]``
+        (``nvfp4.grouped.decode_grouped_gemm_reference``'s contract; ``w_stacked`` ``[E, N, K]``
+        or its ``[E*N, K]`` matrix with ``num_experts``). No host sync while a CUDA graph is being
+        captured; eagerly, expert ids outside ``[0, E)`` raise ValueError (one sync)."""
+        e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
+        self._require(a.device)
+        if out_dtype not in OUT_DTYPES:
+            raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+        if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            check_expert_ids_in_range(expert_ids, e)
+        w = w_stacked.matrix()
+        a_scale = _global_decode(a)
+        w_scale = w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group" else w.global_decode
+        if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
+            return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant)
+        return decode_grouped_gemm_forward(image_2d(a), w.codes, w.block_scales.view(torch.uint8), w_scale,
+                                           expert_ids, a_scale, e, out_dtype, batch_invariant)
+
+    def _sorted_grouped_decode(self, a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant):
+        """Decode through the learner's grouped GEMM (strict: its strict config): rows sorted by
+        expert on the device (stable), group sizes counted with ``scatter_add_`` (no sync),
+        results put back. Needs the experts' bf16 images: the attached one (the learner's
+        ``"group"`` weights carry it) or one made here from all experts' bytes."""
+        ids = expert_ids.to(torch.int64)
+        order = torch.argsort(ids, stable=True)
+        sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.int32))
+        a_img, a_scale = image_2d(a), _global_decode(a)
+        w = w_stacked.matrix()
+        if w_stacked.image is not None:
+            w_img = w_stacked.image.reshape(e, n, k)
+        else:
+            w_img = image_op(w.codes, w.block_scales.view(torch.uint8)).view(e, n, k)
+        w_scale = (w_stacked.global_decode.reshape(-1) if w_stacked.global_scale == "group"
+                   else w.global_decode.reshape(e, n)[:, 0].contiguous())
+        sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
+                                          w_scale, None, out_dtype, batch_invariant,
+                                          canonical=batch_invariant and STRICT_CANONICAL)
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        return out
+
+    def grouped_gemm_nt(
+        self,
+        a: NVFP4Tensor,
+        b: NVFP4Tensor,
+        group_sizes: Sequence[int] | torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+    ) -> torch.Tensor:
+        """MoE dgrad ``dx_g = dy_g @ W_g``: ``a`` [M, N] rows sorted by group, ``b`` [G, N, K]
+        (16x16 tiles, ``"group"`` scales) -> ``[M, K]``; equal to ``grouped_gemm(a, b.transpose())``
+        bit for bit, reading ``b``'s image transposed (built just in time if ``b`` has none)."""
+        if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
+            raise TypeError("grouped_gemm_nt takes two NVFP4Tensor operands (quantize them first)")
+        if b.global_scale != "group" or len(b.shape) != 3 or b.tile != (BLOCK, BLOCK):
+            raise ValueError("grouped_gemm_nt: b must be a [G, N, K] tensor with 16x16 tiles and global_scale='group'")
+        if a.k != b.shape[1]:
+            raise ValueError(f"grouped_gemm_nt: a has K={a.k}, b has N={b.shape[1]}")
+        self._require(a.device)
+        am = a.matrix()
+        return grouped_gemm_forward(image_2d(am), _grouped_image(b).transpose(1, 2), group_sizes, _global_decode(am),
+                                    b.global_decode, bias, out_dtype, batch_invariant,
+                                    canonical=batch_invariant and STRICT_CANONICAL)
 
     def grouped_wgrad(
         self,

@@ -10,7 +10,7 @@ Layout: ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] (any
 
 Why a query's result is the same in prefill, decode and the learner (and whatever the batch):
 - one program per (query block of ``BLOCK_M`` rows, batch x head); ``BLOCK_M``, ``BLOCK_N`` and
-  the warp count are fixed for every call, so a query runs the same instructions whether it
+  the warp count are fixed for every call on a device (:data:`GPU_CONFIG`), so a query runs the same instructions whether it
   shares its tile with other queries (prefill/learner) or sits alone in it (decode);
 - the KV blocks ``[0, BLOCK_N), [BLOCK_N, 2 BLOCK_N), ...`` are visited in that order from key 0,
   with the online-softmax update ``m' = max(m, rowmax)``, ``l' = l * exp(m - m') + sum p``,
@@ -35,7 +35,16 @@ import triton.language as tl
 
 from .bi_common import interpreting, tile_dot
 
-BLOCK_M, BLOCK_N, NUM_WARPS = 32, 32, 4
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages): one config for every call on a GPU (the learner,
+#: prefill and decode alike) -- flash-attention-sized tiles for the wgmma tensor cores; the
+#: Triton interpreter (CPU tests) uses small tiles, invariant by the same argument.
+GPU_CONFIG = (128, 64, 8, 3)
+INTERPRETER_CONFIG = (32, 32, 4, 1)
+
+
+def block_config() -> tuple[int, int, int, int]:
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) every call here uses."""
+    return INTERPRETER_CONFIG if interpreting() else GPU_CONFIG
 
 
 @triton.jit
@@ -123,14 +132,15 @@ def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     else:
         ms = (0, 0, 0, 0)
     cast = interpreting() or q.dtype == torch.float32 or not (q.dtype == k.dtype == v.dtype)
-    grid = (triton.cdiv(sq, BLOCK_M), b * hq)
+    block_m, block_n, warps, stages = block_config()
+    grid = (triton.cdiv(sq, block_m), b * hq)
     _bi_attention_kernel[grid](
         q, k, v, mask if mask is not None else out, out,
         hq, sq, sk, d, dv, hq // hkv, scale,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
         CAUSAL=causal, HAS_MASK=mask is not None, CAST_FP32=cast, PRECISION="ieee" if cast else "tf32", AS_SUM=interpreting(),
-        BM=BLOCK_M, BN=BLOCK_N, BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)),
-        num_warps=NUM_WARPS,
+        BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)),
+        num_warps=warps, num_stages=stages,
     )
     return out
 

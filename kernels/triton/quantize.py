@@ -5,12 +5,13 @@ One read of the input writes the packed E2M1 codes, the E4M3 block scales (linea
 the bf16 *image* ``e2m1(code) * fp32(scale)`` that the emulated (Hopper) GEMMs consume.
 
 Dispatch (``quantize_op``; every kernel gives the same bits):
-  * bf16 / fp16 rows with unit stride along K, 1x16 blocks: :mod:`.quantize_rows` (one
-    block per thread, word loads; the hot path of activations and dgrad operands);
+  * bf16 / fp16 rows with unit stride along K, 1x16 blocks, or 16x16 weight tiles with a
+    tensor / group scale: :mod:`.quantize_rows` (one block per thread, word loads; the hot path
+    of activations, dgrad operands and weights);
   * transposed sources (``x.t()`` / ``dy.t()``, read in place) and the MoE wgrad gather,
     1x16 blocks: :mod:`.quantize_cols` (blocks along tokens, the RHT fused);
-  * everything else (fp32 rows, 16x16 weight tiles, odd strides): the generic kernel of this
-    module (``_quantize_kernel``).
+  * everything else (fp32 rows, fp32 or odd-row-count weight tiles, odd strides): the generic
+    kernel of this module (``_quantize_kernel``).
 
 Supported (every option of the reference):
   * global scale ``"row"`` (computed in the kernel), ``"tensor"`` / ``"group"`` (one amax
@@ -369,9 +370,9 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
-    if FAST_PATHS and rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None):
+    if FAST_PATHS and rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None, amax is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
-                             cols_padded)
+                             cols_padded, tile16)
         return codes, scales, sdec, image
     if FAST_PATHS and quantize_cols.supported(x2d, tile16):
         if amax is None:

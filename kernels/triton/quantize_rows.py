@@ -25,6 +25,12 @@ then the quantize pass, the second read hitting L1/L2). Measured on the H200 (20
 BENCHMARKS.md run 5): 41 us for 16384 x 2048 (87% of the copy bandwidth), 139 us for
 16384 x 5120 (two reads, 65%).
 
+16x16 tiles (weights, tensor or group global scale, rows a multiple of 16): the same kernel with
+``TILE16``. A program holds ``BLOCK_R`` (a multiple of 16) whole rows; each chunk's block amax is
+max-reduced over the tile's 16 rows before the scales, and the rows are read once (the global
+amax comes from the separate amax pass). Issue 16: the generic kernel took 9.7 ms per training
+step for the qwen3-moe weights (0.66 TB/s).
+
 Raises nothing itself: :func:`.quantize.quantize_forward` validates and dispatches here only
 when :func:`supported` holds.
 """
@@ -58,13 +64,18 @@ GPU_ROWS_WARPS = 1
 GPU_ROWS_NB = 32
 #: Rows of at most this many chunks are held in registers (one read); longer rows are read twice.
 MAX_CHUNKS = 4
+#: 16x16 tiles: (threads per row, num_warps) on the GPU; BLOCK_R = 32 / threads * warps rows
+#: (a multiple of 16), so a warp holds 32 / threads rows of the tile (the 16-row max is warp
+#: shuffles, no shared memory: checked ahead of time, tests/kernels/triton/test_triton_quantize_aot.py).
+GPU_TILE_NB, GPU_TILE_WARPS = 2, 1
 
 
-def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool) -> bool:
+def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
     """Whether the fast row kernel takes ``x2d``: 16-bit floats, unit stride along K, rows
-    that start on 4-byte boundaries (the input is read as int32 words), 1x16 blocks."""
+    that start on 4-byte boundaries (the input is read as int32 words), 1x16 blocks -- or 16x16
+    tiles with a given global amax (tensor / group scale) and rows a multiple of 16."""
     return (
-        not tile16
+        (not tile16 or (has_amax and x2d.dim() == 2 and x2d.shape[0] % 16 == 0))
         and not has_col_index
         and x2d.dtype in (torch.bfloat16, torch.float16)
         and x2d.dim() == 2
@@ -74,17 +85,25 @@ def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool) -> bool:
     )
 
 
-def config(r: int, k: int) -> tuple[int, int, int, int]:
+def config(r: int, k: int, tile16: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_NB, BLOCK_R, num_warps, CHUNKS): BLOCK_NB (threads per row) is the largest power
     of two <= GPU_ROWS_NB dividing the row's block count, so chunks never straddle a row end;
-    CHUNKS = blocks per row / BLOCK_NB when at most MAX_CHUNKS (one read), else 0 (two reads)."""
+    CHUNKS = blocks per row / BLOCK_NB when at most MAX_CHUNKS (one read), else 0 (two reads).
+    16x16 tiles: BLOCK_NB <= GPU_TILE_NB, BLOCK_R a multiple of 16, CHUNKS = 0 (one read: the
+    amax is given)."""
     nb = k // 16
-    warps = 1 if interpreting() else GPU_ROWS_WARPS
-    cap = 4 if interpreting() else GPU_ROWS_NB
+    if tile16:
+        warps = 1 if interpreting() else GPU_TILE_WARPS
+        cap = 2 if interpreting() else GPU_TILE_NB
+    else:
+        warps = 1 if interpreting() else GPU_ROWS_WARPS
+        cap = 4 if interpreting() else GPU_ROWS_NB
     block_nb = 1
     while block_nb * 2 <= cap and nb % (block_nb * 2) == 0:
         block_nb *= 2
     block_r = (32 // block_nb) * warps
+    if tile16:
+        return block_nb, max(16, block_r), warps, 0
     chunks = nb // block_nb
     return block_nb, block_r, warps, chunks if chunks <= MAX_CHUNKS else 0
 
@@ -166,6 +185,15 @@ def _chunk_block_max(wa, wb, IS_FP16: tl.constexpr):
 
 
 @triton.jit
+def _tile_max16(bm, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[NB, BR] block amax -> the max over each group of 16 rows (a 16x16 tile), NaN wins,
+    broadcast back to the tile's rows."""
+    t = tl.reshape(bm, (BLOCK_NB, BLOCK_R // 16, 16))
+    m = tl.reduce(t, 2, max_propagate_nan, keep_dims=True)
+    return tl.reshape(tl.broadcast_to(m, (BLOCK_NB, BLOCK_R // 16, 16)), (BLOCK_NB, BLOCK_R))
+
+
+@triton.jit
 def _load_chunk(row_ptr, jw, c, BLOCK_NB: tl.constexpr, rmask3):
     """Words 0-3 and 4-7 of the blocks of chunk ``c`` ([NB, BR, 4] each)."""
     off = row_ptr + c * (BLOCK_NB * 8) + jw
@@ -211,6 +239,7 @@ def _quantize_rows_kernel(
     R, K, stride_w, rows_per_group, key, scale_cols_padded,
     ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
     IS_FP16: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
+    TILE16: tl.constexpr = False,
 ):
     """BLOCK_R rows per program, BLOCK_NB threads (one block each) per row and chunk. Tiles are
     ``[BLOCK_NB, BLOCK_R, 4]`` (blocks first: Triton spreads threads over the first
@@ -277,19 +306,23 @@ def _quantize_rows_kernel(
     else:
         for c in range(0, nbk // BLOCK_NB):
             wa, wb = _load_chunk(row_ptr, jw, c, BLOCK_NB, rmask3)
-            _quantize_chunk(wa, wb, _chunk_block_max(wa, wb, IS_FP16), rows, c, rmask, K, scale_mul, s_dec, inner,
+            bm = _chunk_block_max(wa, wb, IS_FP16)
+            if TILE16:
+                bm = _tile_max16(bm, BLOCK_NB, BLOCK_R)
+            _quantize_chunk(wa, wb, bm, rows, c, rmask, K, scale_mul, s_dec, inner,
                             codes_ptr, scales_ptr, image_ptr, scale_cols_padded,
                             STOCHASTIC, WITH_IMAGE, SWIZZLED, IS_FP16, BLOCK_NB)
 
 
-def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled, cols_padded):
+def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled, cols_padded,
+           tile16: bool = False):
     """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
     r, k = x2d.shape
-    block_nb, block_r, warps, chunks = config(r, k)
+    block_nb, block_r, warps, chunks = config(r, k, tile16)
     _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
         x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,
         ROW_AMAX=amax is None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0, SWIZZLED=swizzled,
-        IS_FP16=x2d.dtype == torch.float16, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks,
+        IS_FP16=x2d.dtype == torch.float16, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, TILE16=tile16,
         num_warps=warps, **exact_launch(),
     )

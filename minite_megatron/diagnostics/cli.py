@@ -138,6 +138,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         print("no divergence")
     else:
         print(f"first divergence: {fd.name} (point #{fd.index}, {fd.mismatched} of {fd.elements} elements differ)")
+        fc = cmp.first_consequential
+        print(f"first consequential divergence: {fc.name + ' (flips ' + fc.consequence + ')' if fc else 'none'}")
     for kind, p in paths.items():
         print(f"{kind}: {p}")
     return 1 if (fd is not None and args.fail_on_divergence) else 0

@@ -18,6 +18,18 @@ Status of a point:
 - ``no_common_rows``, ``missing_in_other``, ``missing_in_ref``: nothing to compare.
 
 "First divergence" is the first ``diverged`` point in the reference trace's execution order.
+
+Ranking by consequence. The first divergence is often harmless: a 1-ulp difference in an
+attention output that the next quantizer rounds to the same codes. What spreads is a difference
+that changes a *discrete* decision downstream -- NVFP4 codes or block scales, a routing map, a
+top-k, an expert set. :func:`rank_by_consequence` follows each diverged point forward in
+execution order: its **consequence** is the first diverged discrete point (integer values:
+codes, scales, routing maps, indices; or a routed point whose tokens changed experts) reached
+before any numeric point is bitwise equal again; a numeric point that is equal again first means
+the difference was **absorbed** (the values agree again: nothing downstream can have flipped).
+``Comparison.first_consequential`` is the first diverged point with a consequence -- the one to
+fix. (Execution order stands in for data flow: a point equal again on a parallel branch can mark a
+divergence absorbed that in fact reached a later point; the report names what it used.)
 """
 
 from __future__ import annotations
@@ -81,6 +93,8 @@ class PointResult:
     worst_other: float | int | None = None
     numeric: bool = True
     note: str = ""
+    consequence: str | None = None
+    absorbed_at: str | None = None
 
     @property
     def bitwise_equal(self) -> bool:
@@ -101,6 +115,7 @@ class Comparison:
     rtol: float | None
     results: list[PointResult] = field(default_factory=list)
     first_divergence: PointResult | None = None
+    first_consequential: PointResult | None = None
 
     @property
     def mode(self) -> str:
@@ -125,6 +140,8 @@ class Comparison:
             "rtol": self.rtol,
             "counts": self.counts(),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.name,
+            "first_consequential": None if self.first_consequential is None else self.first_consequential.name,
+            "ranked_divergences": [r.name for r in rank_by_consequence(self)],
             "points": [{k: clean(v) for k, v in asdict(r).items()} for r in self.results],
         }
 
@@ -257,7 +274,44 @@ def compare_traces(ref: Trace, other: Trace, *, atol: float | None = None, rtol:
         cmp.results.append(
             PointResult(n + j, name, layer_of(name), point_label(name), p.kind, "missing_in_ref", rows_other=p.rows)
         )
+    _trace_consequences(cmp)
     return cmp
 
 
-__all__ = ["Comparison", "PointResult", "compare_point", "compare_traces", "layer_of", "point_label"]
+def is_discrete(r: PointResult) -> bool:
+    """A point holding decisions (codes, scales, routing, indices) rather than values."""
+    return not r.numeric or r.routing_mismatch_tokens > 0
+
+
+def _trace_consequences(cmp: Comparison) -> None:
+    """Fill ``consequence`` / ``absorbed_at`` of every diverged point and ``first_consequential``
+    (see the module docstring)."""
+    compared = [r for r in cmp.results if r.compared]
+    for i, r in enumerate(compared):
+        if r.status != "diverged":
+            continue
+        if is_discrete(r):
+            r.consequence = r.name  # a flipped decision is its own consequence
+        else:
+            for later in compared[i + 1 :]:
+                if later.status == "diverged" and is_discrete(later):
+                    r.consequence = later.name
+                    break
+                if later.status == "equal" and later.numeric and not is_discrete(later):
+                    r.absorbed_at = later.name
+                    break
+        if r.consequence is not None and cmp.first_consequential is None:
+            cmp.first_consequential = r
+
+
+def rank_by_consequence(cmp: Comparison) -> list[PointResult]:
+    """Diverged points, those with a downstream consequence first (in execution order), then the
+    absorbed ones, then those whose fate the trace does not show (nothing compared after them)."""
+    diverged = [r for r in cmp.results if r.status == "diverged"]
+    return ([r for r in diverged if r.consequence is not None]
+            + [r for r in diverged if r.consequence is None and r.absorbed_at is not None]
+            + [r for r in diverged if r.consequence is None and r.absorbed_at is None])
+
+
+__all__ = ["Comparison", "PointResult", "compare_point", "compare_traces", "is_discrete", "layer_of", "point_label",
+           "rank_by_consequence"]

@@ -2,13 +2,16 @@
 
 :func:`write_report` writes three files into a folder:
 
-- ``report.md``: the verdict (first divergence, with the worst element), counts, a per-layer
-  summary and a table of every point in execution order (experts of one layer collapsed into
-  one row: ``local_experts.*``), first divergence in bold;
+- ``report.md``: the verdict (first divergence, with the worst element; whether it was
+  absorbed or changed codes, scales or routing downstream; the first *consequential*
+  divergence, :func:`~.compare.rank_by_consequence`), counts, the divergences ranked by
+  consequence, a per-layer summary and a table of every point in execution order (experts of
+  one layer collapsed into one row: ``local_experts.*``), both divergences in bold;
 - ``report.json``: :meth:`Comparison.to_dict` (every point, uncollapsed);
 - ``report.png``: top, a heatmap of log10(max |error|) per layer (columns) and capture point
   (rows), bitwise-equal cells in light grey, the first divergence outlined in red; bottom, the
-  max |error| of every point in execution order, with the first divergence marked.
+  max |error| of every point in execution order, with the first divergence marked (red) and the
+  first consequential one (orange) where they differ.
 
 matplotlib runs with the Agg backend (no display needed).
 """
@@ -20,7 +23,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compare import Comparison, PointResult
+from .compare import Comparison, PointResult, rank_by_consequence
 
 _EXACT_COLOR = "#3b6fb6"
 _STATUS_RANK = {"diverged": 5, "within_tol": 4, "equal": 3, "no_common_rows": 2, "missing_in_other": 1, "missing_in_ref": 0}
@@ -44,6 +47,7 @@ class GroupRow:
     first_bad: str | None
     is_first_divergence: bool
     numeric: bool = True
+    is_first_consequential: bool = False
 
 
 def group_results(cmp: Comparison) -> list[GroupRow]:
@@ -52,6 +56,7 @@ def group_results(cmp: Comparison) -> list[GroupRow]:
     for r in cmp.results:
         groups.setdefault((r.layer, r.label), []).append(r)
     first = cmp.first_divergence.name if cmp.first_divergence else None
+    consequential = cmp.first_consequential.name if cmp.first_consequential else None
     rows = []
     for (layer, label), rs in groups.items():
         worst = max(rs, key=lambda r: _STATUS_RANK[r.status])
@@ -72,6 +77,7 @@ def group_results(cmp: Comparison) -> list[GroupRow]:
                 first_bad=bad,
                 is_first_divergence=first is not None and first in [r.name for r in rs],
                 numeric=all(r.numeric for r in rs),
+                is_first_consequential=consequential is not None and consequential in [r.name for r in rs],
             )
         )
     return sorted(rows, key=lambda g: g.index)
@@ -124,11 +130,46 @@ def markdown_report(cmp: Comparison) -> str:
             )
         if fd.note:
             detail.append(f"- note: {fd.note}.")
+        fc = cmp.first_consequential
+        if fd.consequence is not None:
+            what = "it is itself a discrete decision" if fd.consequence == fd.name else f"`{fd.consequence}` differs next"
+            detail.append(f"- consequence: it changes codes, scales or routing downstream ({what}).")
+        elif fd.absorbed_at is not None:
+            detail.append(f"- **absorbed**: no code, scale or routing differs before `{fd.absorbed_at}` is bitwise "
+                          "equal again.")
         lines += detail
+        if fc is not None and fc is not fd:
+            lines += [
+                "",
+                f"**First consequential divergence: `{fc.name}`** (point #{fc.index}, layer "
+                f"{fc.layer if fc.layer is not None else '-'}): {fc.mismatched} of {fc.elements} elements differ, "
+                f"and `{fc.consequence}` (codes, scales or routing) differs downstream -- the divergence that spreads.",
+            ]
+        elif fc is None:
+            lines += ["", "No divergence changes a code, scale or routing decision downstream (every one is absorbed "
+                      "or last)."]
     lines.append("")
     counts = cmp.counts()
     lines.append("Points: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v) + ".")
     lines.append("")
+
+    ranked = rank_by_consequence(cmp)
+    if ranked:
+        lines += ["## Divergences ranked by consequence", "",
+                  "| rank | point | layer | mismatched elements | max abs err | consequence downstream |",
+                  "|---:|---|---:|---:|---:|---|"]
+        for i, r in enumerate(ranked[:12]):
+            if r.consequence is not None:
+                fate = "itself discrete" if r.consequence == r.name else f"flips `{r.consequence}`"
+            elif r.absorbed_at is not None:
+                fate = f"absorbed (equal again at `{r.absorbed_at}`)"
+            else:
+                fate = "not shown (nothing compared after it)"
+            lines.append(f"| {i + 1} | `{r.name}` | {r.layer if r.layer is not None else '-'} | {r.mismatched} | "
+                         f"{_fmt(r.max_abs)} | {fate} |")
+        if len(ranked) > 12:
+            lines.append(f"| | ... {len(ranked) - 12} more | | | | |")
+        lines.append("")
 
     groups = group_results(cmp)
     layers = sorted({g.layer for g in groups if g.layer is not None})
@@ -152,8 +193,10 @@ def markdown_report(cmp: Comparison) -> str:
     for g in groups:
         cell = f"`{g.names[0]}`" if len(g.names) == 1 else f"`{g.label}` ({len(g.names)} points)"
         status = g.status + (f" (routing: {g.routing_mismatch_tokens} tokens)" if g.routing_mismatch_tokens else "")
-        if g.is_first_divergence:
-            cell = f"**{cell} <- first divergence**"
+        if g.is_first_divergence or g.is_first_consequential:
+            tag = " / ".join(t for t, on in (("first divergence", g.is_first_divergence),
+                                               ("first consequential", g.is_first_consequential)) if on)
+            cell = f"**{cell} <- {tag}**"
             status = f"**{status}**"
         bitwise = "yes" if g.status == "equal" else ("-" if g.status not in ("diverged", "within_tol") else "no")
         lines.append(
@@ -223,6 +266,10 @@ def plot_report(cmp: Comparison, path: str | Path, title: str | None = None) -> 
         if fd is not None and fd.layer is not None and fd.label in labels:
             i, j = labels.index(fd.label), layers.index(fd.layer)
             ax1.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
+        fc = cmp.first_consequential
+        if fc is not None and fc is not fd and fc.layer is not None and fc.label in labels:
+            i, j = labels.index(fc.label), layers.index(fc.layer)
+            ax1.add_patch(Rectangle((j - 0.42, i - 0.42), 0.84, 0.84, fill=False, edgecolor="#e67e22", linewidth=2.5))
         ax1.set_title(
             "max |error| by layer and capture point\n(grey: bitwise equal; blue: integer point (codes, routing) differs; "
             "blank: not compared)",
@@ -270,6 +317,13 @@ def plot_report(cmp: Comparison, path: str | Path, title: str | None = None) -> 
                 bbox={"boxstyle": "round", "fc": "white", "ec": "none", "alpha": 0.85},
                 arrowprops={"arrowstyle": "->", "color": "red", "linewidth": 0.8},
             )
+        fc = cmp.first_consequential
+        if fc is not None and fc is not fd and fc.index in xs:
+            ax2.axvline(fc.index, color="#e67e22", linestyle="--", linewidth=1)
+            ax2.annotate(f"first consequential:\n{fc.name}", xy=(fc.index, ys[xs.index(fc.index)]),
+                         xytext=(0.55, 0.95), textcoords="axes fraction", fontsize=8, va="top", color="#e67e22",
+                         bbox={"boxstyle": "round", "fc": "white", "ec": "none", "alpha": 0.85},
+                         arrowprops={"arrowstyle": "->", "color": "#e67e22", "linewidth": 0.8})
         ax2.grid(True, which="major", alpha=0.3)
     else:
         ax2.axis("off")

@@ -103,6 +103,9 @@ def _run(args: argparse.Namespace) -> int:
     print(format_metrics({k: v for k, v in metrics.items() if "frac_gt" not in k}))
     first = comparison.first_divergence
     print(f"first divergence: {first.name if first is not None else 'none'}  (report: {args.out / 'report.md'})")
+    fc = comparison.first_consequential
+    if first is not None:
+        print(f"first consequential divergence: {fc.name + ' (flips ' + fc.consequence + ')' if fc else 'none'}")
     return 1 if (first is not None and args.fail_on_divergence) else 0
 
 

@@ -21,6 +21,8 @@ Megatron                                                                HF (Qwen
 ``decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}`` /
 ``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight``  ``model.layers.{i}.mlp.experts.{e}.{gate,up}_proj``
 ``decoder.layers.{i}.mlp.experts.linear_fc1.weight`` (``[E, 2F, H]``)   (same, all experts at once)
+``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight``            (same: the *checkpoint key* that both
+                                                                        expert modules' sharded state dicts give)
 ``...experts...linear_fc2...``                                          ``model.layers.{i}.mlp.experts.{e}.down_proj``
 =====================================================================  ==========================================
 
@@ -70,6 +72,11 @@ _RULES: list[tuple[re.Pattern, str, str]] = [
     (re.compile(_L + r"mlp\.experts\.linear_fc1\.weight(?P<expert>\d*)$"), "fc1", "model.layers.{layer}.mlp.experts.{expert}"),
     (re.compile(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc1\.weight$"), "fc1",
      "model.layers.{layer}.mlp.experts.{expert}"),
+    # the global key of the sharded state dict (``TEGroupedMLP`` and ``SequentialMLP`` alike): [E, N, K]
+    (re.compile(_L + r"mlp\.experts\.experts\.linear_fc1\.weight(?P<expert>)$"), "fc1",
+     "model.layers.{layer}.mlp.experts.{expert}"),
+    (re.compile(_L + r"mlp\.experts\.experts\.linear_fc2\.weight(?P<expert>)$"), "linear",
+     "model.layers.{layer}.mlp.experts.{expert}.down_proj"),
     (re.compile(_L + r"mlp\.experts\.linear_fc2\.weight(?P<expert>\d*)$"), "linear",
      "model.layers.{layer}.mlp.experts.{expert}.down_proj"),
     (re.compile(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight$"), "linear",

@@ -8,9 +8,14 @@ off) through its fc1/fc2 builders::
                        recipe=..., parallel_mode="column" | "row")
     forward(x [T, K], tokens_per_expert: list[int]) -> (y [T, N], bias or None)
 
-One call runs all local experts. Parameters are ``weight{i}`` / ``bias{i}`` as TE's grouped
-linear names them, so Megatron's expert sharded state dict (and its SwiGLU fc1 factory) apply
-unchanged and checkpoints are interchangeable with TE's and the sequential experts'. Expert
+One call runs all local experts: in NVFP4, or with ``precision="bf16"`` (the BF16 twin and the
+recipe's BF16 layers) through ``torch._grouped_mm`` (:func:`~minite_megatron.ops.grouped_linear.
+bf16_grouped_linear`; strict mode: the batch-invariant GEMM per expert). Parameters are
+``weight{i}`` / ``bias{i}`` as TE's grouped linear names them, so Megatron's expert sharded state
+dict (and its SwiGLU fc1 factory) apply unchanged and checkpoints are interchangeable with TE's
+and the sequential experts'. They are allocated as consecutive slices of one ``[G, N, K]``
+buffer (:meth:`NVFP4GroupedLinear.stacked_weights`), so the grouped kernels read all experts
+without a stacked copy and the weight cache keys on one version counter. Expert
 linears do no communication (the token dispatcher does); with expert tensor parallelism the
 column output / row input is divided by the expert-TP size.
 """
@@ -28,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from ..ops.grouped_linear import expert_weights, nvfp4_grouped_linear
+from ..ops.grouped_linear import bf16_grouped_linear, expert_weights, nvfp4_grouped_linear
 from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
@@ -94,8 +99,10 @@ class NVFP4GroupedLinear(MegatronModule):
 
         device = torch.cuda.current_device() if torch.cuda.is_available() and not config.use_cpu_initialization else "cpu"
         partition_dim = 0 if parallel_mode == "column" else 1
+        # one buffer, one slice per expert: the grouped GEMMs read [G, N, K] as a view
+        buffer = torch.empty(num_gemms, self.out_features, self.in_features, dtype=config.params_dtype, device=device)
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=config.params_dtype, device=device))
+            w = torch.nn.Parameter(buffer[i])
             if config.perform_initialization and config.use_cpu_initialization:
                 _initialize_affine_weight_cpu(
                     w, output_size, input_size, self.out_features if parallel_mode == "column" else self.in_features,
@@ -116,11 +123,28 @@ class NVFP4GroupedLinear(MegatronModule):
                 self.register_parameter(f"bias{i}", b)
         self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
         self._weights_cache = QuantizedWeightCache()
+        # the [G, N, K] buffer the weight{i} are slices of, while they still are (not a
+        # registered buffer: the parameters are the state)
+        self._weight_buffer = buffer.detach()
+        self._buffer_ptrs = [getattr(self, f"weight{i}").data_ptr() for i in range(num_gemms)]
 
     # ---- forward ------------------------------------------------------------------------------
     @property
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def stacked_weights(self) -> torch.Tensor | None:
+        """The experts' weights as one ``[G, N, K]`` tensor without a copy (the buffer they were
+        allocated in), or None once a parameter was moved or rebound (``param.data = ...``, a
+        device move): the ops then stack them (a copy per use)."""
+        buf = self._weight_buffer
+        if buf is None:
+            return None
+        ws = self.weights
+        if ws[0].dtype != buf.dtype or any(w.data_ptr() != p for w, p in zip(ws, self._buffer_ptrs)):
+            self._weight_buffer = None  # for good: let the old buffer go
+            return None
+        return buf
 
     @property
     def biases(self) -> list[torch.Tensor] | None:
@@ -138,7 +162,8 @@ class NVFP4GroupedLinear(MegatronModule):
         sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
         if self.precision == "nvfp4":
-            y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache)
+            y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache,
+                                     self.stacked_weights())
         else:
             y = self._bf16_forward(x, sizes, fused_bias)
         if self.use_bias and self.skip_bias_add:
@@ -146,11 +171,12 @@ class NVFP4GroupedLinear(MegatronModule):
         return y, None
 
     def _bf16_forward(self, x, sizes, biases):
-        """High-precision experts (BF16 layers): one GEMM per expert, batch invariant in strict mode."""
-        if self.recipe.strict:
-            from ..strict.matmul import linear
-        else:
-            linear = torch.nn.functional.linear
+        """High-precision experts (the BF16 twin, BF16 layers): ``torch._grouped_mm``; in strict
+        mode the batch-invariant GEMM, one per expert."""
+        if not self.recipe.strict:
+            return bf16_grouped_linear(x, sizes, self.weights, biases, self.stacked_weights())
+        from ..strict.matmul import linear
+
         outs = [
             linear(xe, w, None if biases is None else biases[g])
             for g, (xe, w) in enumerate(zip(torch.split(x, sizes), self.weights))
@@ -164,7 +190,8 @@ class NVFP4GroupedLinear(MegatronModule):
 
         if self.precision != "nvfp4":
             return None
-        return expert_weights(self._weights_cache, self.weights, self.recipe, backend_for(self.recipe, self.weight0.device), self.minite_ctx)
+        return expert_weights(self._weights_cache, self.weights, self.recipe, backend_for(self.recipe, self.weight0.device),
+                              self.minite_ctx, stacked=self.stacked_weights())
 
     def backward_dw(self) -> None:
         """Delayed wgrad is not used: weight gradients are computed in backward."""

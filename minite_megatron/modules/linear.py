@@ -64,12 +64,9 @@ class _NVFP4LinearMixin:
         """The NVFP4 weight the forward uses (what export writes), or None in BF16 precision."""
         if self.precision != "nvfp4":
             return None
-        from ..ops.linear import backend_for, quantize_weight
+        from ..ops.linear import backend_for, weight_operand
 
-        backend = backend_for(self.recipe, self.weight.device)
-        return self.minite_ctx.cache.get(
-            self.weight, lambda w: quantize_weight(w, self.recipe, backend, self.minite_ctx), extra=backend.name
-        )
+        return weight_operand(self.minite_ctx, self.weight, backend_for(self.recipe, self.weight.device))
 
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.precision == "nvfp4":

@@ -56,6 +56,8 @@ class MiniteNorm(torch.nn.Module):
 
                 return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
             w = self.weight + 1 if self.zero_centered_gamma else self.weight
+            if x.dtype == w.dtype:  # torch's fused kernel (fp32 inside): no dtype round trip
+                return F.rms_norm(x, (self.hidden_size,), w, self.eps)
             return F.rms_norm(x.float(), (self.hidden_size,), w.float(), self.eps).to(x.dtype)
         if self.batch_invariant:
             raise NotImplementedError("strict mode supports RMSNorm only (--normalization RMSNorm)")

@@ -47,12 +47,14 @@ from .formats import (
 )
 from .gemm import fp32_accumulation_bound, gemm_reference
 from .grouped import (
+    decode_grouped_gemm_reference,
     grouped_gemm_reference,
     grouped_wgrad_gemm_reference,
     grouped_wgrad_reference,
     pad_groups,
     padded_group_sizes,
     quantize_wgrad_operand,
+    stack_expert_weights,
 )
 from .hadamard import hadamard_matrix, rht16, rht_signs
 from .quantize import global_scales, quantize_reference
@@ -154,6 +156,23 @@ def grouped_gemm(
     return get_backend(backend, a.device).grouped_gemm(a, b, group_sizes, bias, out_dtype, batch_invariant)
 
 
+def decode_grouped_gemm(
+    a: NVFP4Tensor,
+    w_stacked: NVFP4Tensor,
+    expert_ids: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    batch_invariant: bool = False,
+    *,
+    num_experts: int | None = None,
+) -> torch.Tensor:
+    """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]`` (see
+    :func:`.grouped.decode_grouped_gemm_reference`; ``w_stacked`` from :func:`stack_expert_weights`)."""
+    return get_backend(backend, a.device).decode_grouped_gemm(
+        a, w_stacked, expert_ids, out_dtype, batch_invariant, num_experts=num_experts
+    )
+
+
 def grouped_wgrad(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -185,6 +204,8 @@ __all__ = [
     "available_backends",
     "backend_names",
     "dequantize",
+    "decode_grouped_gemm",
+    "decode_grouped_gemm_reference",
     "draw_seed",
     "e2m1_decode",
     "e2m1_encode_nearest",
@@ -209,6 +230,7 @@ __all__ = [
     "register_backend",
     "rht16",
     "rht_signs",
+    "stack_expert_weights",
     "swizzle_scales",
     "swizzled_numel",
     "unpack_e2m1",

@@ -2,7 +2,8 @@
 
 A backend exposes ``available(device) -> bool``, ``why_not(device) -> str | None`` (the reason
 it cannot run there) and the ops ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` with the reference's
-signatures. ``get_backend(None, device)`` picks the best available one for the device:
+signatures, and ``decode_grouped_gemm`` (MoE decode on unsorted rows routed to experts).
+``get_backend(None, device)`` picks the best available one for the device:
 ``blackwell`` (sm_100a/sm_103a FP4 tensor cores) > ``triton`` (any CUDA GPU) > ``reference``
 (pure torch, always available). ``MINITE_BACKEND=<name>`` overrides the choice.
 
@@ -20,7 +21,7 @@ from typing import Protocol
 import torch
 
 from .gemm import gemm_reference
-from .grouped import grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
+from .grouped import decode_grouped_gemm_reference, grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
 from .row_col import amax_row_col, quantize_row_col
 from .tensor import NVFP4Tensor
@@ -66,6 +67,17 @@ class Backend(Protocol):
         **kwargs,
     ) -> torch.Tensor: ...
 
+    def decode_grouped_gemm(
+        self,
+        a: NVFP4Tensor,
+        w_stacked: NVFP4Tensor,
+        expert_ids: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        batch_invariant: bool = False,
+        *,
+        num_experts: int | None = None,
+    ) -> torch.Tensor: ...
+
     # optional: the GEMM half of grouped_wgrad on pre-quantized operands (the reference's is
     # used on the backend's device when a backend does not provide it)
     # def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype, batch_invariant) -> Tensor
@@ -103,6 +115,11 @@ class ReferenceBackend:
 
     def grouped_wgrad(self, grad_out, x, group_sizes, **kwargs):
         return grouped_wgrad_reference(grad_out, x, group_sizes, **kwargs)
+
+    def decode_grouped_gemm(self, a, w_stacked, expert_ids, out_dtype=torch.bfloat16, batch_invariant=False, *,
+                            num_experts=None):
+        return decode_grouped_gemm_reference(a, w_stacked, expert_ids, out_dtype, batch_invariant,
+                                             num_experts=num_experts)
 
     def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype=torch.float32, batch_invariant=False):
         return grouped_wgrad_gemm_reference(a, b, padded_group_sizes, out_dtype)

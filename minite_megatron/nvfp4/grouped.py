@@ -15,6 +15,7 @@ Rows (tokens) are sorted by expert; ``group_sizes[g]`` rows belong to expert g.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -157,3 +158,174 @@ def grouped_wgrad_reference(
     )
     qb = quantize_wgrad_operand(x, group_sizes, global_scale=global_scale, rht_seed=rht_seed)
     return grouped_wgrad_gemm_reference(qa, qb, padded_group_sizes(group_sizes), out_dtype)
+
+
+# ---- decode (rollout): rows routed to experts, unsorted -----------------------------------
+def stack_expert_weights(weights: Sequence[NVFP4Tensor]) -> NVFP4Tensor:
+    """E experts' quantized ``[N, K]`` weights -> one ``[E, N, K]`` tensor, ``global_scale="group"``.
+
+    Each input keeps its bytes (codes, block scales: never re-quantized) and its global decode
+    scale (``"tensor"``: one value; ``"group"`` of one matrix). Its :meth:`NVFP4Tensor.matrix`
+    view is the ``[E*N, K]`` matrix with a per-row global decode scale (each expert's scale
+    repeated over its N rows). Block scales come out in the linear layout; bf16 images are
+    dropped (decode kernels read the packed bytes). The learner's grouped weights
+    (``quantize(w, global_scale="group")`` of ``[E, N, K]``) already have this form.
+
+    Raises ValueError for an empty list, experts of different shapes/tiles/devices, or an expert
+    with per-row global scales (an expert's N rows must share one scale).
+    """
+    if len(weights) == 0:
+        raise ValueError("stack_expert_weights: no expert weights given")
+    first = weights[0]
+    for e, w in enumerate(weights):
+        if not isinstance(w, NVFP4Tensor):
+            raise TypeError(f"stack_expert_weights: expert {e} is a {type(w).__name__}, not an NVFP4Tensor")
+        if len(w.shape) != 2 or tuple(w.shape) != tuple(first.shape):
+            raise ValueError(
+                f"stack_expert_weights: expert {e} has shape {tuple(w.shape)}; every expert must be "
+                f"[N, K] = {tuple(first.shape)}"
+            )
+        if w.tile != first.tile or w.device != first.device:
+            raise ValueError(f"stack_expert_weights: expert {e} has tile {w.tile} on {w.device}, "
+                             f"expert 0 has {first.tile} on {first.device}")
+        if w.global_decode.numel() != 1:
+            raise ValueError(
+                f"stack_expert_weights: expert {e} has {w.global_decode.numel()} global scales "
+                f"(global_scale={w.global_scale!r}); each expert needs one tensor scale"
+            )
+    n, k = first.shape
+    lin = [w.linear() for w in weights]
+    return NVFP4Tensor(
+        codes=torch.stack([w.codes.reshape(n, k // 2) for w in lin]),
+        block_scales=torch.stack([w.block_scales.reshape(n, k // BLOCK) for w in lin]),
+        global_decode=torch.cat([w.global_decode.reshape(1).to(torch.float32) for w in lin]),
+        shape=torch.Size([len(weights), n, k]),
+        global_scale="group",
+        tile=first.tile,
+        layout="linear",
+    )
+
+
+def decode_weight_geometry(w_stacked: NVFP4Tensor, num_experts: int | None = None) -> tuple[int, int, int]:
+    """(E, N, K) of decode expert weights: ``[E, N, K]`` (``"group"`` or ``"row"`` scales), or
+    ``[E*N, K]`` (``"row"`` scales) with ``num_experts`` given. Raises ValueError otherwise."""
+    if not isinstance(w_stacked, NVFP4Tensor):
+        raise TypeError("decode_grouped_gemm: w_stacked must be an NVFP4Tensor (see stack_expert_weights)")
+    if len(w_stacked.shape) == 3:
+        e, n, k = w_stacked.shape
+        if num_experts is not None and num_experts != e:
+            raise ValueError(f"decode_grouped_gemm: num_experts={num_experts} but w_stacked is {tuple(w_stacked.shape)}")
+        if w_stacked.global_scale not in ("group", "row"):
+            raise ValueError("decode_grouped_gemm: [E, N, K] weights need 'group' (or per-row) global scales, "
+                             f"got {w_stacked.global_scale!r}")
+        return e, n, k
+    if len(w_stacked.shape) == 2:
+        if num_experts is None or num_experts <= 0 or w_stacked.shape[0] % num_experts:
+            raise ValueError(
+                f"decode_grouped_gemm: [E*N, K] weights {tuple(w_stacked.shape)} need num_experts= dividing "
+                f"{w_stacked.shape[0]} (got {num_experts}); stack_expert_weights gives an [E, N, K] tensor"
+            )
+        if w_stacked.global_scale != "row":
+            raise ValueError("decode_grouped_gemm: [E*N, K] weights need per-row global scales (each expert's "
+                             f"scale repeated over its rows), got {w_stacked.global_scale!r}")
+        return num_experts, w_stacked.shape[0] // num_experts, w_stacked.shape[1]
+    raise ValueError(f"decode_grouped_gemm: w_stacked must be [E, N, K] or [E*N, K], got {tuple(w_stacked.shape)}")
+
+
+def check_decode_grouped_operands(a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert_ids: torch.Tensor,
+                                  num_experts: int | None = None) -> tuple[int, int, int]:
+    """The errors every backend's decode_grouped_gemm raises (no host sync: ids are not read).
+    Returns (E, N, K)."""
+    e, n, k = decode_weight_geometry(w_stacked, num_experts)
+    if not isinstance(a, NVFP4Tensor):
+        raise TypeError("decode_grouped_gemm: a must be an NVFP4Tensor (quantize the rows first)")
+    if len(a.shape) != 2 or a.k != k:
+        raise ValueError(f"decode_grouped_gemm: a must be [R, K={k}], got {tuple(a.shape)}")
+    if a.global_scale not in ("row", "tensor"):
+        raise ValueError(f"decode_grouped_gemm: a needs a per-row or per-tensor global scale, got {a.global_scale!r}")
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 1 or expert_ids.numel() != a.rows:
+        raise ValueError(f"decode_grouped_gemm: expert_ids must be a 1-D tensor of {a.rows} expert indices, got "
+                         f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"decode_grouped_gemm: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    if a.device != w_stacked.device or expert_ids.device != a.device:
+        raise ValueError(f"decode_grouped_gemm: a on {a.device}, w_stacked on {w_stacked.device}, "
+                         f"expert_ids on {expert_ids.device}")
+    return e, n, k
+
+
+def check_expert_ids_in_range(expert_ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError naming the first row whose expert index is outside ``[0, E)`` (a host sync)."""
+    if expert_ids.numel() == 0:
+        return
+    bad = (expert_ids < 0) | (expert_ids >= num_experts)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise ValueError(f"decode_grouped_gemm: expert_ids[{r}] = {int(expert_ids[r])} is outside [0, {num_experts})")
+
+
+def _expert_matrix(w_stacked: NVFP4Tensor, e: int, n: int, k: int) -> NVFP4Tensor:
+    """Expert ``e``'s ``[N, K]`` weights with its one global scale."""
+    m = w_stacked.matrix()
+    return replace(
+        m,
+        codes=m.codes[e * n : (e + 1) * n],
+        block_scales=m.block_scales[e * n : (e + 1) * n],
+        global_decode=m.global_decode[e * n : (e + 1) * n],
+        shape=torch.Size([n, k]),
+        global_scale="row",
+        image=None if m.image is None else m.image[e * n : (e + 1) * n],
+    )
+
+
+def _take_rows(a: NVFP4Tensor, rows: torch.Tensor) -> NVFP4Tensor:
+    m = a.matrix()
+    g = m.global_decode[rows] if m.global_scale == "row" else m.global_decode
+    return replace(
+        m,
+        codes=m.codes[rows],
+        block_scales=m.block_scales[rows],
+        global_decode=g,
+        shape=torch.Size([rows.numel(), a.k]),
+        image=None if m.image is None else m.image[rows],
+    )
+
+
+def decode_grouped_gemm_reference(
+    a: NVFP4Tensor,
+    w_stacked: NVFP4Tensor,
+    expert_ids: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool = False,
+    *,
+    num_experts: int | None = None,
+) -> torch.Tensor:
+    """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]`` ``out_dtype``.
+
+    Args:
+        a: NVFP4 ``[R, K]``, per-row (or per-tensor) global scale; one row per (token, chosen
+            expert) pair, in any order (rows of one expert need not be adjacent).
+        w_stacked: NVFP4 ``[E, N, K]`` (:func:`stack_expert_weights`, or the learner's
+            ``"group"`` weights), or its ``[E*N, K]`` matrix with per-row scales and
+            ``num_experts=E``.
+        expert_ids: int32/int64 ``[R]``, each in ``[0, E)``.
+        batch_invariant: accepted for the backends' signature; the reference is always batch
+            invariant (the contract's canonical accumulation order, row by row).
+
+    Every row is the contract's dense GEMM of that row with its expert's weights, bit for bit
+    (so ``R = 0``, experts chosen by no row, and several rows of one expert all follow).
+    This reference reads ``expert_ids`` on the host (a sync); kernels must not.
+
+    Raises TypeError / ValueError for operands of the wrong kind, shape or device, and
+    ValueError for an expert index outside ``[0, E)``.
+    """
+    e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
+    check_expert_ids_in_range(expert_ids, e)
+    out = torch.empty(a.rows, n, dtype=out_dtype, device=a.device)
+    if a.rows == 0:
+        return out
+    ids = expert_ids.to(torch.int64)
+    for expert in torch.unique(ids).tolist():
+        rows = (ids == expert).nonzero().reshape(-1)
+        out[rows] = gemm_reference(_take_rows(a, rows), _expert_matrix(w_stacked, expert, n, k), None, out_dtype)
+    return out

@@ -12,6 +12,14 @@ expert::
 The wgrad operands are quantized along tokens, each expert's tokens zero-padded to a multiple of
 16 so that no block straddles two experts (:mod:`minite_megatron.nvfp4.grouped`); the forward
 saves ``Q_col(x)`` (codes and scales), not a BF16 copy of ``x``.
+
+:func:`bf16_grouped_linear` is the BF16 counterpart (the BF16 twin, ``Recipe(precision="bf16")``):
+fprop, dgrad and wgrad each one ``torch._grouped_mm`` launch (device-side offsets), as
+Transformer Engine's grouped GEMM would run them.
+
+Both read the experts' weights as one ``[G, N, K]`` tensor: a view when the ``weight{i}``
+parameters are consecutive slices of one buffer (:func:`stacked_view`; how
+``NVFP4GroupedLinear`` allocates them), else a stacked copy (e.g. after ``param.data = ...``).
 """
 
 from __future__ import annotations
@@ -23,25 +31,63 @@ import torch
 
 from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
-from .weight_cache import QuantizedWeightCache
+from .weight_cache import QuantizedWeightCache, keep_images
 from .linear import (
     LinearContext,
     add_wgrad,
     backend_for,
+    dgrad_gemm,
+    wgrad_dtype,
     quantize_activation,
     quantize_dgrad_operand,
     quantize_wgrad_operand_for,
 )
 
 
-def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lctx=None) -> NVFP4Tensor:
+def stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[G, N, K]`` tensor whose ``[g]`` is ``weights[g]`` without a copy, or None when the
+    weights are not consecutive, equally shaped, contiguous slices of one storage. Detached."""
+    if not weights:
+        return None
+    w0 = weights[0]
+    if not w0.is_contiguous():
+        return None
+    step = w0.numel()
+    storage = w0.untyped_storage().data_ptr()
+    for g, w in enumerate(weights):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != storage or w.storage_offset() != w0.storage_offset() + g * step):
+            return None
+    return w0.detach().as_strided((len(weights), *w0.shape), (step, *w0.stride()), w0.storage_offset())
+
+
+def stacked_weights(weights: Sequence[torch.Tensor], stacked: torch.Tensor | None = None) -> torch.Tensor:
+    """``[G, N, K]`` of the expert weights: ``stacked`` (a caller's known view of them),
+    :func:`stacked_view`, or a stacked copy. Detached."""
+    if stacked is not None:
+        return stacked.detach()
+    view = stacked_view(weights)
+    return view if view is not None else torch.stack([t.detach() for t in weights])
+
+
+def add_wgrads(weights: Sequence[torch.Tensor], dw: torch.Tensor, like: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`~.linear.add_wgrad` of every expert from the stacked ``dw`` ``[G, N, K]``; without
+    ``main_grad`` the gradients are views of ``dw`` (one ``unbind``, no per-expert kernel)."""
+    if all(getattr(w, "main_grad", None) is None for w in weights):
+        d = dw if dw.dtype == weights[0].dtype else dw.to(weights[0].dtype)
+        return list(d.unbind(0))
+    return [add_wgrad(w, dw[g], like) for g, w in enumerate(weights)]
+
+
+def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lctx=None,
+                            with_image: bool = True, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert (the
     amax of each whole expert weight under expert tensor parallelism)."""
-    w = torch.stack([t.detach() for t in weights])
+    w = stacked_weights(weights, stacked)
     if recipe.weight_tile == "2d":
         amax = None if lctx is None else lctx.amax(w, "group", rows_sharded=lctx.column, k_sharded=lctx.row)
         return backend.quantize(
-            w, global_scale="group", tile=(16, 16), amax=amax, with_image=True, nonfinite=recipe.nonfinite
+            w, global_scale="group", tile=(16, 16), amax=amax, with_image=with_image, nonfinite=recipe.nonfinite
         )
     raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
 
@@ -53,9 +99,16 @@ def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
     return fn(a, b, padded, out_dtype, strict)
 
 
-def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None) -> NVFP4Tensor:
-    """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per optimizer step)."""
-    return cache.get(weights, lambda ws: quantize_expert_weights(ws, recipe, backend, lctx), extra=backend.name)
+def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
+                   with_image: bool | None = None, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
+    """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per weight version; the
+    BF16 image only where :func:`~.weight_cache.keep_images` says). With ``stacked`` (the
+    experts' one-buffer view) the cache keys on that one tensor: a view shares its base's
+    version counter, so any in-place change of an expert is seen."""
+    with_image = keep_images() if with_image is None else with_image
+    key = stacked if stacked is not None else weights
+    return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image, stacked),
+                     extra=backend.name)
 
 
 def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -64,19 +117,21 @@ def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
 
 class NVFP4GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: QuantizedWeightCache, has_bias, *params):
+    def forward(ctx, x, tokens_per_expert, lctx: LinearContext, cache: QuantizedWeightCache, has_bias, with_image,
+                stacked, *params):
         recipe = lctx.recipe
         backend = backend_for(recipe, x.device)
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        qw = expert_weights(cache, weights, recipe, backend, lctx)
+        qw = expert_weights(cache, weights, recipe, backend, lctx, with_image, stacked)
+        ctx.stacked = stacked
         qx = quantize_activation(x, lctx, backend)
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
         ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
         ctx.tokens_per_expert = list(tokens_per_expert)
-        ctx.needs_wgrad = any(ctx.needs_input_grad[5 : 5 + groups])
+        ctx.needs_wgrad = any(ctx.needs_input_grad[7 : 7 + groups])
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x, tokens_per_expert, lctx, backend, gradient=False)
@@ -97,17 +152,21 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dy = grad_out
         dx = None
         dws: list[torch.Tensor | None] = [None] * ctx.groups
-        qw = expert_weights(ctx.cache, weights, recipe, backend, lctx)
+        qw = expert_weights(ctx.cache, weights, recipe, backend, lctx, with_image=False, stacked=ctx.stacked)
         if recipe.full_update:
             if ctx.needs_input_grad[0]:
                 qdy = quantize_dgrad_operand(dy, lctx, backend)
-                dx = backend.grouped_gemm(qdy, ctx.cache.transposed(_transpose), sizes, None, grad_out.dtype, recipe.strict)
+                dx = dgrad_gemm(backend, qdy, qw, ctx.cache, _transpose, grad_out.dtype, recipe.strict, group_sizes=sizes)
+                del qdy
+            ctx.cache.release_after_backward()
+            del qw
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
-                dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), torch.float32, recipe.strict)
-                dws = [add_wgrad(w, dw[g], grad_out) for g, w in enumerate(weights)]
+                dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]), recipe.strict)
+                del qdy_t, qx_t
+                dws = add_wgrads(weights, dw, grad_out)
         else:
             w_hat = qw.dequantize(dy.dtype)
             if ctx.needs_input_grad[0]:
@@ -116,10 +175,11 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                 (x,) = rest
                 parts = zip(torch.split(dy, sizes), torch.split(x, sizes))
                 dws = [add_wgrad(w, d.t().float() @ xx.float(), grad_out) for w, (d, xx) in zip(weights, parts)]
+            ctx.cache.release_after_backward()
         dbias = []
         if ctx.has_bias:
             dbias = [d.sum(0).to(grad_out.dtype) for d in torch.split(dy, sizes)]
-        return (dx, None, None, None, None, *dws, *dbias)
+        return (dx, None, None, None, None, None, None, *dws, *dbias)
 
 
 def nvfp4_grouped_linear(
@@ -129,12 +189,125 @@ def nvfp4_grouped_linear(
     biases: Sequence[torch.Tensor] | None,
     lctx: LinearContext,
     cache: QuantizedWeightCache,
+    stacked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``."""
+    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``.
+    ``stacked``: the weights' ``[G, N, K]`` one-buffer view if the caller knows it (no copy,
+    an O(1) cache key)."""
     sizes = [int(s) for s in tokens_per_expert]
     if len(sizes) != len(weights):
         raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
     params = list(weights) + (list(biases) if biases is not None else [])
-    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, *params)
+    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, keep_images(), stacked, *params)
+
+
+# ---- the BF16 twin's grouped linear -------------------------------------------------------------
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Can ``torch._grouped_mm`` run these operands? (CPU: any float; CUDA: bf16 on sm_90+.)"""
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+def group_end_offsets(sizes: Sequence[int], device) -> torch.Tensor:
+    """int32 ``[G]`` cumulative row ends (``torch._grouped_mm``'s ``offs``) on ``device``."""
+    ends, total = [], 0
+    for s in sizes:
+        total += int(s)
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _row_bias(biases, sizes, rows: int) -> torch.Tensor:
+    """``[T, N]``: each row's expert bias."""
+    expert = torch.repeat_interleave(torch.arange(len(sizes), device=biases[0].device),
+                                     torch.tensor(sizes, device=biases[0].device), output_size=rows)
+    return torch.stack(biases).index_select(0, expert)
+
+
+class BF16GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, has_bias, stacked, *params):
+        groups = len(sizes)
+        weights, biases = params[:groups], (params[groups:] if has_bias else None)
+        w = stacked_weights(weights, stacked)
+        grouped = grouped_mm_supported(x) and w.dtype == x.dtype
+        if grouped:
+            offs = group_end_offsets(sizes, x.device)
+            y = torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)
+        else:
+            offs = None
+            parts = [xe @ w[g].t() for g, xe in enumerate(torch.split(x, sizes))]
+            y = torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+        if has_bias:
+            y = y + _row_bias(biases, sizes, x.shape[0]).to(y.dtype)
+        ctx.sizes, ctx.groups, ctx.has_bias, ctx.grouped = list(sizes), groups, has_bias, grouped
+        ctx.stacked = stacked  # a view of the parameters (never a copy: the backward re-stacks)
+        ctx.save_for_backward(x, offs if offs is not None else torch.empty(0), *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, offs, *weights = ctx.saved_tensors
+        sizes = ctx.sizes
+        dy = grad_out.contiguous()
+        w = stacked_weights(weights, ctx.stacked)
+        dx = None
+        dws = [None] * ctx.groups
+        if ctx.grouped:
+            if ctx.needs_input_grad[0]:
+                dx = torch._grouped_mm(dy, w, offs=offs)
+            if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
+                dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
+                for g, s in enumerate(sizes):
+                    if s == 0:  # no rows: no contribution (do not rely on the kernel's empty groups)
+                        dw[g].zero_()
+                dws = add_wgrads(weights, dw, grad_out)
+        else:
+            dys, xs = torch.split(dy, sizes), torch.split(x, sizes)
+            if ctx.needs_input_grad[0]:
+                parts = [d @ w[g] for g, d in enumerate(dys)]
+                dx = torch.cat(parts) if parts else dy.new_zeros(0, w.shape[2])
+            if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
+                dws = [add_wgrad(wt, d.t() @ xx, grad_out) for wt, d, xx in zip(weights, dys, xs)]
+        dbias = []
+        if ctx.has_bias:
+            dbias = [d.sum(0).to(grad_out.dtype) for d in torch.split(dy, sizes)]
+        return (dx, None, None, None, *dws, *dbias)
+
+
+def bf16_grouped_linear(
+    x: torch.Tensor,
+    tokens_per_expert: Sequence[int],
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None = None,
+    stacked: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in the weights' precision.
+
+    Args:
+        x: ``[T, K]``, rows sorted by expert (``tokens_per_expert[g]`` rows for expert g).
+        tokens_per_expert: G non-negative ints summing to T.
+        weights: G tensors ``[N, K]`` (one buffer's consecutive slices avoid a stacked copy).
+        biases: G tensors ``[N]`` or None.
+        stacked: the weights' ``[G, N, K]`` one-buffer view, if the caller knows it.
+    Returns:
+        ``[T, N]`` in ``x.dtype``: one ``torch._grouped_mm`` for fprop, dgrad and wgrad each
+        where it runs (CPU; bf16 on sm_90+), else one matmul per expert. Weight gradients go to
+        Megatron's ``main_grad`` when the weights have one.
+    Raises:
+        ValueError if the counts do not match the experts or the rows.
+    """
+    sizes = [int(s) for s in tokens_per_expert]
+    if len(sizes) != len(weights):
+        raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
+    params = list(weights) + (list(biases) if biases is not None else [])
+    if stacked is None:
+        stacked = stacked_view(weights)
+    return BF16GroupedLinearFunction.apply(x, sizes, biases is not None, stacked, *params)

@@ -9,7 +9,9 @@
 ``Q_col(t)`` quantizes ``t^T`` (blocks of 16 tokens; the token count is zero-padded to a multiple
 of 16, which leaves dW unchanged). The forward saves ``Q_col(x)`` (packed
 codes and scales: 4.5 bits per element) for wgrad, never a BF16 copy of x. The quantized weight
-comes from a :class:`~.weight_cache.QuantizedWeightCache` (once per optimizer step).
+comes from a :class:`~.weight_cache.QuantizedWeightCache` (once per weight version; codes and
+scales only in training, the GEMM builds the BF16 image it needs just in time; the dgrad GEMM
+reads it transposed through :func:`dgrad_gemm`).
 Stochastic-rounding seeds come from :mod:`.seeds` (a hash of the iteration, the call and the rank
 under ``megatron.training``), so a run resumed from a checkpoint rounds like an uninterrupted one.
 
@@ -31,7 +33,7 @@ from ..recipe import Recipe
 from . import handoff
 from .amax_sync import needs_sync, synced_amax
 from .seeds import next_sr_seed
-from .weight_cache import QuantizedWeightCache
+from .weight_cache import QuantizedWeightCache, keep_images
 
 
 @dataclass
@@ -65,14 +67,55 @@ def backend_for(recipe: Recipe, device: torch.device):
     return nvfp4.get_backend(recipe.backend, device)
 
 
-def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
+def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None,
+                    with_image: bool = True) -> NVFP4Tensor:
     """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale
     (the amax of the whole, unsharded weight under tensor parallelism)."""
     amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
     return backend.quantize(
-        weight, global_scale="tensor", tile=recipe.weight_tile_shape, amax=amax, with_image=True,
+        weight, global_scale="tensor", tile=recipe.weight_tile_shape, amax=amax, with_image=with_image,
         nonfinite=recipe.nonfinite,
     )
+
+
+def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None) -> NVFP4Tensor:
+    """The cached NVFP4 weight of a linear (quantized when its version changed); with its BF16
+    image only where :func:`~.weight_cache.keep_images` says (``with_image``: that answer,
+    taken where autograd's grad mode is the caller's)."""
+    recipe = lctx.recipe
+    with_image = keep_images() if with_image is None else with_image
+    return lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx, with_image), extra=backend.name)
+
+
+def dgrad_gemm(backend, qdy: NVFP4Tensor, qw: NVFP4Tensor, cache: QuantizedWeightCache, make_transposed,
+               out_dtype: torch.dtype, batch_invariant: bool, group_sizes=None) -> torch.Tensor:
+    """``dx = dy @ W`` (dense) or per expert ``dx_g = dy_g @ W_g`` (``group_sizes``).
+
+    With 16x16 tiles the quantization of ``W^T`` is a relayout of ``W``'s (same codes, scales and
+    global scale per element), so a backend with ``gemm_nt`` / ``grouped_gemm_nt`` (the Triton
+    one: the image of ``W`` read transposed) needs no transposed copy; other backends get the
+    relayout, made once per weight version (``make_transposed``) and released with the entry.
+    Same bits either way.
+    """
+    if qw.tile == (16, 16):
+        fn = getattr(backend, "gemm_nt" if group_sizes is None else "grouped_gemm_nt", None)
+        if fn is not None:
+            if group_sizes is None:
+                return fn(qdy, qw, None, out_dtype, batch_invariant)
+            return fn(qdy, qw, group_sizes, None, out_dtype, batch_invariant)
+    qwt = cache.transposed(make_transposed)
+    if group_sizes is None:
+        return backend.gemm(qdy, qwt, None, out_dtype=out_dtype, batch_invariant=batch_invariant)
+    return backend.grouped_gemm(qdy, qwt, group_sizes, None, out_dtype, batch_invariant)
+
+
+def wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The wgrad GEMM's output dtype: fp32 into Megatron's ``main_grad``, else the weight's own
+    (the kernel rounds its fp32 result once: the same bits as an fp32 output rounded after)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and hasattr(weight, "grad_added_to_main_grad"):
+        return torch.float32
+    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
 def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
@@ -199,12 +242,13 @@ def quantize_grad_both(dy: torch.Tensor, lctx: LinearContext, backend):
 
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext,
+                with_image: bool = True):
         recipe = lctx.recipe
         backend = backend_for(recipe, x.device)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx), extra=backend.name)
+        qw = weight_operand(lctx, weight, backend, with_image)
         qx = quantize_activation(x2, lctx, backend)
         y = backend.gemm(qx, qw, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
@@ -232,7 +276,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, n)
         if dy.dtype != weight.dtype and dy.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise TypeError(f"NVFP4 linear backward got a {dy.dtype} gradient")
-        qw = lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx), extra=backend.name)
+        qw = weight_operand(lctx, weight, backend, with_image=False)
         dx = dw_out = None
 
         if recipe.full_update:
@@ -241,14 +285,17 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 qdy, qdy_t = quantize_grad_both(dy, lctx, backend)
             if ctx.needs_input_grad[0]:
                 qdy = qdy if qdy is not None else quantize_dgrad_operand(dy, lctx, backend)
-                qwt = lctx.cache.transposed(lambda q: weight_transposed(q, weight, recipe, backend, lctx))
-                dx = backend.gemm(qdy, qwt, None, out_dtype=grad_out.dtype, batch_invariant=recipe.strict)
+                dx = dgrad_gemm(backend, qdy, qw, lctx.cache, lambda q: weight_transposed(q, weight, recipe, backend, lctx),
+                                grad_out.dtype, recipe.strict)
+                del qdy
+            lctx.cache.release_after_backward()
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
                 if qdy_t is None:
                     qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
-                dw = backend.gemm(qdy_t, qx_t, None, out_dtype=torch.float32, batch_invariant=recipe.strict)
+                dw = backend.gemm(qdy_t, qx_t, None, out_dtype=wgrad_dtype(weight), batch_invariant=recipe.strict)
+                del qdy_t, qx_t
                 dw_out = add_wgrad(weight, dw, grad_out)
         else:
             # BF16 backward through the quantized weight (straight-through estimator)
@@ -257,11 +304,12 @@ class NVFP4LinearFunction(torch.autograd.Function):
             if ctx.needs_wgrad:
                 (x2,) = rest
                 dw_out = add_wgrad(weight, dy.t().float() @ x2.float(), grad_out)
+            lctx.cache.release_after_backward()
 
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
         dbias = dy.sum(0).to(grad_out.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw_out, dbias, None
+        return dx, dw_out, dbias, None, None
 
 
 def nvfp4_linear(
@@ -270,4 +318,4 @@ def nvfp4_linear(
     """``x @ weight.T + bias`` in NVFP4 under ``lctx.recipe``; x is ``[..., K]``."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"nvfp4_linear: input has {x.shape[-1]} features, weight expects {weight.shape[1]}")
-    return NVFP4LinearFunction.apply(x, weight, bias, lctx)
+    return NVFP4LinearFunction.apply(x, weight, bias, lctx, keep_images())

@@ -34,23 +34,27 @@ def check_temperature(temperature: float) -> float:
     return t
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, temperature: float = 1.0, *,
+                   check: bool = True) -> torch.Tensor:
     """fp32 ``log_softmax(fp32(logits) / temperature)[..., tokens]`` for ``logits`` ``[..., V]``
     and ``tokens`` ``[...]``.
 
-    ``strict`` selects the batch-invariant log-softmax. Raises ValueError for token ids outside
-    ``[0, V)``, mismatched shapes or a temperature that is not finite and > 0."""
+    ``strict`` selects the batch-invariant log-softmax. ``check=False`` skips the host-side
+    check of the token ids (a sync; the CUDA-graph decode step samples the ids itself): the
+    same numbers. Raises ValueError for token ids outside ``[0, V)`` (with ``check``),
+    mismatched shapes or a temperature that is not finite and > 0."""
     temperature = check_temperature(temperature)
     if tuple(tokens.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} vs logits {tuple(logits.shape)}")
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
+    if check and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
         raise ValueError(f"token_logprobs: token ids must lie in [0, {logits.shape[-1]})")
     if temperature != 1.0:
         logits = logits.to(torch.float32) / temperature
     if strict:
-        from ..strict.softmax import token_log_probs
+        from ..strict.softmax import log_softmax
 
-        return token_log_probs(logits, tokens)
+        lp = log_softmax(logits, dim=-1)  # strict.softmax.token_log_probs without its id check
+        return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
 

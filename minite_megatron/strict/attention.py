@@ -25,12 +25,17 @@ key returns zeros. Visible non-finite values propagate (NaN).
 
 ``"triton"`` backend: ``minite_kernels.triton.bi_attention`` (one fixed KV-block order for
 prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
-Backward uses ordinary matmuls (only forward values must agree between engines).
+Backward: the gradients of :func:`sdpa_attention`, the ordinary attention with the same
+visibility (only forward values must agree between engines), recomputed through torch's SDPA
+(flash attention on a GPU: O(S) memory, no ``[Sq, Sk]`` fp32 matrices).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 
 from . import backend as _backend
 from .tree import tree_sum
@@ -107,15 +112,90 @@ def attention_torch(q, k, v, scale: float, causal: bool, mask: torch.Tensor | No
     return out.view(b, hq, sq, dv)
 
 
-def _probs_reference(q, k, scale, vis):
-    """Ordinary (non-invariant) fp32 attention probabilities, for the backward pass."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~vis, float("-inf"))
-    m = torch.amax(s, dim=-1, keepdim=True)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m).masked_fill(~vis, 0.0)
-    l = e.sum(-1, keepdim=True)
-    return torch.where(l > 0, e / l, torch.zeros_like(e))
+# [(weak reference to the mask, (version, sq, sk, shape), whether it hides a causally visible key)]: the last mask
+_MASK_MEMO: list = [None]
+
+
+def effective_mask(mask: torch.Tensor | None, sq: int, sk: int, causal: bool) -> torch.Tensor | None:
+    """``mask`` (bool, True = hidden), or None when it hides no key that ``causal`` shows.
+
+    The check is one reduction and a host read; it is remembered for the mask object (and its
+    version), so the layers of one forward, which share the mask, pay it once. Under CUDA-graph
+    capture (no host reads) the mask is kept as given.
+
+    Raises:
+        TypeError if ``mask`` is not bool.
+    """
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        raise TypeError(f"attention_mask must be bool (True = hidden), got {mask.dtype}")
+    if not causal:
+        return mask
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return mask
+    memo = _MASK_MEMO[0]
+    key = (mask._version, sq, sk, tuple(mask.shape))
+    if memo is not None and memo[0]() is mask and memo[1] == key:
+        hides_visible = memo[2]
+    else:
+        hides_visible = bool((mask & visible_keys(1, 1, sq, sk, True, None, mask.device)).any())
+        _MASK_MEMO[0] = (weakref.ref(mask), key, hides_visible)  # no strong reference to the mask
+    return mask if hides_visible else None
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Ordinary (not batch-invariant) attention with this module's visibility rule, through torch's
+    SDPA (flash / cuDNN / memory-efficient kernels on a GPU, the math backend on a CPU): the
+    default-mode core attention (:mod:`minite_megatron.modules.attention`) and the backward of
+    :func:`attention`.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Sk, D]``; v: ``[B, Hkv, Sk, Dv]``; ``Hq % Hkv == 0``
+            (GQA), ``Sq <= Sk``; any strides with a unit last stride.
+        scale: the softmax scale.
+        causal: queries see keys up to their own position (queries = the last Sq positions).
+        mask: optional bool, True = hidden, broadcastable to ``[B, Hq, Sq, Sk]``.
+        dropout_p: attention dropout probability (training).
+    Returns:
+        ``[B, Hq, Sq, Dv]`` in ``q.dtype``; rows with no visible key are zeros. Differentiable.
+    Raises:
+        ValueError for mismatched shapes; TypeError for a non-bool mask.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    if k.shape[0] != b or tuple(v.shape[:3]) != tuple(k.shape[:3]) or k.shape[3] != d:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    if sq > sk:
+        raise ValueError(f"attention: {sq} queries but {sk} keys (queries are the last Sq positions)")
+    mask = effective_mask(mask, sq, sk, causal)
+    if mask is None and (not causal or sq == 1):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=hkv != hq)
+    if mask is None and sq == sk:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                              enable_gqa=hkv != hq)
+    visible = ~mask if mask is not None else None
+    if causal:
+        cv = visible_keys(1, 1, sq, sk, True, None, q.device)
+        visible = cv if visible is None else visible & cv
+    if hkv != hq:  # the masked kernels take no GQA: repeat the kv heads
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, scale=scale)
+    none_visible = ~visible.any(-1, keepdim=True)
+    return out.masked_fill(none_visible, 0.0)
+
 
 
 class _Attention(torch.autograd.Function):
@@ -135,24 +215,11 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
-        b, hq, sq, _ = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
-        group = hq // hkv
-        qf = q.to(torch.float32)
-        kf = k.to(torch.float32).repeat_interleave(group, dim=1)
-        vf = v.to(torch.float32).repeat_interleave(group, dim=1)
-        vis = visible_keys(b, hq, sq, sk, ctx.causal, mask, q.device).expand(b, hq, sq, sk)
-        p = _probs_reference(qf, kf, ctx.scale, vis)
-        g = grad_out.to(torch.float32)
-        dv = torch.matmul(p.transpose(-1, -2), g)
-        dp = torch.matmul(g, vf.transpose(-1, -2))
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        dq = torch.matmul(ds, kf) * ctx.scale
-        dk = torch.matmul(ds.transpose(-1, -2), qf) * ctx.scale
-        if group > 1:
-            dk = dk.unflatten(1, (hkv, group)).sum(2)
-            dv = dv.unflatten(1, (hkv, group)).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            out = sdpa_attention(qq, kk, vv, scale=ctx.scale, causal=ctx.causal, mask=mask)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad_out.to(out.dtype))
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(
@@ -179,5 +246,6 @@ def attention(
     _check(q, k, v, mask)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    mask = effective_mask(mask, q.shape[2], k.shape[2], causal)  # same visibility, so the same bits
     which = _backend.resolve(q.device)
     return _Attention.apply(q, k, v, mask, float(scale), bool(causal), which)

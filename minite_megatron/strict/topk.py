@@ -18,7 +18,8 @@ def stable_topk(scores: torch.Tensor, k: int, dim: int = -1, check_finite: bool 
     Args:
         scores: floating tensor; ``+-inf`` allowed.
         k: ``1 <= k <= scores.shape[dim]``.
-        check_finite: raise on NaN (costs one host sync).
+        check_finite: raise on NaN (costs one host sync; skipped while a CUDA graph is being
+            captured -- the rollout engine's decode step -- which checks its logits instead).
     Returns:
         ``(values, indices)``, each ``scores.shape`` with ``dim`` of length ``k``; indices int64.
     Raises:
@@ -27,7 +28,8 @@ def stable_topk(scores: torch.Tensor, k: int, dim: int = -1, check_finite: bool 
     n = scores.shape[dim]
     if not 1 <= k <= n:
         raise ValueError(f"stable_topk: k={k} must lie in [1, {n}]")
-    if check_finite and bool(torch.isnan(scores).any()):
+    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_finite and not capturing and bool(torch.isnan(scores).any()):
         raise ValueError("stable_topk: NaN in the routing scores (strict mode refuses to route them)")
     values, indices = torch.sort(scores, dim=dim, descending=True, stable=True)
     return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)

@@ -82,7 +82,11 @@ def test_quantization_runs_in_fprop_dgrad_and_wgrad(spy):
     assert any(s == (48, 32) and r[2] == "stochastic" and r[3] == 3 for s, r in zip(shapes, roles)), "wgrad: dy^T SR+RHT"
 
 
-def test_weight_is_quantized_once_per_optimizer_step(spy):
+def test_weight_is_quantized_once_per_optimizer_step(spy, monkeypatch):
+    """With the codes kept between micro-batches (``RELEASE_AFTER_BACKWARD = False``)."""
+    from minite_megatron.ops import weight_cache
+
+    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", False)
     recipe = Recipe(backend="spy", grad_stochastic_rounding=False, wgrad_rht=False)
     x, w, _ = make()
     ctx = LinearContext(recipe, QuantizedWeightCache())
@@ -97,6 +101,25 @@ def test_weight_is_quantized_once_per_optimizer_step(spy):
     opt.step()
     nvfp4_linear(x, w, None, ctx).sum().backward()
     assert weight_quantizations() == 2
+
+
+def test_weight_is_quantized_once_per_micro_batch_by_default(spy):
+    """The default releases the quantized weight after the layer's backward (memory at the end
+    of the backward); a forward without backward (rollout) keeps it."""
+    recipe = Recipe(backend="spy", grad_stochastic_rounding=False, wgrad_rht=False)
+    x, w, _ = make()
+    ctx = LinearContext(recipe, QuantizedWeightCache())
+
+    def weight_quantizations():
+        return sum(1 for c in spy.calls if c[2] == (16, 16))
+
+    for _ in range(3):
+        nvfp4_linear(x, w, None, ctx).sum().backward()
+    assert weight_quantizations() == 3
+    with torch.no_grad():
+        for _ in range(3):
+            nvfp4_linear(x, w, None, ctx)
+    assert weight_quantizations() == 4
 
 
 def test_wgrad_goes_to_main_grad_in_fp32():

@@ -32,11 +32,13 @@ def nvdisasm_path() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(config, arch: str) -> tuple[str, str | None]:
-    """(PTX, SASS or None when no nvdisasm here can decode ``arch``) of one kernel variant."""
+def _compile(config, arch: str) -> tuple[str, str | None, dict]:
+    """(PTX, SASS or None when no nvdisasm here can decode ``arch``, static plan) of one
+    kernel variant."""
     from minite_kernels.cute._blockscaled_gemm_impl import compile_artifacts
 
-    ptx, cubin = compile_artifacts(config, arch)
+    plan: dict = {}
+    ptx, cubin = compile_artifacts(config, arch, plan=plan)
     sass = None
     tool = nvdisasm_path()
     if tool is not None:
@@ -46,7 +48,7 @@ def _compile(config, arch: str) -> tuple[str, str | None]:
             run = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
         if run.returncode == 0:
             sass = run.stdout
-    return ptx, sass
+    return ptx, sass, plan
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +60,21 @@ def kernel_artifacts():
         pytest.skip(reason)
 
     def get(config, arch: str = "sm_100a"):
-        return _compile(config, arch)
+        return _compile(config, arch)[:2]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def kernel_plan():
+    """``kernel_plan(config, arch="sm_100a") -> dict``: the static choices of a compiled variant
+    (smem stages, accumulator stages, tensor-memory columns, MMA K), same cache as above."""
+    reason = dsl_import_error()
+    if reason is not None:
+        pytest.skip(reason)
+
+    def get(config, arch: str = "sm_100a"):
+        return _compile(config, arch)[2]
 
     return get
 

@@ -55,6 +55,45 @@ def test_grouped_bitwise_on_exact_data(exact_operand, sizes, n, k, with_bias):
     assert_bitwise_equal(got, ref, f"blackwell grouped gemm sizes={sizes}")
 
 
+_ON_B300 = torch.cuda.is_available() and _REASON is None and torch.cuda.get_device_capability() == (10, 3)
+_b300_only = pytest.mark.skipif(not _ON_B300, reason="the K = 96 kernel runs on sm_103a (B300) only")
+
+
+@_b300_only
+@pytest.mark.parametrize("k", [96, 864, 2048, 2304])
+@pytest.mark.parametrize("m,n", [(300, 200), (128, 512)])
+def test_sm103_k96_kernel_bitwise_on_exact_data(exact_operand, monkeypatch, m, n, k):
+    """sm_103a's K = 96 kernel (selected there) on exact data, K not a multiple of 64 (96, 864)
+    or of 768 (864, 2048: skipped tail MMAs): bitwise equal to the reference (partial sums are
+    multiples of 2^-4 below 144 K < 2^20, exact for K <= 7281). Also the grouped GEMM at K = 864."""
+    monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    gen = torch.Generator().manual_seed(m + n + k)
+    a, b = exact_operand(m, k, gen, device=DEV), exact_operand(n, k, gen, device=DEV)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(DEV)
+    assert_bitwise_equal(nvfp4.gemm(a, b, bias, backend="blackwell"), nvfp4.gemm_reference(a, b, bias), f"k96 k={k}")
+    if k == 864:
+        sizes = [0, 1, 127, 0, 129, 5, 300, 0]
+        a = exact_operand(sum(sizes), k, gen, device=DEV)
+        w = exact_operand(n, k, gen, lead=(len(sizes),), device=DEV)
+        got = nvfp4.grouped_gemm(a, w, sizes, backend="blackwell")
+        assert_bitwise_equal(got, nvfp4.grouped_gemm_reference(a, w, sizes), "k96 grouped")
+
+
+@_b300_only
+def test_sm103_k64_fallback_and_k96_both_within_the_bound(monkeypatch):
+    """MINITE_BLACKWELL_MMA_K=64 runs the K = 64 kernel on a B300; both it and the K = 96 kernel
+    stay within the fp32 accumulation bound on realistic data (their accumulation orders
+    differ, so they need not be bitwise equal to each other)."""
+    gen = torch.Generator().manual_seed(96)
+    a = nvfp4.quantize(_heavy_tailed(256, 2048, gen=gen), global_scale="row", backend="blackwell")
+    b = nvfp4.quantize(_heavy_tailed(384, 2048, gen=gen), global_scale="tensor", tile=(16, 16), backend="blackwell")
+    exact, bound = nvfp4.fp32_accumulation_bound(a, b, None)
+    for forced in ("", "64"):
+        monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", forced)
+        got = nvfp4.gemm(a, b, backend="blackwell")
+        assert_within(got, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"MMA_K={forced or 'auto'}")
+
+
 def _heavy_tailed(*shape, gen):
     x = torch.randn(*shape, generator=gen)
     return (x * torch.exp(torch.randn(*shape, generator=gen) * 1.5)).to(DEV)

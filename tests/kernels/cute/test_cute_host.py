@@ -16,7 +16,7 @@ from minite_kernels.cute.backend import BACKEND
 from minite_kernels.cute.gemm import nvfp4_gemm, validate_gemm_operands
 from minite_kernels.cute.grouped_gemm import group_offsets, nvfp4_grouped_gemm, validate_grouped_operands
 from minite_kernels.cute.scales import check_swizzled, grouped_weight_scales, operand_scales, per_group_swizzle
-from minite_kernels.cute.tiles import GemmConfig, check_k, choose_tile_n
+from minite_kernels.cute.tiles import K96_SCHEDULE, GemmConfig, check_k, choose_mma_k, choose_tile_n
 
 
 def _random_scales(*shape, seed=0):
@@ -48,6 +48,111 @@ def test_k_not_a_multiple_of_the_mma_k_is_rejected(k):
 @pytest.mark.parametrize("k", [64, 128, 192, 256, 320, 4096])
 def test_k_multiple_of_64_is_accepted(k):
     check_k(k)
+
+
+@pytest.mark.parametrize("k", [32, 96, 160, 864, 2048, 4096])
+def test_k96_kernel_takes_multiples_of_32(k):
+    """sm_103a's K = 96 kernel: 16-byte rows for TMA are all it needs (the last 768-wide
+    k-tile's tail is zero-filled and its MMAs past K are skipped): no multiple of 96 or 768."""
+    check_k(k, 96)
+
+
+@pytest.mark.parametrize("k", [16, 48, 80, 0, -32])
+def test_k96_kernel_rejects_other_k_in_one_line(k):
+    with pytest.raises(ValueError, match=f"K={k} must be a positive multiple of 32 .*K = 96 kernel") as info:
+        check_k(k, 96)
+    assert "\n" not in str(info.value)
+
+
+def test_mma_k_is_chosen_by_the_gpu_never_by_m(monkeypatch):
+    """96 on sm_103a for the dense and row-grouped GEMMs, 64 for the wgrad there, 64 on sm_100a
+    and off Blackwell; ``MINITE_BLACKWELL_MMA_K`` overrides (64 anywhere, 96 on sm_103a only),
+    anything else is one clear error naming the variable."""
+    monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    assert [choose_mma_k(a) for a in ("sm_103a", "sm_100a", None)] == [96, 64, 64]
+    assert choose_mma_k("sm_103a", k_grouped=True) == 64
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    assert choose_mma_k("sm_103a") == 64
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "96")
+    assert choose_mma_k("sm_103a") == 96 and choose_mma_k(None) == 64
+    with pytest.raises(ValueError, match="sm_103a"):
+        choose_mma_k("sm_100a")
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "128")
+    with pytest.raises(ValueError, match="MINITE_BLACKWELL_MMA_K='128'"):
+        choose_mma_k("sm_103a")
+
+
+def test_k96_config_validates():
+    assert GemmConfig(mma_k=96, grouped=True).name == "n128_bfloat16_grouped_k96"
+    assert GemmConfig(mma_k=96).tile_k == 768 and GemmConfig().tile_k == 256
+    with pytest.raises(ValueError, match="mma_k"):
+        GemmConfig(mma_k=128)
+    with pytest.raises(ValueError, match="K-grouped"):
+        GemmConfig(mma_k=96, k_grouped=True)
+
+
+def test_k96_schedule_reads_each_byte_and_scale_once_in_order():
+    """The static plan of a 768-wide k-tile, from first principles: MMA j covers K elements
+    [96 j, 96 j + 96), i.e. the 16-byte chunks 3 j .. 3 j + 2 of the tile's 24 (8 per 256-wide
+    buffer) and scale columns 6 j .. 6 j + 5 of its 48 (12 per 192-wide scale stage). So the
+    descriptors start at chunks 0, 3, 6, 1, 4, 7, 2, 5; MMAs 2 and 5 run into the next buffer
+    (circular descriptors); every buffer is waited for before its first reader and released
+    after its last, every scale stage is copied before its first MMA."""
+    plan = K96_SCHEDULE
+    assert [s.chunk for s in plan] == [0, 3, 6, 1, 4, 7, 2, 5]
+    assert [s.buffer for s in plan] == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert [s.next_buffer for s in plan] == [0, 0, 1, 1, 1, 2, 2, 2]
+    covered = []
+    for s in plan:
+        chunks = [8 * s.buffer + s.chunk + i for i in range(3)]
+        assert all(c // 8 in (s.buffer, s.next_buffer) for c in chunks) and chunks[-1] // 8 == s.next_buffer
+        covered += chunks
+        assert s.k_start == 32 * chunks[0]
+        assert 12 * s.sf_stage + s.sf_column == s.k_start // 16 and s.sf_column in (0, 6)
+    assert covered == list(range(24))
+    waited, released = [], []
+    for s in plan:
+        waited += s.waits
+        assert {s.buffer, s.next_buffer} <= set(waited) and not ({s.buffer, s.next_buffer} & set(released))
+        released += s.releases
+        assert s.loads_scales == (s.sf_column == 0)
+    assert waited == released == [0, 1, 2]
+
+
+if _host.dsl_import_error() is None:
+    import cutlass
+    import cutlass.cute as cute
+
+    from minite_kernels.cute._blockscaled_gemm_impl import k96_issues, k96_tiles
+
+    @cute.jit
+    def _k96_k_loop(issued: cute.Tensor, tiles: cute.Tensor, k: cutlass.Int32):
+        tiles[0] = k96_tiles(k)
+        for kt in cutlass.range(cute.size(issued, mode=[0])):
+            for j in cutlass.range_constexpr(8):
+                issued[kt, j] = cutlass.Int32(0)
+                if k96_issues(kt, 96 * j, k):
+                    issued[kt, j] = cutlass.Int32(1)
+
+
+@pytest.mark.parametrize("k", [32, 96, 128, 192, 736, 768, 800, 864, 1536, 2048, 2304])
+def test_k96_k_loop_covers_k_and_skips_only_the_zero_tail(k):
+    """The K = 96 kernel's K loop (its device functions ``k96_tiles`` / ``k96_issues``, run on
+    the host by the DSL): ceil(K / 768) k-tiles, and the issued MMAs are exactly those that
+    start before K, so they cover [0, K) (plus at most 95 zero-filled elements) and every
+    k-tile's first MMA runs (the accumulate flag's reset is never skipped)."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    issued = torch.full((4, 8), -1, dtype=torch.int32)
+    tiles = torch.zeros(1, dtype=torch.int32)
+    _k96_k_loop(from_dlpack(issued), from_dlpack(tiles), k)
+    n_tiles = tiles.item()
+    assert n_tiles == -(-k // 768)
+    starts = [768 * kt + 96 * j for kt in range(n_tiles) for j in range(8) if issued[kt, j]]
+    assert starts == list(range(0, k, 96))
+    assert all(issued[kt, 0] == 1 for kt in range(n_tiles))
 
 
 def test_tile_choice_depends_on_n_only_and_configs_validate():
@@ -88,6 +193,14 @@ def test_bad_raw_operands_raise_clear_errors(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         validate_gemm_operands(**args)
+
+
+def test_raw_validation_applies_the_kernels_k_rule():
+    """K = 96 passes the checks of sm_103a's K = 96 kernel and fails the K = 64 kernel's with a
+    line that names both rules."""
+    assert validate_gemm_operands(**_raw_operands(64, 96, 96), mma_k=96) == (64, 96, 96)
+    with pytest.raises(ValueError, match="multiple of 64 .*multiples of 32"):
+        validate_gemm_operands(**_raw_operands(64, 96, 96))
 
 
 def test_per_tensor_weight_scale_is_accepted():
@@ -180,6 +293,149 @@ def test_grouped_raw_operand_validation():
         validate_grouped_operands(**dict(args, bias=torch.ones(80)))
 
 
+@pytest.mark.parametrize(
+    "offsets,match",
+    [
+        ([1, 5, 5, 135, 136], r"start at 0, got offsets\[0\] = 1"),
+        ([0, 5, 4, 135, 136], r"must not decrease, got offsets\[1\] = 5 > offsets\[2\] = 4"),
+        ([0, 5, 5, 135, 137], r"end at M = 136 .*offsets\[4\] = 137"),
+        ([0, 5, 5, 135, 100], r"must not decrease"),
+        ([0, 5, 5, 135, 135], r"end at M = 136"),
+    ],
+)
+def test_grouped_raw_op_rejects_bad_offset_values(offsets, match):
+    """Regression (issue 13): the raw op checked only the offsets' dtype and shape, so offsets
+    that decrease or do not end at M wrote past the output or left rows unwritten. One line
+    naming the offsets, before any launch."""
+    a, b = _grouped_quantized()
+    args = dict(
+        a_codes=a.codes, a_scales=operand_scales(a), a_global=a.row_global_decode(), b_codes=b.codes,
+        b_scales=grouped_weight_scales(b), b_global=b.global_decode, bias=None, out_dtype=torch.bfloat16,
+        offsets=torch.tensor(offsets, dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match=match) as info:
+        validate_grouped_operands(**args)
+    assert "\n" not in str(info.value) and "offsets" in str(info.value)
+
+
+def test_device_group_sizes_are_summed_on_the_device_and_checked_by_the_raw_op():
+    """Sizes given as a tensor on the operands' device are turned into offsets there (no host
+    sync); a wrong sum or a negative size is then caught by the raw op's offset check."""
+    meta = torch.device("meta")
+    offs = group_offsets(torch.tensor([3, 0, 4], device=meta), 7, meta)
+    assert offs.device == meta and offs.dtype == torch.int32 and offs.shape == (4,)
+    from minite_kernels.cute.grouped_gemm import check_row_offsets
+
+    for sizes in ([3, 0, 5], [8, -1, 0]):
+        bad = torch.cat([torch.zeros(1, dtype=torch.int64), torch.tensor(sizes).cumsum(0)]).to(torch.int32)
+        with pytest.raises(ValueError, match="offsets"):
+            check_row_offsets(bad, 7, 3)
+    with pytest.raises(ValueError, match="1D integer"):
+        group_offsets(torch.ones(3, device=meta), 3, meta)
+
+
+def test_grouped_op_validates_offsets_before_needing_blackwell():
+    a, b = _grouped_quantized()
+    from minite_kernels.cute.grouped_gemm import nvfp4_grouped_gemm_op
+
+    with pytest.raises(ValueError, match="end at M"):
+        nvfp4_grouped_gemm_op(
+            a.codes, operand_scales(a), a.row_global_decode(), b.codes, grouped_weight_scales(b), b.global_decode,
+            torch.tensor([0, 5, 5, 135, 140], dtype=torch.int32), None, torch.bfloat16,
+        )
+
+
+def test_wgrad_raw_op_rejects_bad_k_offsets():
+    from minite_kernels.cute.grouped_wgrad_gemm import validate_wgrad_operands
+
+    raw = dict(
+        a_codes=torch.zeros(24, 64, dtype=torch.uint8), a_scales=nvfp4.swizzle_scales(_random_scales(24, 8)),
+        a_global=torch.ones(24), b_codes=torch.zeros(40, 64, dtype=torch.uint8),
+        b_scales=nvfp4.swizzle_scales(_random_scales(40, 8)), b_global=torch.ones(1), out_dtype=torch.float32,
+    )
+    for bad in ([1, 1, 2], [0, 2, 1, 2], [0, 1, 3]):
+        with pytest.raises(ValueError, match="k_offsets must rise from 0 to T / 64 = 2"):
+            validate_wgrad_operands(**raw, k_offsets=torch.tensor(bad, dtype=torch.int32))
+
+
+# ---- per-device executors and the launch device ----------------------------------------------
+class _FakeCompiled:
+    """Stands in for a compiled CuTe DSL function: records which device each executor is for
+    and which device is current when it is called."""
+
+    def __init__(self, current):
+        self.current = current
+        self.bound = []
+        self.calls = []
+
+    def to(self, index):
+        self.bound.append(index)
+        compiled = self
+
+        def run(*args):
+            compiled.calls.append((index, compiled.current[-1] if compiled.current else None, args))
+
+        return run
+
+
+@pytest.fixture
+def fake_two_gpus(monkeypatch):
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    import contextlib
+
+    from minite_kernels.cute import _blockscaled_gemm_impl as impl
+
+    current = []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(torch.device(d).index)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    class _Stream:
+        cuda_stream = 0
+
+    fake = _FakeCompiled(current)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(impl, "compile_gemm", lambda config, arch: fake)
+    impl.executor.cache_clear()
+    yield impl, fake
+    impl.executor.cache_clear()
+
+
+def test_kernel_is_loaded_and_launched_per_device(fake_two_gpus):
+    """Regression (issue 13): the compiled kernel was cached once per process and bound to the
+    GPU current at the first call, so tensors on another GPU launched in the wrong context.
+    Now one executor per device (the compilation is shared), called with the output's device
+    current, whatever device the caller had current."""
+    impl, fake = fake_two_gpus
+    config = GemmConfig()
+
+    class _On:
+        """A tensor stand-in on cuda:<index> (data_ptr only; the launch reads nothing else)."""
+
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+        def data_ptr(self):
+            return 4096
+
+    for index in (1, 0, 1):
+        t = _On(index)
+        impl.launch(config, t, t, t, t, t, t, t, None, None, m=1, n=1, k=64, groups=1, sb_strides=(0, 0), arch="sm_100a")
+    assert fake.bound == [1, 0]  # one executor per device, reused
+    assert [(bound, current) for bound, current, _ in fake.calls] == [(1, 1), (0, 0), (1, 1)]
+    assert impl.executor(config, "sm_100a", 1) is impl.executor(config, "sm_100a", 1)
+    with pytest.raises(ValueError, match="pair schedule"):
+        impl.launch(GemmConfig(grouped=True), t, t, t, t, t, t, t, None, t, m=1, n=1, k=64, groups=1,
+                    sb_strides=(0, 1), arch="sm_100a")
+
+
 # ---- scale layouts ---------------------------------------------------------------------------
 @pytest.mark.parametrize("groups,rows,cols", [(1, 128, 4), (3, 80, 8), (2, 256, 12), (4, 130, 5), (5, 1, 1)])
 def test_per_group_swizzle_equals_swizzle_of_each_group(groups, rows, cols):
@@ -217,17 +473,20 @@ def test_check_swizzled_names_the_expected_size():
         check_swizzled(_random_scales(10), 80, 128, 2, "b_scales")
 
 
-def test_contract_swizzle_is_cutlass_block_scaled_layout():
+@pytest.mark.parametrize("k", [192, 96])
+def test_contract_swizzle_is_cutlass_block_scaled_layout(k):
     """The bytes the kernel reads are where CUTLASS's ``tile_atom_to_shape_SF`` says: for every
     (row, K block, group), CUTLASS's layout of an (M, K, G) operand maps to the offset at which
     ``per_group_swizzle`` (== ``nvfp4.swizzle_scales`` per group) stored that scale. Pins the
-    layout agreement between the contract and the kernel without a GPU."""
+    layout agreement between the contract and the kernel without a GPU. Both kernels (K = 64 and
+    sm_103a's K = 96) address the scales with this one layout; K = 96 (6 scale columns,
+    not a multiple of 4, which only the K = 96 kernel takes) ends in the swizzle's zero padding."""
     if _host.dsl_import_error() is not None:
         pytest.skip(_host.dsl_import_error())
     import cutlass.cute as cute
     import cutlass.utils.blockscaled_layout as blockscaled_utils
 
-    groups, rows, k = 2, 160, 192
+    groups, rows = 2, 160
     cols = k // 16
     found = {}
 
@@ -250,22 +509,32 @@ if _host.dsl_import_error() is None:
     import cutlass
     import cutlass.cute as cute
 
-    from minite_kernels.cute._blockscaled_gemm_impl import group_span, pass_extent
+    from minite_kernels.cute._blockscaled_gemm_impl import pair_of_cta, pass_extent, stores_element
 
     @cute.jit
     def _row_group_bookkeeping(
-        mOffs: cute.Tensor, spans: cute.Tensor, extents: cute.Tensor, groups: cutlass.Int32, m: cutlass.Int32, tiles: cutlass.Int32
+        mSched: cute.Tensor, mOffs: cute.Tensor, pairs: cute.Tensor, extents: cute.Tensor, groups: cutlass.Int32,
+        m: cutlass.Int32, ctas: cutlass.Int32
     ):
-        for t in cutlass.range(tiles):
-            first, last = group_span(mOffs, groups, m, t * 128)
-            spans[t, 0] = first
-            spans[t, 1] = last
+        for p in cutlass.range(ctas):
+            g, m_tile, has_pair = pair_of_cta(mSched, mOffs, groups, p)
+            pairs[p, 0] = g
+            pairs[p, 1] = m_tile
+            pairs[p, 2] = has_pair
         for g in cutlass.range(groups):
             rows_lo, rows_hi, kt_lo, kt_hi = pass_extent(mOffs, g, m, 7, True, False)
             extents[g, 0] = rows_lo
             extents[g, 1] = rows_hi
             extents[g, 2] = kt_lo
             extents[g, 3] = kt_hi
+
+    @cute.jit
+    def _store_mask(mask: cute.Tensor, rows_lo: cutlass.Int32, rows_hi: cutlass.Int32, m: cutlass.Int32, n: cutlass.Int32):
+        for r in cutlass.range(cute.size(mask, mode=[0])):
+            for c in cutlass.range(cute.size(mask, mode=[1])):
+                mask[r, c] = cutlass.Int32(0)
+                if stores_element(r, c, rows_lo, rows_hi, m, n):
+                    mask[r, c] = cutlass.Int32(1)
 
     @cute.jit
     def _k_group_extents(mOffs: cute.Tensor, extents: cute.Tensor, groups: cutlass.Int32, m: cutlass.Int32):
@@ -276,6 +545,19 @@ if _host.dsl_import_error() is None:
             extents[g, 2] = kt_lo
             extents[g, 3] = kt_hi
 
+
+    @cute.jit
+    def _sm103_facts(found: cutlass.Constexpr):
+        import cutlass.utils.blackwell_helpers as sm100_utils
+        import cutlass.utils.blockscaled_layout as blockscaled_utils
+        from cutlass.cute.nvgpu import tcgen05
+
+        mma = sm100_utils.sm103_make_blockscaled_trivial_tiled_mma(cutlass.Float8E4M3FN, 16, tcgen05.CtaGroup.ONE, (128, 256))
+        found["op"] = type(mma.op).__name__
+        found["mnk"] = tuple(cute.size(mma.shape_mnk, mode=[i]) for i in range(3))
+        chunk = blockscaled_utils.Sm103BlockScaledBasicChunk(16).layout
+        tiled = cute.tile_to_shape(chunk, (256, 192), (2, 1))
+        found["offsets"] = [tiled((r, c * 16)) for r in range(256) for c in range(12)]
 
     @cute.jit
     def _epilogue_coordinates(out: cute.Tensor, tile_n: cutlass.Constexpr, threads: cutlass.Constexpr):
@@ -307,41 +589,84 @@ _BOOKKEEPING_CASES = [
 ]
 
 
+def reference_pairs(sizes: list[int]) -> list[tuple[int, int]]:
+    """The (128-row tile, expert) pairs a grouped GEMM must run, in the kernel's order
+    (expert by expert, tile by tile): every tile that holds at least one row of a non-empty
+    expert, once per such expert. Plain Python, independent of the kernel's formula."""
+    pairs, start = [], 0
+    for g, size in enumerate(sizes):
+        tiles = sorted({row // 128 for row in range(start, start + size)})
+        pairs += [(t, g) for t in tiles]
+        start += size
+    return pairs
+
+
 @pytest.mark.parametrize("sizes", _BOOKKEEPING_CASES)
-def test_group_passes_store_every_row_exactly_once(sizes):
-    """The device functions the grouped kernel uses to pick its passes (``group_span``:
-    binary search + scan over the offsets; ``pass_extent``: the rows a pass stores), executed
-    on the host by the DSL: over all 128-row tiles, every row is stored by exactly one pass,
-    the pass of its own expert, and no tile runs a pass for an empty expert."""
+def test_pair_schedule_equals_the_reference_pairs(sizes):
+    """The host half of the schedule (``pair_schedule``, torch ops on the offsets' device):
+    expert g's first pair and the total count match the reference enumeration, and the
+    count stays within the grid bound ceil(M / 128) + G - 1."""
+    from minite_kernels.cute.grouped_gemm import pair_schedule
+
+    offs = group_offsets(sizes, sum(sizes), torch.device("cpu"))
+    sched = pair_schedule(offs)
+    pairs = reference_pairs(sizes)
+    assert sched.dtype == torch.int32 and sched.shape == (len(sizes) + 1,)
+    assert sched[-1].item() == len(pairs) <= -(-sum(sizes) // 128) + len(sizes) - 1
+    for g in range(len(sizes)):
+        assert sched[g].item() == sum(1 for _, h in pairs if h < g)
+
+
+@pytest.mark.parametrize("sizes", _BOOKKEEPING_CASES)
+def test_grouped_ctas_run_each_tile_expert_pair_once(sizes):
+    """The device functions of the grouped kernel (``pair_of_cta``: which (tile, expert)
+    pair a CTA runs; ``pass_extent``: the rows it stores), executed on the host by the DSL
+    over the whole launch grid: the CTAs run exactly the reference pairs, each once (no CTA
+    runs a second full-K pass for another expert of its tile), CTAs past the count run
+    nothing, and every row is stored exactly once, by a pass of its own expert."""
     if _host.dsl_import_error() is not None:
         pytest.skip(_host.dsl_import_error())
     from cutlass.cute.runtime import from_dlpack
 
+    from minite_kernels.cute.grouped_gemm import pair_schedule
+
     offs = group_offsets(sizes, sum(sizes), torch.device("cpu"))
+    sched = pair_schedule(offs)
     m, groups = sum(sizes), len(sizes)
-    tiles = -(-m // 128)
-    spans = torch.full((tiles, 2), -1, dtype=torch.int32)
+    ctas = -(-m // 128) + groups - 1  # the kernel's grid
+    pairs = torch.full((ctas, 3), -1, dtype=torch.int32)
     extents = torch.full((groups, 4), -1, dtype=torch.int32)
-    _row_group_bookkeeping(from_dlpack(offs), from_dlpack(spans), from_dlpack(extents), groups, m, tiles)
+    _row_group_bookkeeping(from_dlpack(sched), from_dlpack(offs), from_dlpack(pairs), from_dlpack(extents), groups, m, ctas)
 
     assert extents[:, 0].tolist() == offs[:-1].tolist() and extents[:, 1].tolist() == offs[1:].tolist()
     assert extents[:, 2].tolist() == [0] * groups and extents[:, 3].tolist() == [7] * groups
+    run = [(t, g) for g, t, has in pairs.tolist() if has]
+    assert run == reference_pairs(sizes)
+    assert all(not has for _, _, has in pairs.tolist()[len(run):])
     owner = torch.repeat_interleave(torch.arange(groups), torch.tensor(sizes))
     stored = torch.zeros(m, dtype=torch.int64)
-    for t in range(tiles):
-        first, last = spans[t].tolist()
-        tile_rows = range(t * 128, min(t * 128 + 128, m))
-        assert 0 <= first <= last < groups
-        assert sizes[first] > 0 and offs[first] <= t * 128 < offs[first + 1]
-        for g in range(first, last + 1):
-            lo, hi = extents[g, 0].item(), extents[g, 1].item()
-            if hi <= lo:
-                continue  # the kernel skips empty experts
-            for r in tile_rows:
-                if lo <= r < hi:
-                    assert owner[r] == g
-                    stored[r] += 1
+    for t, g in run:
+        lo, hi = extents[g, 0].item(), extents[g, 1].item()
+        for r in range(t * 128, min(t * 128 + 128, m)):
+            if lo <= r < hi:
+                assert owner[r] == g
+                stored[r] += 1
     assert torch.equal(stored, torch.ones(m, dtype=torch.int64)), stored
+
+
+def test_epilogue_never_stores_at_or_past_m():
+    """Regression (issue 13): the grouped store was predicated on the pass's rows only, so
+    offsets claiming more than M rows wrote past the output. ``stores_element`` (the store
+    predicate, run on the host by the DSL) also requires row < M and col < N."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    from cutlass.cute.runtime import from_dlpack
+
+    mask = torch.full((12, 6), -1, dtype=torch.int32)
+    _store_mask(from_dlpack(mask), 3, 40, 9, 5)  # the pass claims rows 3..39; M = 9, N = 5
+    expected = torch.zeros(12, 6, dtype=torch.int32)
+    expected[3:9, :5] = 1
+    assert torch.equal(mask, expected)
 
 
 def test_k_grouped_pass_extent_reduces_over_the_experts_k_tiles():
@@ -373,6 +698,59 @@ def test_epilogue_thread_owns_one_row_and_consecutive_columns(tile_n):
     cols = 2 * tile_n + torch.arange(tile_n).view(1, tile_n // 32, 32).expand(len(threads), -1, -1)
     assert torch.equal(out[..., 0], rows.to(torch.int32))
     assert torch.equal(out[..., 1], cols.to(torch.int32))
+
+
+if _host.dsl_import_error() is None:
+
+    @cute.jit
+    def _ring_views(rows: cutlass.Constexpr, found: cutlass.Constexpr):
+        import cutlass.utils.blackwell_helpers as sm100_utils
+        from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+        from minite_kernels.cute._blockscaled_gemm_impl import k96_byte_view_layout
+
+        mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            cutlass.Float4E2M1FN, cutlass.Float4E2M1FN, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float8E4M3FN, 16, tcgen05.CtaGroup.ONE, (128, rows),
+        )
+        fp4 = sm100_utils.make_smem_layout_b(mma, (128, rows, 256), cutlass.Float4E2M1FN, 3)
+        byte = k96_byte_view_layout(rows, 3)
+        found["swizzles"] = (str(fp4.inner), str(byte.inner))
+        found["offsets"] = [
+            (fp4.outer(((r, e % 64), 0, e // 64, st)), byte.outer(((r, (e // 2) % 16), 0, e // 32, st)))
+            for st in range(3) for r in (0, 1, 7, 8, 31, rows - 1) for e in (0, 2, 30, 32, 62, 64, 126, 128, 200, 254)
+        ]
+
+
+@pytest.mark.parametrize("rows", [128, 256])
+def test_k96_byte_view_is_the_memory_tma_fills(rows):
+    """The K = 96 MMAs read the A/B ring through a byte view (16-byte chunks of 128-byte rows)
+    of buffers that TMA fills through the K = 64 kernel's FP4 layout: both views carry the same
+    128B swizzle (applied to the byte address) and map every (stage, row, K element) to the
+    same byte, so chunk c of a row is K elements 32 c .. 32 c + 31 of that buffer."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    found: dict = {}
+    _ring_views(rows, found)
+    assert found["swizzles"] == ("S<3,4,3>", "S<3,4,3>")
+    assert all(fp4 == 2 * byte for fp4, byte in found["offsets"]), found["offsets"][:8]
+
+
+def test_cutlass_dsl_offers_the_sm103_k96_nvf4_mma_on_the_same_scale_layout():
+    """What a B300 (sm_103a) K = 96 variant would build on, pinned against the installed DSL
+    (4.8.1): ``SM103MmaMXF4NVF4Op`` is a K = 96 ``kind::mxf4nvf4`` MMA with 16-element UE4M3
+    scales (NVFP4), and its scale-factor atom (``Sm103BlockScaledBasicChunk``) addresses every
+    (row, K block) at the byte where the contract's 128x4 swizzle stores it: the host-side
+    scale layout does not change (the K = 96 kernel, selected on sm_103a, reads the same
+    swizzled scales)."""
+    if _host.dsl_import_error() is not None:
+        pytest.skip(_host.dsl_import_error())
+    found: dict = {}
+    _sm103_facts(found)
+    assert found["op"] == "SM103MmaMXF4NVF4Op" and found["mnk"] == (128, 256, 96)
+    ids = torch.arange(256 * 12, dtype=torch.int32).reshape(256, 12) + 1
+    swizzled = per_group_swizzle(ids.unsqueeze(0))
+    assert_bitwise_equal(swizzled[torch.tensor(found["offsets"])].reshape(256, 12), ids, "sm103 scale chunk")
 
 
 # ---- backend ---------------------------------------------------------------------------------
@@ -538,3 +916,24 @@ def test_exact_grouped_operands_match_the_grouped_reference_structure(exact_oper
     a = exact_operand(10, 128, gen)
     out = nvfp4.grouped_gemm_reference(a, b, [4, 0, 6])
     assert out.shape == (10, 24) and torch.isfinite(out.float()).all()
+
+
+def test_host_offsets_are_accepted_beside_device_operands():
+    """The public function passes host offsets for host group sizes: the raw op checks them
+    without a device read-back and copies them over (no sync); device offsets must sit on the
+    operands' device."""
+    a, b = _grouped_quantized()
+    meta = torch.device("meta")
+    args = dict(
+        a_codes=a.codes.to(meta), a_scales=operand_scales(a).to(meta), a_global=a.row_global_decode().to(meta),
+        b_codes=b.codes.to(meta), b_scales=grouped_weight_scales(b).to(meta), b_global=b.global_decode.to(meta),
+        bias=None, out_dtype=torch.bfloat16,
+    )
+    good = torch.tensor([0, 5, 5, 135, 136], dtype=torch.int32)
+    assert validate_grouped_operands(**args, offsets=good) == (136, 80, 128, 4)
+    with pytest.raises(ValueError, match="end at M"):
+        validate_grouped_operands(**args, offsets=torch.tensor([0, 5, 5, 135, 137], dtype=torch.int32))
+    cpu_args = dict(args, a_codes=a.codes)
+    with pytest.raises(ValueError, match="several devices"):
+        validate_grouped_operands(**cpu_args, offsets=good.to(meta))
+    assert group_offsets([5, 0, 130, 1], 136, meta).device.type == "cpu"  # host sizes stay on the host

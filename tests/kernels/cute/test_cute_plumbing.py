@@ -31,9 +31,14 @@ def _image(codes: torch.Tensor, swizzled: torch.Tensor, rows: int, k: int) -> to
 
 
 def kernel_model(config, a_codes, b_codes, a_scales, b_scales, out, row_scale_a, row_scale_b, bias, offsets,
-                 *, m, n, k, groups, sb_strides, arch):
-    """What the kernel computes from its launch arguments (see the impl module docstring)."""
+                 *, m, n, k, groups, sb_strides, arch, schedule=None):
+    """What the kernel computes from its launch arguments (see the impl module docstring).
+    Grouped rows: CTA p runs the (tile, expert) pair the schedule assigns it (expert g = the
+    last with ``schedule[g] <= p``, tile ``offs[g] // 128 + p - schedule[g]``) and stores that
+    expert's rows of that tile; no row is written twice."""
     assert arch in ("sm_100a", "sm_103a")
+    assert config.mma_k == 64 or (arch == "sm_103a" and not config.k_grouped and k % 32 == 0)
+    assert config.mma_k == 96 or k % 64 == 0
     assert a_codes.is_contiguous() and b_codes.is_contiguous() and a_codes.dtype == torch.uint8
     assert a_scales.dim() == 1 and b_scales.dim() == 1 and a_scales.dtype == torch.float8_e4m3fn
     sb_flat = row_scale_b.reshape(-1)
@@ -55,24 +60,35 @@ def kernel_model(config, a_codes, b_codes, a_scales, b_scales, out, row_scale_a,
         return
     per_group = b_scales.numel() // groups
     offs = offsets.tolist() if config.grouped else [0, m]
-    for g in range(groups):
-        lo, hi = offs[g], offs[g + 1]
-        if hi == lo:
-            continue
+    if config.grouped:
+        sched = schedule.tolist()
+        assert len(sched) == groups + 1 and sched[-1] <= -(-m // 128) + groups - 1  # fits the grid
+        passes = []
+        for p in range(sched[-1]):
+            g = max(h for h in range(groups) if sched[h] <= p)
+            tile = offs[g] // 128 + p - sched[g]
+            passes.append((g, max(offs[g], 128 * tile), min(offs[g + 1], 128 * tile + 128)))
+    else:
+        passes = [(0, 0, m)] if m else []
+    written = torch.zeros(m, dtype=torch.int64)
+    for g, lo, hi in passes:
+        assert lo < hi, "a CTA ran a pass that stores nothing"
+        written[lo:hi] += 1
         ib = _image(b_codes.reshape(groups, n, k // 2)[g], b_scales[g * per_group : (g + 1) * per_group], n, k)
         acc = block_partials_accumulate(ia[lo:hi], ib)
         bias_g = None if bias is None else bias.reshape(groups, n)[g]  # fp32 [G, N] (dense: G == 1)
         out[lo:hi] = epilogue(acc, row_scale_a[lo:hi], sb(g), bias_g, out.dtype)
+    assert bool((written == 1).all()), "every row is written by exactly one pass"
 
 
-@pytest.fixture
-def on_fake_blackwell(monkeypatch):
-    """The ops believe they run on sm_100a, and the launch is the model above."""
+def _fake_blackwell(monkeypatch, arch):
     from minite_kernels.cute import _blockscaled_gemm_impl as impl
     from minite_kernels.cute import gemm, grouped_gemm, grouped_wgrad_gemm
 
     for module in (gemm, grouped_gemm, grouped_wgrad_gemm):
-        monkeypatch.setattr(module, "device_arch", lambda device: "sm_100a")
+        monkeypatch.setattr(module, "device_arch", lambda device: arch)
+        if hasattr(module, "blackwell_arch"):
+            monkeypatch.setattr(module, "blackwell_arch", lambda device: arch)
     calls = []
 
     def launch(config, *args, **kwargs):
@@ -81,6 +97,19 @@ def on_fake_blackwell(monkeypatch):
 
     monkeypatch.setattr(impl, "launch", launch)
     return calls
+
+
+@pytest.fixture
+def on_fake_blackwell(monkeypatch):
+    """The ops believe they run on sm_100a (B200), and the launch is the model above."""
+    return _fake_blackwell(monkeypatch, "sm_100a")
+
+
+@pytest.fixture
+def on_fake_b300(monkeypatch):
+    """The ops believe they run on sm_103a (B300), and the launch is the model above."""
+    monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    return _fake_blackwell(monkeypatch, "sm_103a")
 
 
 def _q(x, **kw):
@@ -110,7 +139,7 @@ def test_dense_host_path_keeps_leading_dimensions(on_fake_blackwell):
     assert_bitwise_equal(got, nvfp4.gemm_reference(a, b), "3D activations")
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 130, 1], [0, 0, 7], [64] * 3, [1] * 9])
+@pytest.mark.parametrize("sizes", [[5, 0, 130, 1], [0, 0, 7], [64] * 3, [1] * 9, [0, 128, 1, 255, 0]])
 @pytest.mark.parametrize("n,with_bias", [(80, True), (256, False)])
 def test_grouped_host_path_equals_the_contract(on_fake_blackwell, sizes, n, with_bias):
     """Per-group swizzled weight scales (N = 80 is not a multiple of 128), per-expert global
@@ -135,3 +164,47 @@ def test_grouped_wgrad_host_path_equals_the_contract(on_fake_blackwell, sizes, g
     got = BACKEND.grouped_wgrad(dy, x, sizes, **kw)
     assert_bitwise_equal(got, nvfp4.grouped_wgrad_reference(dy, x, sizes, **kw), "grouped wgrad")
     assert on_fake_blackwell[-1].k_grouped
+
+
+@pytest.mark.parametrize("k", [96, 768, 864, 2048])
+def test_b300_runs_the_k96_kernel_on_unpadded_k(on_fake_b300, k):
+    """On sm_103a the dense and grouped GEMMs launch the K = 96 kernel (``mma_k=96``) and take
+    K that is a multiple of 32 but not of 64 (96, 864) as they are: no padding copy, the scales
+    in the unchanged swizzled layout (6 or 54 scale columns, padded to 4 by the swizzle); the
+    wgrad keeps the K = 64 kernel. Results equal the contract."""
+    g = torch.Generator().manual_seed(k)
+    a = _q(torch.randn(130, k, generator=g))
+    b = _q(torch.randn(208, k, generator=g), global_scale="tensor", tile=(16, 16))
+    assert_bitwise_equal(BACKEND.gemm(a, b), nvfp4.gemm_reference(a, b), "dense K96")
+    assert on_fake_b300[-1].mma_k == 96 and on_fake_b300[-1].tile_k == 768
+    sizes = [3, 0, 127]
+    a = _q(torch.randn(sum(sizes), k, generator=g))
+    w = _q(torch.randn(3, 80, k, generator=g), global_scale="group", tile=(16, 16))
+    assert_bitwise_equal(BACKEND.grouped_gemm(a, w, sizes), nvfp4.grouped_gemm_reference(a, w, sizes), "grouped K96")
+    assert on_fake_b300[-1].mma_k == 96 and on_fake_b300[-1].grouped
+    dy, x = torch.randn(40, 48, generator=g), torch.randn(40, 64, generator=g)
+    BACKEND.grouped_wgrad(dy, x, [24, 16])
+    assert on_fake_b300[-1].k_grouped and on_fake_b300[-1].mma_k == 64
+
+
+def test_b300_k64_override_and_its_k_rule(on_fake_b300, monkeypatch):
+    """``MINITE_BLACKWELL_MMA_K=64`` makes sm_103a run the K = 64 kernel (the fallback), whose
+    K rule is a multiple of 64: K = 96 is then refused with one line naming both rules."""
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    g = torch.Generator().manual_seed(0)
+    a, b = _q(torch.randn(8, 128, generator=g)), _q(torch.randn(16, 128, generator=g))
+    assert_bitwise_equal(BACKEND.gemm(a, b), nvfp4.gemm_reference(a, b), "dense K64 on B300")
+    assert on_fake_b300[-1].mma_k == 64
+    a, b = _q(torch.randn(8, 96, generator=g)), _q(torch.randn(16, 96, generator=g))
+    with pytest.raises(ValueError, match=r"K=96 must be a positive multiple of 64 .*K = 96 kernel"):
+        BACKEND.gemm(a, b)
+
+
+def test_b200_refuses_k_that_only_the_b300_kernel_takes(on_fake_blackwell, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    a, b = _q(torch.randn(8, 96, generator=g)), _q(torch.randn(16, 96, generator=g))
+    with pytest.raises(ValueError, match="K=96 must be a positive multiple of 64"):
+        BACKEND.gemm(a, b)
+    monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "96")
+    with pytest.raises(ValueError, match="MINITE_BLACKWELL_MMA_K=96: the K = 96 MMA exists on sm_103a"):
+        BACKEND.gemm(a, b)

@@ -103,9 +103,10 @@ def _exact(q, k, v, mask=None):
 def test_bi_attention_decode_equals_prefill():
     """Pins the fixed KV-block order: a decode step over the cache == that row of the prefill,
     bitwise, including queries in the middle, at the end and across block boundaries."""
-    from minite_kernels.triton.bi_attention import BLOCK_M, BLOCK_N, bi_attention
+    from minite_kernels.triton.bi_attention import bi_attention, block_config
 
-    t_len = BLOCK_N + 9
+    BLOCK_M, BLOCK_N = block_config()[:2]
+    t_len = max(BLOCK_N, BLOCK_M) + 9
     q, k, v = _qkv(2, 4, 2, t_len, 16)
     full = bi_attention(q, k, v)
     for t in sorted({0, 1, BLOCK_N - 1, BLOCK_N, BLOCK_M - 1, t_len - 1}):

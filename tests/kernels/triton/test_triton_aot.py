@@ -22,6 +22,8 @@ g = K._gemm(gemm.select_config(4096, 4096, 4096, False, False, gpu=True))
 out["gemm"] = report(g)
 d = K._decode(16)
 out["decode"] = report(d)
+from minite_kernels.triton._aot import loop_opcode_counts
+out["decode_loop"] = loop_opcode_counts(sass(d))
 q = K._quantize(*quantize._config(1 << 20, 2048, False, True), stochastic=True)
 ptx = q.asm["ptx"]
 out["quantize"] = report(q)
@@ -45,6 +47,16 @@ def test_decode_gemm_uses_wgmma_without_spills(compiled):
     d = compiled["decode"]
     assert d["HGMMA"] > 0 and d["HMMA"] == 0, d
     assert d["spill_bytes"] == 0, d
+
+
+def test_decode_dequantization_stays_cheap(compiled):
+    """The decode K loop (BLOCK_N 64 x BLOCK_K 128 weights over 128 threads = 64 per thread):
+    the prmt lookup-table dequant keeps it near 6 SASS instructions per weight (the fp32
+    bit-arithmetic decode it replaced took ~14), and one wgmma per 16-wide K step."""
+    loop = compiled["decode_loop"]
+    per_weight = sum(loop.values()) / 64
+    assert per_weight < 6.5, (per_weight, loop)
+    assert loop.get("HGMMA", 0) == 128 // 16 and loop.get("PRMT", 0) > 0, loop
 
 
 def test_quantize_divides_exactly_and_never_fuses_or_flushes(compiled):

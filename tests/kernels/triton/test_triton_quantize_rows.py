@@ -41,7 +41,8 @@ def check(x: torch.Tensor, name: str = "q", fast: bool = True, **kwargs) -> None
     kwargs.setdefault("with_image", True)
     xd = x.to(DEVICE) if x.device != DEVICE else x
     x2d = xd.reshape(-1, xd.shape[-1]) if xd.dim() != 2 else xd
-    assert quantize_rows.supported(x2d, tuple(kwargs.get("tile", (1, 16))) == (16, 16), False) == fast, name
+    has_amax = kwargs.get("global_scale", "row") != "row" or kwargs.get("amax") is not None
+    assert quantize_rows.supported(x2d, tuple(kwargs.get("tile", (1, 16))) == (16, 16), False, has_amax) == fast, name
     got = quantize_forward(xd, **kwargs)
     ref = nvfp4.quantize_reference(x.cpu(), **kwargs)
     assert_quantized_equal(_cpu(got), ref, name)
@@ -161,7 +162,7 @@ def test_strided_rows_and_leading_dims():
 
 
 def test_inputs_the_row_kernel_does_not_take_fall_back():
-    """Rows starting off a 4-byte boundary, fp32 input, and 16x16 tiles go to the generic kernel.
+    """Rows starting off a 4-byte boundary, fp32 input, and 16x16 tiles of fp32 go to the generic kernel.
 
     Regression (H200, 2026-11-30): the misaligned view was built on the CPU and copied to the
     GPU, which realigned it; it is now built on the device under test."""
@@ -169,10 +170,46 @@ def test_inputs_the_row_kernel_does_not_take_fall_back():
     odd = x.reshape(-1)[1:1 + 7 * 64].reshape(7, 64)
     check(odd, fast=False)
     check(randn(5, 32, seed=13), fast=False)
-    check(randn(32, 32, seed=14, dtype=torch.bfloat16), fast=False, global_scale="tensor", tile=(16, 16))
+    check(randn(32, 32, seed=14), fast=False, global_scale="tensor", tile=(16, 16))
 
 
 def test_without_image_and_empty():
     check(randn(5, 32, seed=15, dtype=torch.bfloat16), with_image=False)
     got = quantize_forward(torch.zeros(0, 32, dtype=torch.bfloat16, device=DEVICE), with_image=True)
     assert got.codes.shape == (0, 16) and got.image.shape == (0, 32)
+
+
+# ---- 16x16 weight tiles (issue 16: the weights' quantize on the fast kernel) -----------------------
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("k", [32, 96, 256])
+def test_weight_tiles_tensor_and_group_scales(dtype, k):
+    """16x16 tiles with a tensor or a per-expert (group) scale: random and heavy-tailed data, K
+    with one, odd and many block columns per program."""
+    check(randn(48, k, seed=20 + k, scale=3.0, dtype=dtype), global_scale="tensor", tile=(16, 16))
+    check(heavy_tailed(32, k, seed=21, dtype=dtype), global_scale="tensor", tile=(16, 16))
+    check(randn(3, 32, k, seed=22, dtype=dtype), global_scale="group", tile=(16, 16))
+
+
+def test_weight_tiles_hard_cases():
+    """Ties, bin-edge neighbours and saturation inside 16x16 tiles whose amax sits in another row,
+    zeros, an amax override, and NaN / inf: a NaN marks its tile (finite amax) or its domain."""
+    x = half_tie_matrix(torch.bfloat16, rows=16)
+    check(x, global_scale="tensor", tile=(16, 16))
+    z = torch.zeros(32, 64, dtype=torch.bfloat16)
+    z[17, 5] = 2.0  # one non-zero: only its tile gets a non-zero scale
+    check(z, global_scale="tensor", tile=(16, 16))
+    w = randn(32, 64, seed=23, dtype=torch.bfloat16)
+    check(w, global_scale="tensor", tile=(16, 16), amax=torch.tensor([0.5]))
+    w[18, 33] = float("nan")
+    w[3, 50] = float("inf")
+    check(w, global_scale="tensor", tile=(16, 16), amax=torch.tensor([3.0]))
+    check(w, global_scale="tensor", tile=(16, 16))
+    g = randn(2, 16, 32, seed=24, dtype=torch.bfloat16)
+    g[1, 2, 3] = float("nan")
+    check(g, global_scale="group", tile=(16, 16))
+
+
+def test_weight_tiles_stochastic_and_without_image():
+    x = randn(32, 64, seed=25, scale=2.0, dtype=torch.bfloat16)
+    check(x, global_scale="tensor", tile=(16, 16), rounding="stochastic", seed=5)
+    check(x, global_scale="tensor", tile=(16, 16), with_image=False)

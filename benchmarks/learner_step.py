@@ -1,0 +1,462 @@
+"""The learner step at model scale: the BF16 twin vs NVFP4 vs strict vs a lean plain-torch anchor.
+
+    python -m benchmarks.learner_step                                  # qwen3-moe, 4096 and 16384 tokens
+    python -m benchmarks.learner_step --tokens 4096 --profile 2 --out $OUT
+    python -m benchmarks.learner_step --smoke                          # CPU, tiny model: the script works
+
+One process, one GPU. Every variant is the same model -- the ``qwen3-moe`` preset of
+:mod:`minite_megatron.training.presets` (4 layers, hidden 2048, 32 / 4 heads of 128, 128
+experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the minite specs by
+``build_gpt`` -- except the anchor:
+
+* ``anchor``: :class:`benchmarks.lean_moe.LeanMoE`, plain torch (SDPA, ``torch._grouped_mm``):
+  the best BF16 this machine runs, no framework;
+* ``bf16``: the fair BF16 twin, ``Recipe(precision="bf16")``: the minite modules with every
+  linear in BF16 (Megatron's GEMM, experts through ``torch._grouped_mm``), SDPA attention;
+* ``nvfp4``: ``Recipe()``, the default NVFP4 recipe (W4A4, full update, SR, RHT);
+* ``strict``: ``Recipe(strict=True)`` (batch-invariant kernels, FP32 LM head);
+* ``local`` (not in the default list): Megatron's local spec (experts looped, unfused attention).
+
+A variant may carry design switches after a ``+`` (A/B runs of the memory design), e.g.
+``nvfp4+keep_images`` (the weight caches keep BF16 images in training, the design before
+issue 16) or ``nvfp4+keep_codes`` (``ops.weight_cache.RELEASE_AFTER_BACKWARD = False``: the
+quantized weights stay after the backward, for the next micro-batch).
+
+A step is one forward (``model(tokens, position_ids, None, labels=labels)``, mean token loss)
+and its backward, ``tokens`` tokens as ``tokens / seq_length`` sequences. With
+``--weight-refresh step`` (default) every step starts from new weights (the weight caches are
+invalidated, as an optimizer step does), so the NVFP4 steps include quantizing every weight;
+``cached`` reuses them (the second and later micro-batches of an optimizer step).
+
+Reported per variant: the step time (CUDA events, after ``--warmup`` steps, median of
+``--iters``), tokens/s, model TFLOP/s and MFU, peak memory (``max_memory_allocated``) by phase
+(parameters; forward; backward; what the weight caches hold), the host time of a step (until
+the backward call returns: launches, Python, and any host synchronization inside), and with
+``--profile N`` the top kernels by GPU time over N profiled steps (torch.profiler; full tables,
+by GPU and by CPU time, under ``--out``).
+
+FLOPs (:func:`step_flops`): the model's matmuls only -- qkv / o projections, router, experts
+(top-k rows each), LM head, and attention's ``QK^T`` and ``PV`` with the causal half counted
+(``2 * S^2 * D`` per head and sequence for both together) -- times 3 for forward + backward
+(backward = 2 x forward). Embedding, norms, RoPE, softmax and elementwise work are not
+counted. MFU = FLOPs / step time / the GPU's dense BF16 peak (``--peak-tflops``; default the
+H200 datasheet's 989.4; another GPU: pass its own). Ratios written to the JSON line:
+``nvfp4_over_bf16_time``, ``nvfp4_over_bf16_peak_memory``, ``strict_over_default_time``
+(strict / nvfp4), ``bf16_over_anchor_time``. Runs unchanged on Blackwell (the default NVFP4
+backend is chosen for the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from ._timing import ensure_minite_kernels, environment, print_table, save
+
+ensure_minite_kernels()
+
+VARIANTS = ("anchor", "bf16", "nvfp4", "strict")
+H200_BF16_DENSE_TFLOPS = 989.4
+GIB = 1 << 30
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+def step_flops(p: dict, batch: int, seq: int) -> float:
+    """Model matmul FLOPs of one forward + backward (module docstring)."""
+    t = batch * seq
+    h, nh, ng, d = p["hidden"], p["heads"], p["groups"], p["head_dim"]
+    proj = 2 * t * h * (nh + 2 * ng) * d + 2 * t * nh * d * h
+    core = 2 * batch * nh * seq * seq * d  # QK^T + PV (2 * 2 * S^2 * D each), causal half
+    router = 2 * t * h * p["experts"]
+    experts = 2 * t * p["topk"] * (h * 2 * p["moe_ffn"] + p["moe_ffn"] * h)
+    head = 2 * t * h * p["vocab"]
+    return 3.0 * (p["layers"] * (proj + core + router + experts) + head)
+
+
+# ---- models -------------------------------------------------------------------------------------
+def build(variant: str, preset: dict, seq: int, device, dtype):
+    """(callable(tokens, labels) -> loss, module) of one variant, weights from seed 0."""
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.training.presets import build_gpt
+
+    if variant == "anchor":
+        from .lean_moe import LeanMoE
+
+        torch.manual_seed(0)
+        model = LeanMoE(**preset, max_seq=seq, device=device, dtype=dtype)
+        return (lambda tokens, labels: model(tokens, labels)), model
+    if variant == "local":
+        model = _build_local(preset, seq, device, dtype)
+    else:
+        recipe = {"bf16": Recipe(precision="bf16"), "nvfp4": Recipe(), "strict": Recipe(strict=True)}[variant]
+        model = build_gpt(preset, recipe, max_seq=seq, device=device, dtype=dtype)
+    model.train()
+
+    def run(tokens, labels):
+        pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return model(tokens, pos, None, labels=labels).mean()
+
+    return run, model
+
+
+def _build_local(p: dict, seq: int, device, dtype):
+    """Megatron's local spec (``SequentialMLP`` experts, unfused attention) on the same config."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
+        kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
+        num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=device.type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        init_method_std=0.02,
+    )
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    spec = get_gpt_layer_local_spec(num_experts=p["experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=seq,
+                     position_embedding_type="rope", rotary_base=1_000_000)
+    return model.to(device=device)
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+class Clock:
+    """CUDA events on a GPU, the host clock on a CPU (smoke runs)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, start) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (time.perf_counter() - start) * 1e3
+
+
+def _zero_grads(model) -> None:
+    for prm in model.parameters():
+        prm.grad = None
+
+
+def _refresh(mode: str) -> None:
+    if mode == "step":
+        from minite_megatron.ops.weight_cache import invalidate_weight_caches
+
+        invalidate_weight_caches()
+
+
+def _alloc(cuda: bool) -> float:
+    return torch.cuda.memory_allocated() / GIB if cuda else 0.0
+
+
+def _peak(cuda: bool) -> float:
+    return torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
+
+
+def _reset_peak(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_by_phase(run, model, data, cuda: bool, refresh: str) -> dict:
+    """GiB: parameters (+ anything held before the step), after / peak of the forward, peak of the
+    backward, what the weight caches hold after each; one step from grads set to None."""
+    from minite_megatron.ops.weight_cache import cached_bytes
+
+    _zero_grads(model)
+    _refresh(refresh)
+    gc.collect()
+    _reset_peak(cuda)
+    base = _alloc(cuda)
+    loss = run(*data)
+    after_fwd = _alloc(cuda)
+    peak_fwd = _peak(cuda)
+    cache_fwd = cached_bytes()
+    _reset_peak(cuda)
+    loss.backward()
+    del loss
+    peak_bwd = _peak(cuda)
+    after_bwd = _alloc(cuda)
+    cache_bwd = cached_bytes()
+    _zero_grads(model)
+    return {
+        "held_before_step_gib": base,
+        "saved_for_backward_gib": after_fwd - base,
+        "peak_forward_gib": peak_fwd,
+        "peak_backward_gib": peak_bwd,
+        "after_backward_gib": after_bwd,
+        "peak_gib": max(peak_fwd, peak_bwd),
+        "weight_cache_after_forward_gib": {k: v / GIB for k, v in cache_fwd.items() if k != "entries"},
+        "weight_cache_after_backward_gib": {k: v / GIB for k, v in cache_bwd.items() if k != "entries"},
+    }
+
+
+_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "softmax", "cudnn")),
+    ("gemm bf16", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "ampere", "hopper", "wgmma", "matmul")),
+    ("nvfp4 gemm", ("_gemm", "grouped_gemm", "grouped_wgrad", "bi_matmul")),
+    ("quantize", ("quantize", "amax", "_image", "rht", "row_col")),
+    ("copy / cast", ("copy", "cast", "convert", "to_copy")),
+    ("norm", ("norm",)),
+)
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if n.startswith("_") or "triton" in n or "minite" in n:
+        for cat, keys in (_CATEGORIES[2], _CATEGORIES[3]):
+            if any(k in n for k in keys):
+                return cat
+    for cat, keys in _CATEGORIES:
+        if any(k in n for k in keys):
+            return cat
+    return "other"
+
+
+def profile(run, model, data, steps: int, refresh: str, path: str | None, top: int) -> dict:
+    """Top kernels by GPU time over ``steps`` steps (torch.profiler), and GPU time by category."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            _refresh(refresh)
+            run(*data).backward()
+            _zero_grads(model)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    kernels = [e for e in events if getattr(e, attr, 0) > 0 and (not torch.cuda.is_available() or e.device_type.name == "CUDA")]
+    total = sum(getattr(e, attr) for e in kernels) or 1.0
+    kernels.sort(key=lambda e: -getattr(e, attr))
+    rows = [{"kernel": e.key[:90], "calls": e.count // steps, "ms_per_step": getattr(e, attr) / 1e3 / steps,
+             "pct": 100.0 * getattr(e, attr) / total} for e in kernels]
+    cats: dict[str, float] = {}
+    for r in rows:
+        c = _category(r["kernel"])
+        cats[c] = cats.get(c, 0.0) + r["pct"]
+    if path:
+        with open(path, "w") as fh:
+            fh.write(prof.key_averages().table(sort_by=attr, row_limit=80))
+        with open(path.replace(".txt", "_cpu.txt"), "w") as fh:
+            fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=80))
+    return {"top_kernels": rows[:top], "gpu_ms_per_step": total / 1e3 / steps,
+            "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
+
+
+#: ``+switch`` -> (module, attribute, value) set while the variant runs
+SWITCHES = {
+    "keep_images": ("minite_megatron.ops.weight_cache", "KEEP_IMAGES_IN_TRAINING", True),
+    "keep_codes": ("minite_megatron.ops.weight_cache", "RELEASE_AFTER_BACKWARD", False),
+}
+
+
+def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> dict:
+    import importlib
+
+    base, *switches = variant.split("+")
+    saved = []
+    try:
+        for sw in switches:
+            module, attr, value = SWITCHES[sw]
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        row = _run_variant(base, preset, batch, seq, args, device, dtype, out_dir, variant)
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+    return row
+
+
+def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, label) -> dict:
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    run, model = build(variant, preset, seq, device, dtype)
+    build_s = time.perf_counter() - t0
+    g = torch.Generator(device="cpu").manual_seed(7)
+    tokens = torch.randint(0, preset["vocab"], (batch, seq), generator=g).to(device)
+    labels = torch.randint(0, preset["vocab"], (batch, seq), generator=g).to(device)
+    data = (tokens, labels)
+    params_gib = _alloc(cuda)
+    clock = Clock(cuda)
+
+    t0 = time.perf_counter()
+    _refresh(args.weight_refresh)
+    loss = run(*data)
+    loss.backward()
+    first_loss = float(loss.detach())
+    del loss
+    _zero_grads(model)
+    if cuda:
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(max(0, args.warmup - 1)):
+        _refresh(args.weight_refresh)
+        run(*data).backward()
+        _zero_grads(model)
+    times, host = [], []
+    for _ in range(args.iters):
+        _refresh(args.weight_refresh)
+        start = clock.start()
+        t_host = time.perf_counter()
+        loss = run(*data)
+        loss.backward()
+        host.append((time.perf_counter() - t_host) * 1e3)
+        times.append(clock.ms(start))
+        del loss
+        _zero_grads(model)
+    step_ms = statistics.median(times)
+    row = {
+        "variant": label, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
+        "tokens_per_s": batch * seq / step_ms * 1e3, "host_ms": statistics.median(host),
+        "first_step_s": first_s, "build_s": build_s,
+        "loss_first_step": first_loss, "params_gib": params_gib,
+    }
+    if variant == "nvfp4" and args.weight_refresh == "step" and args.cached_too:
+        cached = []
+        for _ in range(args.iters):
+            start = clock.start()
+            run(*data).backward()
+            cached.append(clock.ms(start))
+            _zero_grads(model)
+        row["step_ms_weights_cached"] = statistics.median(cached)
+    row.update(memory_by_phase(run, model, data, cuda, args.weight_refresh))
+    if args.profile:
+        path = os.path.join(out_dir, f"profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
+        row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top)
+    del run, model, data
+    gc.collect()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default=None, help="a training.presets name (default: qwen3-moe; tiny with --smoke)")
+    ap.add_argument("--tokens", default="4096,16384", help="tokens per step, comma-separated")
+    ap.add_argument("--seq-length", type=int, default=4096, help="sequence length (sequences = tokens / this)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('local',)}")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--weight-refresh", choices=("step", "cached"), default="step")
+    ap.add_argument("--cached-too", action="store_true", help="nvfp4: also time steps with the weights cached")
+    ap.add_argument("--profile", type=int, default=0, help="profile N steps per variant (0: no profile)")
+    ap.add_argument("--top", type=int, default=12, help="kernels to list per variant")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense BF16 peak for MFU")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for JSON and profiles")
+    ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check that the script works")
+    args = ap.parse_args(argv)
+
+    from minite_megatron.training.presets import PRESETS, init_single_process
+
+    if args.smoke:
+        args.preset = args.preset or "tiny"
+        if args.tokens == "4096,16384":
+            args.tokens, args.seq_length = "64", 32
+    preset_name = args.preset or "qwen3-moe"
+    preset = PRESETS[preset_name]
+    device = init_single_process(seed=0)
+    if device.type != "cuda" and not args.smoke:
+        sys.exit("benchmarks.learner_step needs a CUDA GPU (or --smoke on a CPU)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    env = environment()
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        base, *switches = v.split("+")
+        if base not in VARIANTS + ("local",) or any(sw not in SWITCHES for sw in switches):
+            sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local',)}, switches {tuple(SWITCHES)})")
+    records = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        if tokens % args.seq_length:
+            sys.exit(f"--tokens {tokens} is not a multiple of --seq-length {args.seq_length}")
+        batch, seq = tokens // args.seq_length, args.seq_length
+        flops = step_flops(preset, batch, seq)
+        rows = []
+        for v in variants:
+            print(f"... {v} at {tokens} tokens", flush=True)
+            try:
+                row = run_variant(v, preset, batch, seq, args, device, dtype, args.out)
+            except Exception as e:  # one broken variant must not cost the others' numbers: report it
+                import traceback
+
+                traceback.print_exc()
+                rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:300]})
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            row["model_tflops_per_s"] = flops / row["step_ms"] / 1e9
+            row["mfu"] = row["model_tflops_per_s"] / args.peak_tflops
+            rows.append(row)
+            print(f"    {row['step_ms']:.2f} ms, peak {row['peak_gib']:.2f} GiB, first step {row['first_step_s']:.1f} s",
+                  flush=True)
+        by = {r["variant"]: r for r in rows if "error" not in r}
+        ratios = {}
+        if "nvfp4" in by and "bf16" in by:
+            ratios["nvfp4_over_bf16_time"] = by["nvfp4"]["step_ms"] / by["bf16"]["step_ms"]
+            ratios["nvfp4_over_bf16_peak_memory"] = by["nvfp4"]["peak_gib"] / by["bf16"]["peak_gib"] if by["bf16"]["peak_gib"] else None
+        if "strict" in by and "nvfp4" in by:
+            ratios["strict_over_default_time"] = by["strict"]["step_ms"] / by["nvfp4"]["step_ms"]
+        if "bf16" in by and "anchor" in by:
+            ratios["bf16_over_anchor_time"] = by["bf16"]["step_ms"] / by["anchor"]["step_ms"]
+        print_table(f"learner step, {preset_name}, {tokens} tokens ({batch} x {seq}), {env['device']}",
+                    [r for r in rows if "error" not in r],
+                    ["variant", "step_ms", "host_ms", "tokens_per_s", "model_tflops_per_s", "mfu", "peak_gib", "peak_forward_gib",
+                     "peak_backward_gib", "saved_for_backward_gib", "params_gib", "loss_first_step", "first_step_s"])
+        print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items() if v is not None))
+        for r in rows:
+            if "error" in r:
+                print(f"FAILED {r['variant']}: {r['error']}")
+        for r in rows:
+            if "profile" in r:
+                pr = r["profile"]
+                print(f"\n{r['variant']}: GPU {pr['gpu_ms_per_step']:.2f} ms/step; by category: "
+                      + ", ".join(f"{k} {v:.1f}%" for k, v in pr["pct_by_category"].items()))
+                for k in pr["top_kernels"][:8]:
+                    print(f"    {k['pct']:5.1f}%  {k['ms_per_step']:8.3f} ms  x{k['calls']:<5} {k['kernel']}")
+        record = {
+            "bench": "learner_step", **env, "preset": preset_name, "config": preset, "tokens": tokens, "batch": batch,
+            "seq_length": seq, "dtype": str(dtype).replace("torch.", ""), "weight_refresh": args.weight_refresh,
+            "flops_per_step": flops, "peak_tflops": args.peak_tflops, "smoke": args.smoke, **ratios,
+            "variants": rows, "command": "python -m benchmarks.learner_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+        }
+        records.append(record)
+        save(record, "learner_step", [args.out] + ([] if args.smoke else [args.json_dir]))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Launch configs of the kernels the learner step leans on, at the qwen3-moe shapes (one GPU).
+
+    python -m benchmarks.learner_sweep --out $OUT            # tile_quantize, wgrad
+    python -m benchmarks.learner_sweep --sections wgrad
+
+* ``tile_quantize``: the 16x16 weight-tile quantize of the experts' stacked weights (fc1
+  ``[128 * 1536, 2048]``, fc2 ``[128 * 2048, 768]``, per-expert scales, codes and scales only, the
+  amax pass included) on the row kernel at each ``(GPU_TILE_NB, GPU_TILE_WARPS)``, and the
+  generic kernel it replaced; GB/s counts the bytes read twice (amax pass + quantize) and the
+  codes and scales written once.
+* ``wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
+  ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, 32768 routed rows over 128 experts (skewed),
+  fc1 and fc2, against ``torch._grouped_mm``'s BF16 wgrad on the same shapes.
+
+Times are medians of CUDA events (``triton.testing.do_bench``). One JSON line per run in
+``benchmarks/results/learner_sweep.jsonl`` (and ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+
+ensure_minite_kernels()
+
+EXPERTS, HIDDEN, FFN, ROWS = 128, 2048, 768, 32768
+
+
+def _skewed_sizes(g: torch.Generator) -> list[int]:
+    w = torch.rand(EXPERTS, generator=g) ** 2 + 0.05
+    sizes = (w / w.sum() * ROWS).floor().long()
+    sizes[0] += ROWS - int(sizes.sum())
+    return sizes.tolist()
+
+
+def sec_tile_quantize(res: dict) -> None:
+    from minite_kernels.triton import quantize, quantize_rows
+    from minite_kernels.triton.quantize import quantize_forward
+
+    rows = []
+    for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
+        w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        nbytes = 2 * w.numel() * 2 + w.numel() // 2 + w.numel() // 16
+        base = (quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS)
+        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), None]:
+            try:
+                if cfg is None:
+                    quantize.FAST_PATHS = False
+                else:
+                    quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = cfg
+                ms = bench(lambda: quantize_forward(w, global_scale="group", tile=(16, 16)))
+                rows.append({"weights": name, "config": "generic kernel" if cfg is None else f"nb={cfg[0]} warps={cfg[1]}",
+                             "ms": ms, "GBps": nbytes / ms / 1e6})
+            finally:
+                quantize.FAST_PATHS = True
+                quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = base
+        del w
+    res["tile_quantize"] = rows
+    print_table("16x16 weight-tile quantize (group scales, codes + scales, amax pass included)", rows,
+                ["weights", "config", "ms", "GBps"])
+
+
+def sec_wgrad(res: dict) -> None:
+    from minite_kernels.triton import grouped_wgrad
+    from minite_kernels.triton.grouped_wgrad import grouped_wgrad_op, pad_index
+
+    g = torch.Generator().manual_seed(0)
+    sizes = _skewed_sizes(g)
+    _, poffs, t_pad = pad_index(sizes, ROWS, torch.device("cuda"))
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).int()
+    rows = []
+    for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
+        a = torch.randn(n, t_pad, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, t_pad, device="cuda", dtype=torch.bfloat16)
+        sa = torch.ones(1, device="cuda")
+        sb = torch.ones(1, device="cuda")
+        flops = 2 * ROWS * n * k
+        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        ms = bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
+        rows.append({"gemm": name, "config": "torch._grouped_mm bf16", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        base = grouped_wgrad.DEFAULT_CONFIG
+        for cfg in [base, (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]:
+            try:
+                grouped_wgrad.DEFAULT_CONFIG = cfg
+                ms = bench(lambda: grouped_wgrad_op(a, b, poffs, sa, sb, EXPERTS, torch.bfloat16, False))
+                rows.append({"gemm": name, "config": str(cfg), "ms": ms, "TFLOPs": flops / ms / 1e9})
+            except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
+                rows.append({"gemm": name, "config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+            finally:
+                grouped_wgrad.DEFAULT_CONFIG = base
+        del a, b, dy, x
+    res["wgrad"] = rows
+    print_table("NVFP4 grouped wgrad GEMM configs (bf16 out, 32768 routed rows, 128 experts)", rows,
+                ["gemm", "config", "ms", "TFLOPs", "error"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="tile_quantize,wgrad")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.learner_sweep needs a CUDA GPU")
+    res = {"bench": "learner_sweep", **environment(),
+           "command": "python -m benchmarks.learner_sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
+    for sec in args.sections.split(","):
+        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad}[sec](res)
+    save(res, "learner_sweep", [args.out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")])
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""Rollout engine speed and learner/sampler gap: the BF16 engine, the NVFP4 engine and strict mode.
+
+    python -m benchmarks.rollout                                  # GPU: the qwen3-moe preset
+    python -m benchmarks.rollout --preset tiny --batches 1,4      # CPU-sized (eager steps)
+    python -m benchmarks.rollout --json benchmarks/results/rollout.jsonl --out $OUT
+
+One process, the same prompts (mixed lengths ``--prompt-min`` .. ``--prompt-max``) for every
+engine, all through :class:`~minite_megatron.rollout.engine.RolloutEngine`'s fast path (prefill on
+the learner's forward, the decode step in CUDA graphs per batch bucket):
+
+* ``bf16``: Megatron's *local* spec in BF16 with the best BF16 kernels torch has in the same
+  harness -- ``torch._grouped_mm`` experts, SDPA decode attention, the same CUDA graphs;
+* ``nvfp4``: miniTE's spec, default mode (``Recipe()``);
+* ``strict``: miniTE's spec, ``Recipe(strict=True)``.
+
+Per engine and batch size: ms per decode step (CUDA events around the graph replays of one
+``generate``, median of ``--repeats`` after a warm-up that captures the graphs), tokens/s,
+prefill ms, the weight bytes a decode step must read (packed FP4 codes + E4M3 scales for NVFP4,
+2 bytes per weight in BF16; routed experts: the expected number of distinct experts ``B`` tokens
+select, ``E (1 - (1 - k/E)^B)``, which uniform routing gives), the effective weight bandwidth
+(those bytes / step time) and the byte floor (those bytes plus the KV cache read, at the measured
+copy bandwidth), ``speedup_vs_bf16``, and the learner/sampler gap on the generated tokens
+(temperature 1, :func:`~minite_megatron.diagnostics.gap_metrics`). Then, at ``--gap-batch``:
+default mode with the split-K decode GEMMs instead of the learner's order, with Megatron's
+atomic combine in the learner, and with the router weights scaled x10 / x50; Megatron's own
+static engine (``--megatron``); whether the decode GEMMs' invariant configuration equals the
+learner's full-batch GEMM bits; and what the deterministic combine costs the learner (one MoE
+layer's forward + backward at ``--learner-tokens``). Prints tables, appends one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks._timing import copy_bandwidth_gbps, environment, ensure_minite_kernels, print_table, save  # noqa: E402
+
+ensure_minite_kernels()
+
+
+def prompts_for(batch: int, lo: int, hi: int, vocab: int, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(lo, hi, batch).round().int().tolist() if batch > 1 else [hi]
+    return [torch.randint(1, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def local_bf16_gpt(preset: dict, max_seq: int, device, dtype, seed: int = 0):
+    """Megatron's local spec (SequentialMLP experts, Megatron's norms and attention) in ``dtype``."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    p = preset
+    config = TransformerConfig(
+        num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
+        kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
+        num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, use_cpu_initialization=torch.device(device).type == "cpu",
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, init_method_std=0.02,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=p["experts"], qk_layernorm=True, normalization="RMSNorm")
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=max_seq,
+                     position_embedding_type="rope", rotary_base=1_000_000)
+    return model.to(device=device).eval()
+
+
+def minite_gpt(preset: dict, strict: bool, max_seq: int, device, dtype, seed: int = 0):
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.training.presets import build_gpt
+
+    return build_gpt(preset, Recipe(strict=strict), max_seq=max_seq, device=device, dtype=dtype, seed=seed).eval()
+
+
+# ---- bytes a decode step reads ----------------------------------------------------------------------
+def decode_bytes(preset: dict, batch: int, packed: bool, cache_len: int) -> dict:
+    """Weight bytes of one decode step (routed experts: the expected distinct experts) and KV bytes."""
+    p = preset
+    h, hd, heads, groups = p["hidden"], p["head_dim"], p["heads"], p["groups"]
+    per_w = 0.5 + 1 / 16 if packed else 2.0
+    attn = h * (heads + 2 * groups) * hd + heads * hd * h
+    expert = 3 * h * p["moe_ffn"]
+    e, k = p["experts"], p["topk"]
+    distinct = e * (1 - (1 - k / e) ** batch)
+    layer = attn * per_w + distinct * expert * per_w + e * h * 2  # + the bf16 router
+    weights = p["layers"] * layer + p["vocab"] * h * 2  # + the bf16 LM head weight
+    kv = p["layers"] * 2 * cache_len * batch * groups * hd * 2
+    return {"weight_bytes": weights, "kv_bytes": kv, "experts_read_per_layer": distinct}
+
+
+# ---- measurements -----------------------------------------------------------------------------------
+def gap_of(model, engine, prompts, new: int, seed: int = 3) -> dict:
+    from minite_megatron.diagnostics import gap_metrics
+    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
+
+    rollouts = engine.generate(prompts, new, temperature=1.0, seed=seed, stop_at_eod=False)
+    with torch.no_grad():
+        learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
+    pad = torch.nn.utils.rnn.pad_sequence
+    lrn = pad([lp[len(r.prompt_tokens) - 1 :].float().cpu() for lp, r in zip(learner, rollouts)], batch_first=True)
+    rol = pad([r.generated_log_probs.float().cpu() for r in rollouts], batch_first=True)
+    mask = pad([torch.ones(len(r.generated_tokens), dtype=torch.bool) for r in rollouts], batch_first=True)
+    m = gap_metrics(lrn, rol, mask)
+    return {"gap_mean_abs": m["rollout_corr/logprob_abs_diff_mean"], "gap_max_abs": m["rollout_corr/logprob_abs_diff_max"],
+            "k3_kl": m["rollout_corr/k3_kl"], "gap_tokens": int(mask.sum()),
+            "gap_tokens_equal": int(((lrn == rol) & mask).sum())}
+
+
+def time_engine(engine, prompts, new: int, repeats: int) -> dict:
+    """Median decode-step ms and prefill ms of ``generate`` (GPU: the engine's CUDA events)."""
+    engine.generate(prompts, new, temperature=1.0, seed=1, stop_at_eod=False)  # warm-up: compile, capture
+    steps, prefill, walls = [], [], []
+    for r in range(repeats):
+        sync()
+        t = time.perf_counter()
+        engine.generate(prompts, new, temperature=1.0, seed=2 + r, stop_at_eod=False)
+        sync()
+        walls.append(time.perf_counter() - t)
+        tm = getattr(engine._fast, "last_timing", None) if engine._fast is not None else None
+        if tm:
+            steps.append(tm["decode_ms"] / max(tm["decode_steps"], 1))
+            prefill.append(tm["prefill_ms"])
+    wall = statistics.median(walls)
+    if not steps:  # CPU or Megatron's path: wall clock over the steps (prefill included)
+        return {"decode_step_ms": wall * 1e3 / new, "prefill_ms": None, "generate_ms": wall * 1e3}
+    return {"decode_step_ms": statistics.median(steps), "prefill_ms": statistics.median(prefill),
+            "generate_ms": wall * 1e3}
+
+
+def run_engine(name, model, preset, args, batches, copy_gbps, attention) -> list[dict]:
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    max_seq = args.prompt_max + args.new
+    engine = RolloutEngine(model, eod_id=0, max_batch_size=max(batches), max_sequence_length=max_seq,
+                           attention=attention)
+    rows = []
+    for b in batches:
+        prompts = prompts_for(b, args.prompt_min, args.prompt_max, preset["vocab"])
+        row = {"engine": name, "batch": b, "path": engine.path,
+               "graphs": bool(engine._fast is not None and engine._fast.use_graphs)}
+        row.update(time_engine(engine, prompts, args.new, args.repeats))
+        row["tokens_per_s"] = b * 1e3 / row["decode_step_ms"]
+        nbytes = decode_bytes(preset, b, packed=name != "bf16", cache_len=max_seq)
+        row.update(nbytes)
+        row["effective_weight_gbps"] = nbytes["weight_bytes"] / row["decode_step_ms"] / 1e6
+        if copy_gbps:
+            row["byte_floor_ms"] = (nbytes["weight_bytes"] + nbytes["kv_bytes"]) / copy_gbps / 1e6
+        if b == args.gap_batch or args.gap_all:
+            row.update(gap_of(model, engine, prompts, args.new))
+        rows.append(row)
+        print(f"  {name} batch {b}: {row['decode_step_ms']:.3f} ms/step", flush=True)
+    return rows
+
+
+def default_mode_variants(model, preset, args) -> list[dict]:
+    """The default-mode gap under the alternatives the alignment fix chose between."""
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    max_seq = args.prompt_max + args.new
+    prompts = prompts_for(args.gap_batch, args.prompt_min, args.prompt_max, preset["vocab"])
+    out = []
+
+    def variant(label, **kw):
+        engine = RolloutEngine(model, eod_id=0, max_batch_size=args.gap_batch, max_sequence_length=max_seq, **kw)
+        row = {"variant": label, **gap_of(model, engine, prompts, args.new)}
+        if engine.path == "fast":
+            row.update(time_engine(engine, prompts, args.new, 1))
+        out.append(row)
+        print(f"  variant {label}: gap {row['gap_mean_abs']:.3g}", flush=True)
+
+    variant("default (learner's GEMM order, deterministic combine)")
+    variant("split-K decode GEMMs", invariant_gemm=False)
+    with megatron_combine(model):
+        variant("Megatron's atomic combine in the learner")
+    routers = [layer.mlp.router.weight for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    saved = [w.detach().clone() for w in routers]
+    for scale in (10.0, 50.0):
+        with torch.no_grad():
+            for w, s in zip(routers, saved):
+                w.copy_(s * scale)
+        variant(f"router weights x{scale:g}")
+    with torch.no_grad():
+        for w, s in zip(routers, saved):
+            w.copy_(s)
+    if args.megatron and time.perf_counter() - args._t0 < args.time_budget:
+        variant("Megatron's static engine", fast=False)
+    return out
+
+
+class megatron_combine:
+    """Swap every deterministic MoE layer's dispatcher for Megatron's own (atomic combine)."""
+
+    def __init__(self, model):
+        self.swaps = [(layer.mlp, layer.mlp.token_dispatcher, layer.mlp.megatron_token_dispatcher)
+                      for layer in model.decoder.layers if getattr(layer.mlp, "deterministic_combine", False)]
+
+    def __enter__(self):
+        for moe, _, theirs in self.swaps:
+            moe.token_dispatcher = theirs
+
+    def __exit__(self, *exc):
+        for moe, mine, _ in self.swaps:
+            moe.token_dispatcher = mine
+
+
+def combine_cost(model, tokens: int) -> dict:
+    """One MoE layer's forward + backward with the deterministic vs Megatron's combine (ms)."""
+    moe = model.decoder.layers[0].mlp
+    x = torch.randn(tokens, 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    model.train()
+
+    def once():
+        out, _ = moe(x)
+        out.backward(g)
+
+    def timed():
+        for _ in range(2):
+            once()
+        sync()
+        ts = []
+        for _ in range(5):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            once()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        return statistics.median(ts)
+
+    det = timed()
+    with megatron_combine(model):
+        meg = timed()
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    return {"tokens": tokens, "deterministic_ms": det, "megatron_ms": meg, "overhead": det / meg - 1}
+
+
+def gemm_order_checks(model) -> dict:
+    """Which decode GEMMs give the learner's bits, on the model's own weights (first layer).
+
+    ``learner_default`` / ``learner_strict``: the learner's GEMM over 4096 rows (grouped: 64 rows
+    per expert) without / with ``batch_invariant``; the decode kernels on 8 of those rows: the
+    split-K default, the invariant path as the backend dispatches it, and the decode kernels'
+    strict configuration (``decode_gemm.STRICT_DECODE_VERIFIED`` forced on for the check)."""
+    import minite_kernels.triton.decode_gemm as dg
+
+    out = {}
+    layer = model.decoder.layers[0]
+    flag = dg.STRICT_DECODE_VERIFIED
+    with torch.no_grad():
+        return _gemm_order_checks(layer, dg, flag, out)
+
+
+def _gemm_order_checks(layer, dg, flag, out):
+    from minite_megatron.ops.linear import backend_for
+    from minite_megatron.rollout.decode_step import _gather_rows
+
+    try:
+        for name in ("linear_qkv", "linear_proj"):
+            lin = getattr(layer.self_attention, name)
+            backend = backend_for(lin.recipe, lin.weight.device)
+            qw = lin.quantized_weight()
+            x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
+            qx = backend.quantize(x, global_scale="row", with_image=True)
+            small = backend.quantize(x[:8], global_scale="row", with_image=True)
+            ld = backend.gemm(qx, qw, None, torch.bfloat16, False)[:8]
+            ls = backend.gemm(qx, qw, None, torch.bfloat16, True)[:8]
+            dg.STRICT_DECODE_VERIFIED = False
+            inv = backend.gemm(small, qw, None, torch.bfloat16, True)
+            fast = backend.gemm(small, qw, None, torch.bfloat16, False)
+            dg.STRICT_DECODE_VERIFIED = True
+            strict_kernel = backend.gemm(small, qw, None, torch.bfloat16, True)
+            out[name] = {"learner_default_equals_strict": bool(torch.equal(ld, ls)),
+                         "image_invariant_equals_learner": bool(torch.equal(inv, ls)),
+                         "decode_splitk_equals_learner": bool(torch.equal(fast, ld)),
+                         "decode_strict_kernel_equals_learner": bool(torch.equal(strict_kernel, ls))}
+            dg.STRICT_DECODE_VERIFIED = flag
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "linear_fc1"):
+            fc1 = experts.linear_fc1
+            backend = backend_for(fc1.recipe, fc1.weight0.device)
+            qw = fc1.quantized_weight()
+            e = qw.shape[0]
+            x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
+            qx = backend.quantize(x, global_scale="row", with_image=True)
+            ld = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, False)
+            ls = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, True)
+            rows = torch.arange(0, 64 * e, 64 * e // 16, device="cuda")
+            ids = (rows // 64).to(torch.int32)
+            qr = _gather_rows(qx, rows)
+            res = {"learner_default_equals_strict": bool(torch.equal(ld, ls))}
+            for label, inv, verified in (("decode_fast", False, False), ("decode_invariant_fallback", True, False),
+                                         ("decode_strict_kernel", True, True)):
+                dg.STRICT_DECODE_VERIFIED = verified
+                got = backend.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
+                res[f"{label}_equals_learner"] = bool(torch.equal(got, (ls if inv else ld)[rows]))
+            out["experts_fc1"] = res
+    finally:
+        dg.STRICT_DECODE_VERIFIED = flag
+    return out
+
+
+def strict_kernels_verified(checks: dict) -> bool:
+    return bool(checks) and all(v.get("decode_strict_kernel_equals_learner", True) for v in checks.values())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
+    ap.add_argument("--engines", default="bf16,nvfp4,strict")
+    ap.add_argument("--batches", default="1,8,64" if gpu else "1,4")
+    ap.add_argument("--new", type=int, default=64 if gpu else 8)
+    ap.add_argument("--prompt-min", type=int, default=16 if gpu else 3)
+    ap.add_argument("--prompt-max", type=int, default=96 if gpu else 12)
+    ap.add_argument("--repeats", type=int, default=3 if gpu else 1)
+    ap.add_argument("--gap-batch", type=int, default=8 if gpu else 4)
+    ap.add_argument("--gap-all", action="store_true", help="the gap at every batch size")
+    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="default-mode gap variants, GEMM order checks and the learner's combine cost")
+    ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
+                    help="Megatron's static engine as a variant (slow)")
+    ap.add_argument("--learner-tokens", type=int, default=4096)
+    ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
+                    help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args._t0 = time.perf_counter()
+
+    from minite_megatron.training.presets import PRESETS, init_single_process
+
+    device = init_single_process(0)
+    preset = PRESETS[args.preset]
+    dtype = torch.bfloat16 if gpu else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.gap_batch not in batches:
+        batches = sorted(set(batches) | {args.gap_batch})
+    max_seq = args.prompt_max + args.new
+    copy_gbps = copy_bandwidth_gbps(device) if gpu else None
+    results = {"benchmark": "rollout", "command": "python -m benchmarks.rollout " + " ".join(argv or sys.argv[1:]),
+               "preset": args.preset, "new_tokens": args.new, "prompt_lengths": [args.prompt_min, args.prompt_max],
+               "copy_gbps": copy_gbps, "rows": [], **environment()}
+    t0 = time.perf_counter()
+
+    def left() -> bool:
+        return time.perf_counter() - t0 < args.time_budget
+
+    def guarded(label, fn):
+        if not left():
+            results.setdefault("skipped", []).append(f"{label} (time budget)")
+            return None
+        try:
+            return fn()
+        except Exception as e:  # keep the other sections' numbers
+            import traceback
+
+            traceback.print_exc()
+            results.setdefault("errors", []).append(f"{label}: {type(e).__name__}: {e}")
+            return None
+
+    models = {}
+    if "nvfp4" in args.engines or args.variants:
+        models["nvfp4"] = minite_gpt(preset, False, max_seq, device, dtype)
+    if gpu and args.variants:
+        # first: do the decode kernels' strict configurations give the learner's bits here? If they
+        # do, the engines below use them (the backend otherwise keeps the image GEMM in strict mode)
+        checks = guarded("gemm_order", lambda: gemm_order_checks(models["nvfp4"]))
+        if checks:
+            results["gemm_order"] = checks
+            print("gemm_order:", checks, flush=True)
+            if args.trust_verified and strict_kernels_verified(checks):
+                import minite_kernels.triton.decode_gemm as dg
+
+                dg.STRICT_DECODE_VERIFIED = True
+                results["strict_decode_verified_in_run"] = True
+    for name in args.engines.split(","):
+        print(f"# {name}", flush=True)
+
+        def engine_rows(name=name):
+            model = models.get(name)
+            if model is None:
+                model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"
+                         else minite_gpt(preset, name == "strict", max_seq, device, dtype))
+            try:
+                return run_engine(name, model, preset, args, batches, copy_gbps, "sdpa" if name == "bf16" else "module")
+            finally:
+                if name != "nvfp4":
+                    del model
+                    if gpu:
+                        torch.cuda.empty_cache()
+
+        results["rows"] += guarded(name, engine_rows) or []
+    if args.variants:
+        results["default_mode_variants"] = guarded("variants", lambda: default_mode_variants(models["nvfp4"], preset, args))
+        if gpu:
+            results["combine_cost"] = guarded("combine_cost", lambda: combine_cost(models["nvfp4"], args.learner_tokens))
+    models.clear()
+    bf16 = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "bf16"}
+    default = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "nvfp4"}
+    for r in results["rows"]:
+        if r["batch"] in bf16:
+            r["speedup_vs_bf16"] = bf16[r["batch"]] / r["decode_step_ms"]
+        if r["engine"] == "strict" and r["batch"] in default:
+            r["strict_over_default"] = r["decode_step_ms"] / default[r["batch"]]
+    head = next((r for r in results["rows"] if r["engine"] == "nvfp4" and r["batch"] == args.gap_batch), None)
+    if head:
+        results["decode_step_ms"] = head["decode_step_ms"]
+        results["speedup_vs_bf16"] = head.get("speedup_vs_bf16")
+    results["wall_s"] = time.perf_counter() - t0
+    print_table(f"rollout decode ({args.preset}, {args.new} new tokens, {results['device']})", results["rows"],
+                ["engine", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "speedup_vs_bf16",
+                 "strict_over_default", "effective_weight_gbps", "byte_floor_ms", "gap_mean_abs", "gap_max_abs"])
+    if results.get("default_mode_variants"):
+        print_table("default-mode gap variants", results["default_mode_variants"],
+                    ["variant", "gap_mean_abs", "gap_max_abs", "k3_kl", "gap_tokens_equal", "gap_tokens", "decode_step_ms"])
+    for key in ("gemm_order", "combine_cost", "errors"):
+        if key in results:
+            print(f"{key}: {results[key]}")
+    for path in save(results, "rollout", [args.out, os.path.dirname(args.json) if args.json else None]):
+        print("appended", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""MoE decode GEMM on packed FP4 expert weights: rows routed to experts, unsorted.
+
+``out[r] = round(fp32(s_a[r] * s_w[e]) * img_a[r] @ image(W[e])^T)`` with ``e = expert_ids[r]``:
+the contract of ``nvfp4.grouped.decode_grouped_gemm_reference``. Only the selected experts'
+weight bytes are read, once per (expert, N tile, K range), however many rows chose it.
+
+No host sync, so a CUDA graph can capture it: the grid is fixed by R and E alone,
+``(min(R, E) expert slots, N tiles, SPLIT)``. Every program reads the R expert ids (a few
+hundred int32), counts the rows per expert (``tl.histogram``), and finds its slot's expert:
+slot s takes the s-th expert (in index order) that some row chose; slots past the number of
+distinct experts exit at once. Its rows are gathered from the ids in chunks of ``M_PAD``
+(a one-hot reduction over R), the weight tile is dequantized in registers and multiplied with
+the chunk on the tensor cores (:func:`._decode_common.decode_k_loop`, swap-AB), and the
+outputs are scattered back to the rows' places.
+
+Configurations as :mod:`.decode_gemm`: default splits K (fp32 partials ``[SPLIT, R, N]``,
+added in split order by the last program of a (slot, N tile), an atomic counter); strict
+(``batch_invariant=True``) runs the whole K per program in the learner's strict chain of
+16-wide MMA steps. A row whose expert id is outside ``[0, E)`` gets NaN (the eager entry
+point raises before launching; inside a CUDA graph the NaN rows are the only signal).
+
+Inputs: ``a_img`` bf16 ``[R, K]``; ``w_codes`` uint8 ``[E*N, K/2]``; ``w_scales`` uint8 (E4M3
+bits) ``[E*N, K/16]`` linear; ``a_scale`` fp32 ``[R]``/``[1]``; ``w_scale`` fp32 ``[E]`` (one per
+expert) or ``[E*N]`` (per row); ``expert_ids`` int32 ``[R]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._decode_common import decode_k_loop, dequant_tables, load_tables
+from ._nvfp4_math import exact_launch, interpreting, round_to
+from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters
+from .gemm import OUT_DTYPES
+
+
+@triton.jit
+def _slot_expert(ids_ptr, slot, R, E, R_POW2: tl.constexpr, E_POW2: tl.constexpr):
+    """(ids [R_POW2] (-1 past R), valid mask, expert of this slot, its number of rows)."""
+    r = tl.arange(0, R_POW2)
+    ids = tl.load(ids_ptr + r, mask=r < R, other=-1)
+    valid = (ids >= 0) & (ids < E)
+    counts = tl.histogram(tl.where(valid, ids, 0), E_POW2, mask=valid)
+    present = (counts > 0).to(tl.int32)
+    sel = (present > 0) & (tl.cumsum(present, axis=0) == slot + 1)
+    expert = tl.sum(tl.where(sel, tl.arange(0, E_POW2), 0), axis=0)
+    rows = tl.sum(tl.where(sel, counts, 0), axis=0)
+    return ids, valid, expert, rows
+
+
+@triton.jit
+def _chunk_rows(mine, pos, c0, R_POW2: tl.constexpr, M_PAD: tl.constexpr):
+    """Row indices ``[M_PAD]`` of this expert's rows ``c0 .. c0 + M_PAD - 1`` (0 past its end)."""
+    j = c0 + tl.arange(0, M_PAD)
+    hit = mine[None, :] & (pos[None, :] == j[:, None])
+    return tl.sum(tl.where(hit, tl.arange(0, R_POW2)[None, :], 0), axis=1)
+
+
+@triton.jit(do_not_specialize=["SPLIT", "K_PER_SPLIT"])
+def _decode_grouped_kernel(
+    a_ptr, codes_ptr, scales_ptr, ids_ptr, out_ptr, part_ptr, cnt_ptr, sa_ptr, sw_ptr, lut_ptr,
+    R, N, K, E, K_PER_SPLIT, s_am, s_om, SPLIT,
+    SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, SPLIT_MAX: tl.constexpr,
+    R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    num_n = tl.num_programs(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_safe = rn % N
+    ids, valid, expert, n_rows = _slot_expert(ids_ptr, slot, R, E, R_POW2, E_POW2)
+
+    if (slot == 0) & (pid_s == 0):
+        # rows routed to no valid expert: NaN, never a silent value
+        bad = ~valid & (tl.arange(0, R_POW2) < R)
+        if tl.sum(bad.to(tl.int32), axis=0) > 0:
+            rr = tl.arange(0, R_POW2)
+            tl.store(out_ptr + rr[:, None] * s_om + rn[None, :],
+                     tl.full((R_POW2, BLOCK_N), float("nan"), tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=bad[:, None] & (rn < N)[None, :])
+
+    if n_rows > 0:
+        mine = valid & (ids == expert)
+        pos = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        wrow = expert.to(tl.int64) * N + rn_safe
+        codes_rows = codes_ptr + wrow[:, None] * (K // 2)
+        scales_rows = scales_ptr + wrow[:, None] * (K // 16)
+        k_lo = pid_s * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        luts = load_tables(lut_ptr)
+        is_last = SPLIT == 1
+        if SPLIT > 1:
+            for c0 in range(0, n_rows, M_PAD):
+                rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
+                m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
+                acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
+                                    k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
+                tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
+                         mask=m_ok & (rn < N)[:, None])
+            done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
+            is_last = done == SPLIT - 1
+        if is_last:
+            if SW_ROWS:
+                sw = tl.load(sw_ptr + wrow)
+            else:
+                sw = tl.full((BLOCK_N,), tl.load(sw_ptr + expert), tl.float32)
+            for c0 in range(0, n_rows, M_PAD):
+                rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
+                row_ok = c0 + tl.arange(0, M_PAD) < n_rows
+                m_ok = row_ok[None, :]
+                if SPLIT > 1:
+                    sp = tl.arange(0, SPLIT_MAX)
+                    p = tl.load(part_ptr + ((sp[:, None, None] * R + rows[None, None, :]).to(tl.int64) * N
+                                            + rn[None, :, None]),
+                                mask=(sp < SPLIT)[:, None, None] & (rn < N)[None, :, None] & m_ok[None, :, :],
+                                other=0.0, cache_modifier=".cg")
+                    acc = tl.sum(p, axis=0)  # split order: deterministic run to run
+                else:
+                    acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
+                                        k_lo, k_hi, luts, BLOCK_N, BLOCK_K, M_PAD, EVEN_K, ASM, DOT_FP32, PREFETCH)
+                if SA_ROWS:
+                    sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
+                else:
+                    sa = tl.full((M_PAD,), tl.load(sa_ptr), tl.float32)
+                out = acc * (sa[None, :] * sw[:, None])
+                tl.store(out_ptr + rows[None, :].to(tl.int64) * s_om + rn[:, None],
+                         round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok & (rn < N)[:, None])
+            if SPLIT > 1:
+                tl.store(cnt_ptr + slot * num_n + pid_n, 0)  # leave the workspace zeroed
+
+
+def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_invariant: bool) -> dict:
+    """Launch parameters (as :func:`.decode_gemm.select_config`, the grid counting expert slots)."""
+    slots = max(1, min(r, experts))
+    if interpreting():
+        if batch_invariant:
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, num_warps=4, num_stages=1)
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=max(1, min(2, k // 32)), num_warps=4, num_stages=1,
+                    PREFETCH=True)
+    if batch_invariant:
+        return dict(GPU_STRICT_DECODE, SPLIT=1)
+    # rows per expert: r / slots on average (top-k routing spreads them)
+    m_pad = max(8, min(16, triton.next_power_of_2(triton.cdiv(r, slots))))
+    cfg = default_config(m_pad, n * slots, k, sm_count, GPU_DECODE[m_pad])
+    return cfg
+
+
+def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts: int, cfg: dict,
+                          asm: bool | None = None) -> None:
+    """Run the kernel with launch parameters ``cfg`` (:func:`select_config` or a sweep's)."""
+    r, k = a.shape
+    n = out.shape[1]
+    bn, bk, split = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT"]
+    k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
+    split = triton.cdiv(k, k_per_split)
+    slots = min(r, experts)
+    num_n = triton.cdiv(n, bn)
+    part = torch.empty((split, r, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
+    cnt = split_counters(a.device, slots * num_n) if split > 1 else part
+    _decode_grouped_kernel[(slots, num_n, split)](
+        a, w_codes, w_scales, expert_ids, out, part, cnt, a_scale, w_scale, dequant_tables(a.device),
+        r, n, k, experts, k_per_split, a.stride(0), out.stride(0), split,
+        SA_ROWS=a_scale.numel() != 1 or r == 1, SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1),
+        EVEN_K=k % bk == 0 and k_per_split % bk == 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"],
+        SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
+        E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
+        DOT_FP32=interpreting(), PREFETCH=cfg.get("PREFETCH", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **exact_launch(),
+    )
+
+
+@torch.library.custom_op("minite::decode_grouped_gemm", mutates_args=())
+def decode_grouped_gemm_op(
+    a_img: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_scale: torch.Tensor,
+    expert_ids: torch.Tensor,
+    a_scale: torch.Tensor,
+    experts: int,
+    out_dtype: torch.dtype,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """Rows of ``a_img [R, K]`` times their experts' ``[N, K]`` weights -> ``[R, N]``."""
+    r, k = a_img.shape
+    n = w_codes.shape[0] // experts
+    out = torch.empty(r, n, dtype=out_dtype, device=a_img.device)
+    if r == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    sms = torch.cuda.get_device_properties(a_img.device).multi_processor_count if a_img.is_cuda else 1
+    a = a_img if a_img.stride(1) == 1 else a_img.contiguous()
+    launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts,
+                          select_config(r, n, k, experts, sms, batch_invariant))
+    return out
+
+
+@decode_grouped_gemm_op.register_fake
+def _(a_img, w_codes, w_scales, w_scale, expert_ids, a_scale, experts, out_dtype, batch_invariant):
+    return a_img.new_empty((a_img.shape[0], w_codes.shape[0] // experts), dtype=out_dtype)
+
+
+def decode_grouped_gemm_forward(a_img, w_codes, w_scales, w_scale, expert_ids, a_scale, experts: int,
+                                out_dtype=torch.bfloat16, batch_invariant: bool = False) -> torch.Tensor:
+    """Checked entry point of :func:`decode_grouped_gemm_op` (see the module docstring)."""
+    if a_img.dim() != 2 or a_img.dtype != torch.bfloat16:
+        raise ValueError(f"decode_grouped_gemm: a image must be bf16 [R, K], got {a_img.dtype} {tuple(a_img.shape)}")
+    r, k = a_img.shape
+    if k % 16:
+        raise ValueError(f"decode_grouped_gemm: K must be a multiple of 16, got {k}")
+    if experts <= 0 or w_codes.dim() != 2 or w_codes.shape[0] % experts or w_codes.shape[1] * 2 != k:
+        raise ValueError(f"decode_grouped_gemm: weight codes {tuple(w_codes.shape)} are not [E*N, K/2] for "
+                         f"E={experts}, K={k}")
+    if tuple(w_scales.shape) != (w_codes.shape[0], k // 16):
+        raise ValueError(f"decode_grouped_gemm: weight scales {tuple(w_scales.shape)} are not "
+                         f"{(w_codes.shape[0], k // 16)}")
+    if w_scale.numel() not in (experts, w_codes.shape[0]):
+        raise ValueError(f"decode_grouped_gemm: {w_scale.numel()} weight global scales for {experts} experts")
+    if a_scale.numel() not in (1, r):
+        raise ValueError(f"decode_grouped_gemm: {a_scale.numel()} row global scales for {r} rows")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    return decode_grouped_gemm_op(a_img, w_codes.contiguous(), w_scales.contiguous().view(torch.uint8),
+                                  w_scale.float().reshape(-1), expert_ids.to(torch.int32).reshape(-1),
+                                  a_scale.float().reshape(-1), experts, out_dtype, batch_invariant)

@@ -1,0 +1,563 @@
+"""One decode step of a Megatron ``GPTModel`` over a static KV cache, on the learner's own modules.
+
+:class:`DecodeModel` walks the model once (:mod:`.support` says which models it knows) and then
+runs a decode step -- one new token for each of ``B`` sequences at its own position -- with no
+host sync, so the whole step can be captured in a CUDA graph (:mod:`.cuda_graphs`). It calls
+the learner's modules wherever a module is pure device code reading its parameters in place:
+the embedding, every norm (miniTE's offer their fused NVFP4 quantization to the next linear,
+:mod:`minite_megatron.ops.producers`), q/k layernorms, Megatron's ``apply_rotary_pos_emb``, the
+layer's own ``core_attention`` (strict attention in strict mode; Megatron's in default mode),
+the router (FP32 gating, its top-k), BF16 linears, the bias-dropout-add functions, the activation
+modules, the final norm and the LM head. Three things it does itself, with the learner's ops:
+
+* **NVFP4 linears** (:func:`nvfp4_linear_step`): ``quantize_activation`` (the learner's quantizer,
+  taking a fused producer's handoff) and ``backend.gemm`` on the module's quantized weight, held
+  at a fixed address (:mod:`.decode_weights`) -- the learner's bytes, never re-quantized.
+* **Attention over the static cache**: q/k/v split as ``SelfAttention.get_query_key_value_tensors``
+  does, RoPE at each row's position, the new key/value written into the cache at that position,
+  then ``core_attention(q [1, B, np, hn], K [S, B, ng, hn], V, mask [B, 1, 1, S])`` over the whole
+  cache with the keys after each row's position hidden (Megatron's own static decode passes the
+  same module ``key[:end]``; hidden keys give exact zero probabilities, and the strict attention
+  is invariant to them by construction). ``attention="sdpa"`` uses
+  ``torch.nn.functional.scaled_dot_product_attention`` instead (the BF16 baseline engine).
+* **MoE without the training dispatcher** (:func:`moe_step`): the router's top-k experts of each
+  token in increasing expert order, the token's per-row NVFP4 quantization gathered to its
+  ``B*k`` (token, expert) rows, ``backend.decode_grouped_gemm`` on the stacked expert weights
+  (only the selected experts' bytes are read), the experts' activation and probability scaling as
+  ``TEGroupedMLP`` / ``SequentialMLP`` compute them, fc2 the same way, and
+  :func:`minite_megatron.strict.moe.ordered_sum` -- the deterministic combine's order (the
+  minite specs' MoE layers use it in both modes). BF16 experts: ``torch._grouped_mm`` on stacked
+  weights, or, for strict BF16 experts, each expert's own modules on its rows (a host loop:
+  eager only).
+
+The prefill is the learner's forward itself (``GPTModel.forward`` over the padded prompts, as
+``teacher_forced_logprobs`` runs it), with a pre-hook on every ``core_attention`` that copies the
+keys and values it receives (after RoPE) into the cache: prompt log-probs are the learner's.
+
+``invariant_gemm=True`` (default mode) makes the decode GEMMs take the batch-invariant
+configurations (``batch_invariant=True``), whose accumulation order equals the learner's
+full-batch GEMMs (:mod:`minite_kernels.triton.gemm`: one BLOCK_K and K order for every tile
+configuration; measured bitwise on the H200 for qkv, proj and the grouped experts, BENCHMARKS.md
+run 7), instead of the split-K decode kernels. Strict mode always does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.utils import GlobalMemoryBuffer
+
+from ..modules.grouped_linear import NVFP4GroupedLinear
+from ..nvfp4.tensor import NVFP4Tensor
+from ..ops.linear import backend_for, quantize_activation
+from ..strict.moe import ordered_sum
+from .decode_weights import StaticWeight, stacked_nvfp4
+from .support import is_nvfp4_linear, unwrap_gpt
+
+
+def module_call(module, args: tuple, compute, fire: bool):
+    """``compute()`` standing in for ``module(*args)``: with ``fire``, the module's forward
+    pre-hooks and hooks run around it as if the module had been called (a diagnostics tracer
+    records its output; eager steps only -- a CUDA graph cannot replay Python hooks)."""
+    if not fire:
+        return compute()
+    for hook in list(module._forward_pre_hooks.values()):
+        hook(module, args)
+    out = compute()
+    for hook in list(module._forward_hooks.values()):
+        hook(module, args, out)
+    return out
+
+
+class KVCache:
+    """Static keys and values of every layer: ``[S, B, ng, hn]`` views of one flat buffer per
+    layer (contiguous for every batch bucket ``B <= max_batch``), zeroed by :meth:`reset`."""
+
+    def __init__(self, num_layers: int, max_seq: int, max_batch: int, groups: int, head_dim: int, dtype, device):
+        self.max_seq, self.max_batch, self.groups, self.head_dim = max_seq, max_batch, groups, head_dim
+        n = max_seq * max_batch * groups * head_dim
+        self.k = [torch.zeros(n, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(n, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def view(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.max_seq * batch * self.groups * self.head_dim
+        shape = (self.max_seq, batch, self.groups, self.head_dim)
+        return self.k[layer][:n].view(shape), self.v[layer][:n].view(shape)
+
+    def reset(self) -> None:
+        for t in self.k + self.v:
+            t.zero_()
+
+
+# ---- linears ------------------------------------------------------------------------------------
+class LinearStep:
+    """A linear of the decode step: a miniTE NVFP4 linear on its fixed-address quantized weight,
+    or any other Megatron linear called as the learner calls it. ``__call__(x) -> (out, bias)``."""
+
+    def __init__(self, module, invariant: bool, weights: list):
+        self.module = module
+        self.nvfp4 = is_nvfp4_linear(module)
+        self.weight = None
+        if self.nvfp4:
+            recipe = module.recipe
+            self.invariant = bool(recipe.strict or invariant)
+            from ..modules.linear import NVFP4RowParallelLinear
+
+            self.row = isinstance(module, NVFP4RowParallelLinear)
+            self.weight = StaticWeight(module.quantized_weight)
+            weights.append(self.weight)
+
+    def __call__(self, x: torch.Tensor, fire: bool = False):
+        m = self.module
+        if not self.nvfp4:
+            return m(x)
+        return module_call(m, (x,), lambda: self._nvfp4(x), fire)
+
+    def _nvfp4(self, x):
+        m = self.module
+        bias = None if (m.bias is None or m.skip_bias_add) else m.bias
+        out = nvfp4_linear_step(x, self.weight.value, None if self.row else bias, m.minite_ctx, self.invariant)
+        if self.row and bias is not None:  # Megatron's RowParallelLinear adds its bias after the reduction
+            out = out + bias
+        return out, (m.bias if m.skip_bias_add else None)
+
+
+def nvfp4_linear_step(x: torch.Tensor, qw: NVFP4Tensor, bias, lctx, invariant: bool) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` as the learner's NVFP4 forward computes it (its quantizer, the
+    backend's GEMM), on a given quantized weight; ``x`` ``[..., K]``."""
+    backend = backend_for(lctx.recipe, x.device)
+    x2 = x.reshape(-1, x.shape[-1])
+    qx = quantize_activation(x2, lctx, backend)
+    y = backend.gemm(qx, qw, bias, out_dtype=x.dtype, batch_invariant=invariant)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _gather_rows(q: NVFP4Tensor, rows: torch.Tensor) -> NVFP4Tensor:
+    """Rows ``rows`` of a per-row quantized ``[T, K]`` NVFP4 matrix (every field gathered)."""
+    from dataclasses import replace
+
+    g = q.global_decode[rows] if q.global_scale == "row" else q.global_decode
+    return replace(q, codes=q.codes[rows], block_scales=q.block_scales.view(torch.uint8)[rows].view(q.block_scales.dtype),
+                   global_decode=g, shape=torch.Size([rows.numel(), q.k]),
+                   image=None if q.image is None else q.image[rows])
+
+
+# ---- activations --------------------------------------------------------------------------------
+def _glu(config, x):
+    x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+    if (val := config.activation_func_clamp_value) is not None:
+        x_glu = x_glu.clamp(min=None, max=val)
+        x_linear = x_linear.clamp(min=-val, max=val)
+    return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+
+
+def mlp_activation(owner, x: torch.Tensor, bias, probs: torch.Tensor | None) -> torch.Tensor:
+    """The activation ``MLP.forward`` (``per_token_scale=probs``) or ``TEGroupedMLP`` applies to
+    fc1's output ``x`` (with fc1's bias), times the routing probabilities if given."""
+    config = owner.config
+    if config.use_te_activation_func:
+        if bias is not None:
+            x = x + bias
+        x = owner.activation_func(x)
+    elif config.bias_activation_fusion:  # SwiGLU (support.py refuses the other fusions)
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
+
+        if probs is not None:
+            return weighted_bias_swiglu_impl(x, bias, probs.unsqueeze(-1), config.activation_func_fp8_input_store)
+        return bias_swiglu_impl(x, bias, config.activation_func_fp8_input_store, False)
+    else:
+        if bias is not None:
+            x = x + bias
+        x = _glu(config, x) if config.gated_linear_unit else owner.activation_func(x)
+    if probs is not None:
+        dtype = x.dtype
+        x = (x * probs.unsqueeze(-1)).to(dtype)
+    return x
+
+
+class MLPStep:
+    """A dense MLP (or shared experts): fc1, the MLP's activation, fc2."""
+
+    def __init__(self, mlp, invariant: bool, weights: list):
+        self.mlp = mlp
+        self.fc1 = LinearStep(mlp.linear_fc1, invariant, weights)
+        self.fc2 = LinearStep(mlp.linear_fc2, invariant, weights)
+
+    def __call__(self, x: torch.Tensor, fire: bool = False):
+        def compute():
+            h, b = self.fc1(x, fire)
+            return self.fc2(mlp_activation(self.mlp, h, b, None), fire)
+
+        return module_call(self.mlp, (x,), compute, fire)
+
+
+# ---- MoE ----------------------------------------------------------------------------------------
+def routed_experts(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k experts of each token in increasing expert index (the order of Megatron's
+    expert-major permutation) and their probabilities: ``([T, k] int64, [T, k])``. No sync."""
+    e = routing_map.shape[1]
+    rank = routing_map.to(torch.int32) * (e - torch.arange(e, device=routing_map.device, dtype=torch.int32))
+    experts = torch.topk(rank, topk, dim=1, sorted=True).indices  # distinct keys: lowest expert first
+    return experts, torch.gather(probs, 1, experts)
+
+
+class ExpertsStep:
+    """The routed experts of one MoE layer for ``R = T * k`` (token, expert) rows."""
+
+    def __init__(self, experts, invariant: bool, weights: list):
+        self.experts = experts
+        self.owner = experts  # whose activation: TEGroupedMLP's, or the local experts' MLP
+        if isinstance(experts, TEGroupedMLP):
+            fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+            self.kind = "nvfp4" if fc1.precision == "nvfp4" else "dense"
+            if self.kind == "nvfp4":
+                # images only where the learner's order may need them (a backend's fallback
+                # for an unverified strict decode kernel multiplies images)
+                keep = bool(invariant or fc1.recipe.strict)
+                self.w1 = StaticWeight(fc1.quantized_weight, keep_image=keep)
+                self.w2 = StaticWeight(fc2.quantized_weight, keep_image=keep)
+                self.lctx1, self.lctx2 = fc1.minite_ctx, fc2.minite_ctx
+                self.recipe = fc1.recipe
+            else:
+                self.w1 = StaticWeight(lambda: fc1.weights)
+                self.w2 = StaticWeight(lambda: fc2.weights)
+                self.recipe = fc1.recipe
+            strict = self.recipe.strict
+        else:  # SequentialMLP of MLPs
+            local = list(experts.local_experts)
+            self.owner = local[0]
+            fc1s, fc2s = [e.linear_fc1 for e in local], [e.linear_fc2 for e in local]
+            if all(is_nvfp4_linear(m) for m in fc1s + fc2s):
+                self.kind = "nvfp4"
+                self.w1 = StaticWeight(stacked_nvfp4(fc1s), keep_image=False)
+                self.w2 = StaticWeight(stacked_nvfp4(fc2s), keep_image=False)
+                self.lctx1, self.lctx2 = fc1s[0].minite_ctx, fc2s[0].minite_ctx
+                self.recipe = fc1s[0].recipe
+                strict = self.recipe.strict
+            else:
+                strict = any(getattr(m, "minite_strict", False) or getattr(getattr(m, "recipe", None), "strict", False)
+                             for m in fc1s + fc2s)
+                biased = any(m.bias is not None for m in fc1s + fc2s)
+                self.kind = "loop" if (strict or biased) else "dense"
+                if self.kind == "dense":
+                    self.w1 = StaticWeight(lambda: [m.weight for m in fc1s])
+                    self.w2 = StaticWeight(lambda: [m.weight for m in fc2s])
+        if self.kind == "dense" and strict:
+            self.kind = "loop"  # one batch-invariant GEMM per expert
+        self.invariant = bool(strict or invariant)
+        for w in ("w1", "w2"):
+            if hasattr(self, w):
+                weights.append(getattr(self, w))
+
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fire: bool = False) -> torch.Tensor:
+        """``x`` [T, H], ``experts``/``weights`` [T, k] -> fc2 outputs ``[T, k, H]``.
+
+        Rows are (token, expert) pairs token-major; with ``fire`` (tracing) they are computed in
+        Megatron's expert-major permutation, as the hooks of the expert modules expect."""
+        t, k = experts.shape
+        tok = torch.arange(t, device=x.device).repeat_interleave(k)
+        ids, probs = experts.reshape(-1), weights.reshape(-1)
+        perm = None
+        if fire:
+            perm = torch.argsort(ids * t + tok)
+            tok, ids, probs = tok[perm], ids[perm], probs[perm]
+        if self.kind == "nvfp4" and isinstance(self.experts, TEGroupedMLP):
+            y = module_call(self.experts, (x,), lambda: self._nvfp4(x, tok, ids, probs, fire), fire)
+        elif self.kind == "nvfp4" and not fire:
+            y = self._nvfp4(x, tok, ids, probs, False)
+        elif isinstance(self.experts, TEGroupedMLP):
+            y = module_call(self.experts, (x,), lambda: self._sorted(x, tok, ids, probs, fire), fire)
+        elif self.kind == "dense" and not fire:
+            y = self._sorted(x, tok, ids, probs, False)
+        else:
+            y = self._loop(x, tok, ids, probs)
+        if perm is not None:
+            y = torch.empty_like(y).index_copy_(0, perm, y)
+        return y.view(t, k, -1)
+
+    def _fc(self, module, x, compute, fire: bool):
+        """A grouped linear's output, its hooks fired (``TEGroupedMLP`` experts only)."""
+        if fire and isinstance(self.experts, TEGroupedMLP):
+            return module_call(module, (x, None), lambda: (compute(), None), True)[0]
+        return compute()
+
+    def _nvfp4(self, x, tok, ids, probs, fire: bool):
+        backend = backend_for(self.recipe, x.device)
+        ids32 = ids.to(torch.int32)
+        grouped = isinstance(self.experts, TEGroupedMLP)
+        fc1 = self.experts.linear_fc1 if grouped else None
+        fc2 = self.experts.linear_fc2 if grouped else None
+
+        def first():
+            if fire:  # the permuted rows, quantized as the learner quantizes them (same bits per row)
+                qx = quantize_activation(x[tok], self.lctx1, backend)
+            else:  # per-token scales: quantizing the tokens once and gathering is the same
+                qx = _gather_rows(quantize_activation(x, self.lctx1, backend), tok)
+            return backend.decode_grouped_gemm(qx, self.w1.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
+
+        h = self._fc(fc1, x[tok] if fire else x, first, fire)
+        a = mlp_activation(self.owner, h, None, probs)
+
+        def second():
+            qa = quantize_activation(a, self.lctx2, backend)
+            return backend.decode_grouped_gemm(qa, self.w2.value, ids32, out_dtype=x.dtype, batch_invariant=self.invariant)
+
+        return self._fc(fc2, a, second, fire)
+
+    def _sorted(self, x, tok, ids, probs, fire: bool):
+        """BF16 experts on rows sorted by expert: ``torch._grouped_mm`` (device offsets, no sync),
+        or for strict experts one batch-invariant GEMM per expert (host loop)."""
+        order = torch.argsort(ids, stable=True)
+        xs, ps = x[tok[order]], probs[order]
+        grouped = isinstance(self.experts, TEGroupedMLP)
+        if self.kind == "dense":
+            e = self.w1.value.shape[0]
+            counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+                0, ids, torch.ones_like(ids, dtype=torch.int32))
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+            def gemm(linear, w, inp):
+                return torch._grouped_mm(inp, w.value.transpose(1, 2), offs=offs)
+        else:
+            sizes = torch.bincount(ids, minlength=self.experts.num_local_experts).tolist()
+
+            def gemm(linear, w, inp):
+                parts = torch.split(inp, sizes)
+                return torch.cat([_grouped_bf16_expert(linear, g, p) for g, p in enumerate(parts) if p.shape[0]])
+
+        fc1 = self.experts.linear_fc1 if grouped else None
+        fc2 = self.experts.linear_fc2 if grouped else None
+        h = self._fc(fc1, xs, lambda: gemm(fc1, getattr(self, "w1", None), xs), fire)
+        a = mlp_activation(self.owner, h, None, ps)
+        y = self._fc(fc2, a, lambda: gemm(fc2, getattr(self, "w2", None), a), fire)
+        return torch.empty_like(y).index_copy_(0, order, y)
+
+    def _loop(self, x, tok, ids, probs):
+        """Each local expert's own module on its rows (``SequentialMLP``; eager only: the row
+        counts are read on the host). Hooks fire as in the learner's forward."""
+        out = None
+        for e in ids.unique().tolist():
+            rows = (ids == e).nonzero().reshape(-1)
+            y, _ = self.experts.local_experts[e](x[tok[rows]], probs[rows])
+            out = y.new_empty(ids.numel(), y.shape[-1]) if out is None else out
+            out[rows] = y
+        return out
+
+
+def _grouped_bf16_expert(linear: NVFP4GroupedLinear, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` of a BF16-precision grouped linear on rows ``x``, as its forward computes it."""
+    if linear.recipe.strict:
+        from ..strict.matmul import linear as batch_invariant_linear
+
+        return batch_invariant_linear(x, linear.weights[e], None)
+    return torch.nn.functional.linear(x, linear.weights[e], None)
+
+
+class MoEStep:
+    """An MoE layer: the router (module), the routed experts, the ordered combine, shared experts."""
+
+    def __init__(self, moe: MoELayer, invariant: bool, weights: list):
+        self.moe = moe
+        self.topk = moe.router.topk
+        self.experts = ExpertsStep(moe.experts, invariant, weights)
+        self.shared = MLPStep(moe.shared_experts, invariant, weights) if moe.use_shared_expert else None
+
+    def __call__(self, x: torch.Tensor, fire: bool = False):
+        def compute():
+            s, b, h = x.shape
+            probs, routing_map = self.moe.router(x)
+            experts, weights = routed_experts(routing_map, probs, self.topk)
+            rows = self.experts(x.reshape(s * b, h), experts, weights, fire)
+            out = ordered_sum(rows).view(s, b, h)
+            if self.shared is not None:
+                shared, _ = self.shared(x, fire)
+                out = out + shared
+            return out, None
+
+        return module_call(self.moe, (x,), compute, fire)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+class AttentionStep:
+    """``SelfAttention`` over the static cache (see the module docstring)."""
+
+    def __init__(self, index: int, attn, invariant: bool, weights: list, mode: str):
+        self.index, self.attn, self.mode = index, attn, mode
+        self.qkv = LinearStep(attn.linear_qkv, invariant, weights)
+        self.proj = LinearStep(attn.linear_proj, invariant, weights)
+        self.np = attn.num_attention_heads_per_partition
+        self.ng = attn.num_query_groups_per_partition
+        self.hn = attn.hidden_size_per_attention_head
+
+    def split(self, mixed: torch.Tensor):
+        """``SelfAttention.get_query_key_value_tensors``' split of ``linear_qkv``'s output."""
+        per = self.np // self.ng
+        mixed = mixed.view(*mixed.shape[:-1], self.ng, (per + 2) * self.hn)
+        q, k, v = torch.split(mixed, [per * self.hn, self.hn, self.hn], dim=3)
+        q = q.reshape(q.size(0), q.size(1), -1, self.hn)
+        attn = self.attn
+        if attn.q_layernorm is not None:
+            q = attn.q_layernorm(q)
+        if attn.k_layernorm is not None:
+            k = attn.k_layernorm(k)
+        return q, k, v
+
+    def __call__(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool = False):
+        return module_call(self.attn, (x,), lambda: self._attend(x, freqs, hidden, rows, positions, cache, fire), fire)
+
+    def _attend(self, x, freqs, hidden, rows, positions, cache: KVCache, fire: bool):
+        attn = self.attn
+        mixed, bias = self.qkv(x, fire)
+        if bias is not None:
+            mixed = mixed + bias
+        q, k, v = self.split(mixed)
+        if freqs is not None:
+            mscale = attn._yarn_concentration_factor
+            q = apply_rotary_pos_emb(q, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
+            k = apply_rotary_pos_emb(k, freqs, config=attn.config, cu_seqlens=None, mscale=mscale, cp_group=attn.pg_collection.cp)
+        kc, vc = cache.view(self.index, x.shape[1])
+        kc.index_put_((positions, rows), k[0].to(kc.dtype))
+        vc.index_put_((positions, rows), v[0].to(vc.dtype))
+        if self.mode == "sdpa":
+            ctx = torch.nn.functional.scaled_dot_product_attention(
+                q.permute(1, 2, 0, 3), kc.permute(1, 2, 0, 3), vc.permute(1, 2, 0, 3), attn_mask=~hidden,
+                scale=attn.config.softmax_scale or self.hn ** -0.5,
+                enable_gqa=self.np != self.ng,
+            )
+            ctx = ctx.permute(2, 0, 1, 3).reshape(1, x.shape[1], -1)
+        else:
+            ctx = attn.core_attention(q, kc, vc, hidden, attn_mask_type=AttnMaskType.no_mask)
+        return self.proj(ctx, fire)
+
+
+class LayerStep:
+    """One ``TransformerLayer``: the layer's norms and bias-dropout-adds around attention and MLP."""
+
+    def __init__(self, index: int, layer, invariant: bool, weights: list, attention: str):
+        self.layer = layer
+        self.attention = AttentionStep(index, layer.self_attention, invariant, weights, attention)
+        self.mlp = MoEStep(layer.mlp, invariant, weights) if isinstance(layer.mlp, MoELayer) else MLPStep(
+            layer.mlp, invariant, weights)
+
+    def __call__(self, h, freqs, hidden, rows, positions, cache, fire: bool = False):
+        layer = self.layer
+        fusion = layer.config.bias_dropout_fusion
+        residual = h
+        out = self.attention(layer.input_layernorm(h), freqs, hidden, rows, positions, cache, fire)
+        h = layer.self_attn_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
+        residual = h
+        out = self.mlp(layer.pre_mlp_layernorm(h), fire)
+        return layer.mlp_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
+
+
+class DecodeModel:
+    """The decode step and the prefill of a ``GPTModel`` (see the module docstring).
+
+    Args:
+        model: the learner's model (support checked by :func:`.support.fast_path_refusal`).
+        attention: ``"module"`` (the layers' own ``core_attention``) or ``"sdpa"``.
+        invariant_gemm: decode GEMMs in the learner's accumulation order in default mode too.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, attention: str = "module", invariant_gemm: bool = False):
+        if attention not in ("module", "sdpa"):
+            raise ValueError(f"attention must be 'module' or 'sdpa', got {attention!r}")
+        self.gpt = gpt = unwrap_gpt(model)
+        self.weights: list[StaticWeight] = []
+        self.layers = [LayerStep(i, layer, invariant_gemm, self.weights, attention)
+                       for i, layer in enumerate(gpt.decoder.layers)]
+        attn = gpt.decoder.layers[0].self_attention
+        self.groups, self.head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
+        self._rope_table: dict[int, torch.Tensor] = {}
+        # a GlobalMemoryBuffer of our own while capturing: Megatron's DotProductAttention takes its
+        # score buffer from the global one, which the learner may reallocate later
+        self.graph_memory = GlobalMemoryBuffer()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def refresh_weights(self) -> int:
+        """Copy new weight versions into the fixed-address buffers; returns how many changed."""
+        return sum(w.refresh() for w in self.weights)
+
+    def rope(self, max_seq: int) -> torch.Tensor | None:
+        """Megatron's RoPE table ``[S, 1, 1, D]`` (None without RoPE)."""
+        if self.gpt.position_embedding_type != "rope":
+            return None
+        if max_seq not in self._rope_table:
+            self._rope_table[max_seq] = self.gpt.rotary_pos_emb(max_seq)
+        return self._rope_table[max_seq]
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """While warming up and capturing a graph: Megatron's global memory buffer is this runner's
+        own, and its CUDA RNG tracker's ``fork`` (which ``DotProductAttention`` enters around its
+        attention dropout, an identity at inference) does not read the generator state, which a
+        capture forbids."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        saved = parallel_state._GLOBAL_MEMORY_BUFFER
+        parallel_state._GLOBAL_MEMORY_BUFFER = self.graph_memory
+        tracker = get_cuda_rng_tracker()
+        had_own = "fork" in vars(tracker)
+        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            parallel_state._GLOBAL_MEMORY_BUFFER = saved
+            if not had_own:
+                del tracker.fork
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, bucket: int | None = None) -> torch.Tensor:
+        """The learner's forward over ``tokens`` ``[B, L]`` (right-padded prompts) that also fills
+        positions ``0..L-1`` of the cache's first ``B`` rows, laid out for ``bucket >= B`` rows
+        (default ``B``); returns the logits ``[B, L, V]``."""
+        from .logprobs import causal_mask
+
+        b, length = tokens.shape
+        handles = []
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            kc, vc = cache.view(i, bucket or b)
+
+            def hook(module, args, kc=kc, vc=vc):
+                key, value = args[1], args[2]  # [L, B, ng, hn], after RoPE
+                kc[: key.shape[0], : key.shape[1]].copy_(key)
+                vc[: value.shape[0], : value.shape[1]].copy_(value)
+
+            handles.append(layer.self_attention.core_attention.register_forward_pre_hook(hook))
+        try:
+            position_ids = torch.arange(length, device=tokens.device).unsqueeze(0).expand(b, length)
+            return self.gpt(tokens, position_ids, causal_mask(length, device=tokens.device), runtime_gather_output=True)
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ---- decode -------------------------------------------------------------------------------
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, fire_hooks: bool = False) -> torch.Tensor:
+        """Logits ``[B, V]`` for ``tokens`` ``[B]`` (int64) at ``positions`` ``[B]`` (their keys and
+        values written into the cache there); no host sync (except with ``fire_hooks``: the
+        modules' forward hooks run as in a module call, for a diagnostics tracer)."""
+        gpt = self.gpt
+        b = tokens.shape[0]
+        h = gpt.embedding(input_ids=tokens.view(b, 1), position_ids=positions.view(b, 1))  # [1, B, H]
+        table = self.rope(cache.max_seq)
+        freqs = None if table is None else table.index_select(0, positions).view(1, b, 1, -1)
+        keys = torch.arange(cache.max_seq, device=tokens.device)
+        hidden = (keys.view(1, -1) > positions.view(-1, 1)).view(b, 1, 1, -1)  # True = after the row's position
+        rows = torch.arange(b, device=tokens.device)
+        for layer in self.layers:
+            h = layer(h, freqs, hidden, rows, positions, cache, fire_hooks)
+        if gpt.decoder.final_layernorm is not None:
+            h = gpt.decoder.final_layernorm(h)
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
+        logits = gpt._scale_logits(logits)
+        return logits[0]

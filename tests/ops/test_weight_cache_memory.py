@@ -1,0 +1,94 @@
+"""What the quantized-weight caches hold (issue 16): codes and scales in training, no BF16 image
+and no transposed copy; the image only for forward-only use (rollout); the dgrad GEMM on the
+transposed image is the same bits as on the relayout; the wgrad rounded in the kernel is the
+same bits as an fp32 wgrad rounded after."""
+
+import pytest
+import torch
+
+from minite_megatron import nvfp4
+from minite_megatron.ops import weight_cache
+from minite_megatron.ops.linear import LinearContext, nvfp4_linear
+from minite_megatron.ops.weight_cache import QuantizedWeightCache, cached_bytes
+from minite_megatron.recipe import Recipe
+from minite_megatron.testing import assert_bitwise_equal
+
+RECIPE = Recipe(backend="triton", grad_stochastic_rounding=False, wgrad_rht=False)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: compiled, or interpreted
+
+
+def _linear(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 64, generator=g).to(DEV, dtype).requires_grad_()
+    w = torch.randn(48, 64, generator=g).to(DEV, dtype).requires_grad_()
+    return x, w
+
+
+def test_training_cache_holds_codes_only_and_inference_keeps_the_image(monkeypatch):
+    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", False)
+    x, w = _linear()
+    cache = QuantizedWeightCache()
+    ctx = LinearContext(RECIPE, cache)
+    nvfp4_linear(x, w, None, ctx).float().sum().backward()
+    assert cache._q is not None and cache._q.image is None and cache._qt is None
+    with torch.no_grad():
+        cache.clear()
+        nvfp4_linear(x, w, None, ctx)
+    assert cache._q.image is not None  # rollout / decode reuse the image
+    assert cached_bytes()["images"] >= cache._q.image.nbytes
+
+
+def test_release_after_backward_leaves_no_quantized_weight():
+    """By default (RELEASE_AFTER_BACKWARD) the entry is gone after the layer's backward, and the
+    next micro-batch re-quantizes to the same bits."""
+    assert weight_cache.RELEASE_AFTER_BACKWARD
+    x, w = _linear()
+    cache = QuantizedWeightCache()
+    ctx = LinearContext(RECIPE, cache)
+    y1 = nvfp4_linear(x, w, None, ctx)
+    codes = cache._q.codes.clone()
+    y1.float().sum().backward()
+    assert cache._q is None and cache._key is None
+    g1 = w.grad.clone()
+    w.grad = None
+    y2 = nvfp4_linear(x, w, None, ctx)
+    assert_bitwise_equal(cache._q.codes, codes)
+    y2.float().sum().backward()
+    assert_bitwise_equal(y2, y1)
+    assert_bitwise_equal(w.grad, g1)
+
+
+def test_dgrad_on_the_transposed_image_equals_the_relayout():
+    """gemm_nt(dy, W) == gemm(dy, W.transpose()) and the grouped twin, bitwise (Triton kernels;
+    M above the decode-kernel rows)."""
+    from minite_megatron.nvfp4.backends import get_backend
+
+    be = get_backend("triton", DEV)
+    dev = DEV
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g).to(dev)
+    dy = torch.randn(40, 48, generator=g).to(dev).bfloat16()
+    qw = be.quantize(w, global_scale="tensor", tile=(16, 16))
+    qdy = be.quantize(dy, global_scale="tensor", with_image=True)
+    assert qw.image is None
+    assert_bitwise_equal(be.gemm_nt(qdy, qw), be.gemm(qdy, qw.transpose()), "dense dgrad")
+    ws = torch.randn(3, 32, 64, generator=g).to(dev)
+    qws = be.quantize(ws, global_scale="group", tile=(16, 16))
+    sizes = [20, 0, 21]
+    dys = torch.randn(41, 32, generator=g).to(dev).bfloat16()
+    qdys = be.quantize(dys, global_scale="row", with_image=True)
+    assert_bitwise_equal(be.grouped_gemm_nt(qdys, qws, sizes), be.grouped_gemm(qdys, qws.transpose(), sizes),
+                         "grouped dgrad")
+    with pytest.raises(ValueError):
+        be.gemm_nt(qdy, be.quantize(w, global_scale="tensor"))  # 1x16 blocks: no exact transpose
+
+
+def test_wgrad_rounded_in_the_kernel_equals_fp32_rounded_after():
+    x, w = _linear(seed=5)
+    dy = torch.randn(32, 48, generator=torch.Generator().manual_seed(6)).to(DEV).bfloat16()
+    nvfp4_linear(x, w, None, LinearContext(RECIPE, QuantizedWeightCache())).backward(dy)
+    be = nvfp4.get_backend("triton", x.device)
+    want = be.gemm(be.quantize(dy.t(), global_scale="tensor"), be.quantize(x.detach().t(), global_scale="tensor"),
+                   out_dtype=torch.float32).to(torch.bfloat16)
+    assert w.grad.dtype == torch.bfloat16
+    assert_bitwise_equal(w.grad, want, "bf16 wgrad")
