@@ -120,7 +120,6 @@ def main(argv=None) -> dict:
     engine = RolloutEngine(model, eod_id=task.eod,
                            max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
                            max_sequence_length=max_seq)
-    sync = getattr(engine, "sync_weights", None)  # the engine reads the learner's weights; hook if it has one
 
     if rl_state is None and args.sft_steps:
         sft_opt = rl_model.build_optimizer(ddp, lr=args.sft_lr, weight_decay=0.0, clip_grad=args.clip_grad,
@@ -147,6 +146,8 @@ def main(argv=None) -> dict:
                                       ref_model=ref_model, expect=expect)
         start = int(rl_state["step"])
         say(f"resumed {args.load} at RL step {start}")
+    if args.load:
+        engine.sync_weights()  # documented for weights set from outside the optimizer (it also sees in-place copies)
 
     monitor = GapMonitor(threshold=args.gap_threshold, writer=None)
     history = []
@@ -161,8 +162,6 @@ def main(argv=None) -> dict:
                disable=bar_disabled, initial=start, total=args.steps, dynamic_ncols=True)
     for step in bar:
         t_step = time.perf_counter()
-        if sync is not None:
-            sync()
         g = torch.Generator().manual_seed(rl_loop.mix_seed(args.seed, 2, step, dp_rank))
         pairs = task.sample_pairs(args.rollout_batch_size // dp_size, g)
         batch, t_gen = rl_loop.timed(rl_loop.generate_rollouts, engine, task, pairs, args,
