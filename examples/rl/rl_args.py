@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sft-steps", type=int, default=60)
     s.add_argument("--sft-batch-size", type=int, default=64)
     s.add_argument("--sft-lr", type=float, default=3e-3)
+    s.add_argument("--sft-target-accuracy", type=float, default=0.0,
+                   help="stop the warm-up once the greedy accuracy on training prompts reaches this (0: off)")
+    s.add_argument("--sft-eval-interval", type=int, default=20, help="steps between those checks")
     g = p.add_argument_group("GRPO / PPO")
     g.add_argument("--steps", "--num-rollout", dest="steps", type=int, default=20, help="RL steps (rollout batches)")
     g.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per step (all ranks)")
@@ -82,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--verbose", action="store_true", help="Megatron's INFO logs too")
     o.add_argument("--gap-threshold", type=float, default=1e-2, help="alert above this mean |dlogp|")
     o.add_argument("--seed", type=int, default=1234)
+    o.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="stop the RL loop (then evaluate, save, plot) once this much wall time has passed (0: off)")
     return p
 
 
@@ -102,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "rollout_batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "sft_batch_size"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             _fail(parser, f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
+    if not 0 <= args.sft_target_accuracy <= 1 or args.sft_eval_interval < 1:
+        _fail(parser, "--sft-target-accuracy must lie in [0, 1] and --sft-eval-interval be >= 1")
     if args.sft_steps < 0 or args.save_interval < 0 or args.eval_interval < 0:
         _fail(parser, "--sft-steps, --save-interval and --eval-interval must be >= 0")
     if args.rollout_batch_size % args.mini_batch_size:

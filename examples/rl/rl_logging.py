@@ -71,6 +71,21 @@ class RunLog:
             self.writer.close()
 
 
+def median(values) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]

@@ -267,10 +267,11 @@ def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, st
 
 
 @torch.no_grad()
-def evaluate(engine, task, args) -> float:
-    """Greedy exact-match accuracy on the held-out pairs (split over data-parallel ranks)."""
+def evaluate(engine, task, args, pairs=None) -> float:
+    """Greedy exact-match accuracy on the held-out pairs (or ``pairs``), split over data-parallel
+    ranks."""
     dp_rank, dp_size, dp_group = dp_info()
-    pairs = task.eval_pairs[dp_rank::dp_size]
+    pairs = (task.eval_pairs if pairs is None else pairs)[dp_rank::dp_size]
     correct = 0
     if pairs:
         outs = generate(engine, [task.prompt(a, b) for a, b in pairs], args.max_new_tokens, temperature=0.0, seed=0,
@@ -288,15 +289,25 @@ def _sft_loss(mb: dict, logits: torch.Tensor, *, strict: bool, denom: float, sca
     return loss * scale, {}
 
 
-def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log) -> list[dict]:
-    """``--sft-steps`` of supervised training on correct answers (cross-entropy on the answer
-    tokens, token mean over the global batch) through the same schedule and optimizer machinery."""
+def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log, engine=None,
+               deadline: float | None = None) -> list[dict]:
+    """Up to ``--sft-steps`` of supervised training on correct answers (cross-entropy on the answer
+    tokens, token mean over the global batch) through the same schedule and optimizer machinery.
+
+    With ``--sft-target-accuracy`` (and ``engine``), every ``--sft-eval-interval`` steps the greedy
+    accuracy on a fixed sample of *training* pairs (never the held-out ones) is measured, and the
+    warm-up stops once it reaches the target: RL then starts from a policy that is neither hopeless
+    nor saturated whatever the seed (a small model escapes addition's loss plateau after a number of
+    steps that varies with the seed). ``deadline`` (a ``time.perf_counter()`` value) ends it early
+    too (``--time-budget-s`` gives the warm-up at most half of the budget)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank, dp_size, dp_group = dp_info()
     forward_backward = get_forward_backward_func()
     per_rank = args.sft_batch_size // dp_size
     records = []
+    target = args.sft_target_accuracy if engine is not None else 0.0
+    probe = task.sample_pairs(len(task.eval_pairs), torch.Generator().manual_seed(mix_seed(args.seed, 5))) if target else None
     ddp_model.train()
     for step in range(1, args.sft_steps + 1):
         g = torch.Generator().manual_seed(mix_seed(args.seed, 1, step, dp_rank))
@@ -324,8 +335,18 @@ def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log) -
         _, grad_norm, _ = optimizer.step()
         (loss,) = all_reduce_sum([sums.total("sft/loss")], dp_group)
         rec = {"step": step, "phase": "sft", "sft/loss": loss, "sft/grad_norm": float(grad_norm)}
+        stop = False
+        if target and (step % args.sft_eval_interval == 0 or step == args.sft_steps):
+            rec["sft/train_accuracy"] = evaluate(engine, task, args, pairs=probe)
+            ddp_model.train()
+            stop = rec["sft/train_accuracy"] >= target
+        if deadline is not None and time.perf_counter() > deadline:
+            rec["sft/stopped_by_deadline"] = 1.0
+            stop = True
         records.append(rec)
         log(rec)
+        if stop:
+            break
     return records
 
 

@@ -31,6 +31,7 @@ policy that is neither hopeless nor saturated, so RL has something to improve.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -52,6 +53,7 @@ def _is_logging_rank() -> bool:
 
 
 def main(argv=None) -> dict:
+    t_start = time.perf_counter()
     args = rl_args.parse_args(argv)
     import rl_checkpoint
     import rl_logging
@@ -113,9 +115,11 @@ def main(argv=None) -> dict:
 
     def log_record(rec):
         log.write(rec)
-        if rec.get("phase") == "sft" and rec["step"] % max(1, args.sft_steps // 5) and rec["step"] != args.sft_steps:
-            return
-        say(log.line(rec) if rec.get("phase") != "sft" else f"sft step {rec['step']} | loss {rec['sft/loss']:.4f}")
+        if "sft/train_accuracy" in rec:
+            say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f} | accuracy on training prompts "
+                f"{rec['sft/train_accuracy']:.3f}")
+        elif rec["step"] % max(1, args.sft_steps // 5) == 0 or rec["step"] == args.sft_steps:
+            say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f}")
 
     engine = RolloutEngine(model, eod_id=task.eod,
                            max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
@@ -124,7 +128,8 @@ def main(argv=None) -> dict:
     if rl_state is None and args.sft_steps:
         sft_opt = rl_model.build_optimizer(ddp, lr=args.sft_lr, weight_decay=0.0, clip_grad=args.clip_grad,
                                            beta1=args.adam_beta1, beta2=args.adam_beta2)
-        rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record)
+        rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record, engine=engine,
+                           deadline=t_start + args.time_budget_s / 2 if args.time_budget_s else None)
         del sft_opt
 
     ref_model = None
@@ -200,7 +205,8 @@ def main(argv=None) -> dict:
         rec["timing_s/gen"], rec["timing_s/old_log_prob"], rec["timing_s/update_actor"] = t_gen, t_old, t_upd
         rec["perf/rollout_tokens_per_s"] = gen_tokens / t_gen
         rec["perf/train_tokens_per_s"] = train_tokens / t_upd
-        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
+        out_of_time = bool(args.time_budget_s) and time.perf_counter() - t_start > args.time_budget_s
+        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps or out_of_time):
             rec["val/accuracy"] = rl_loop.evaluate(engine, task, args)
         rec["timing_s/step"] = time.perf_counter() - t_step
         history.append(rec)
@@ -208,10 +214,14 @@ def main(argv=None) -> dict:
         say(log.line(rec))
         bar.set_postfix(reward=f"{rec['critic/rewards/mean']:.3f}",
                         gap=f"{rec['rollout_corr/train_rollout_logprob_abs_diff']:.1e}")
-        if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.steps):
+        if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.steps
+                          or out_of_time):
             rl_checkpoint.save(args.save, step, model=model, optimizer=optimizer, scheduler=scheduler,
                                ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
             say(f"saved {args.save} at RL step {step}")
+        if out_of_time:
+            say(f"--time-budget-s {args.time_budget_s:g} reached after RL step {step}: stopping")
+            break
     bar.close()
     if args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
         rl_checkpoint.save(args.save, start, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -228,6 +238,19 @@ def main(argv=None) -> dict:
             msg += f"; held-out accuracy {evals[0]['val/accuracy']:.3f} -> {evals[-1]['val/accuracy']:.3f}"
         msg += f"; max learner/rollout gap {max(h['rollout_corr/train_rollout_logprob_abs_diff'] for h in rl):.3e}"
         say(msg)
+        summary = {
+            "command": " ".join(["python examples/rl/train_grpo.py", *(sys.argv[1:] if argv is None else map(str, argv))]),
+            "date": time.strftime("%Y-%m-%d"), "device": rl_logging.device_name(device),
+            "steps": last["step"], "reward_first": first["critic/rewards/mean"], "reward_last": last["critic/rewards/mean"],
+            "held_out_accuracy": [[h["step"], h["val/accuracy"]] for h in evals],
+            "max_gap": max(h["rollout_corr/train_rollout_logprob_abs_diff"] for h in rl),
+            "rollout_tokens_per_s_median": rl_logging.median(h["perf/rollout_tokens_per_s"] for h in rl),
+            "train_tokens_per_s_median": rl_logging.median(h["perf/train_tokens_per_s"] for h in rl),
+            "wall_s": time.perf_counter() - t_start,
+        }
+        if log.path:
+            with open(os.path.join(args.log_dir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
         if not args.no_plot and log.path:
             png = rl_logging.plot_curves(log.path, os.path.join(args.log_dir, "curves.png"),
                                          f"GRPO on {args.digits}-digit addition ({'strict' if strict else 'default'})")
