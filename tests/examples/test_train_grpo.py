@@ -3,7 +3,9 @@ resumes exactly; real Megatron-Core on the CPU, fixed seeds, the tiny Qwen3-MoE-
 
 Runs are shared through one module-scoped fixture, in this process (no interpreter start-ups):
 
-1. ``sft``: the supervised warm-up, BF16 precision (``--no-quant``), saved as a Megatron checkpoint;
+1. ``sft``: the supervised warm-up in BF16 precision (``--no-quant``) until half the training prompts
+   are answered right (``--sft-target-accuracy 0.5``, at most 600 steps), saved as a Megatron
+   checkpoint;
 2. ``default``: RL with the default NVFP4 recipe from that checkpoint (``--load --finetune``), saving
    at step ``K`` (and at the end);
 3. ``strict``: the same with ``--strict`` and a k3 KL to the reference (the ref-model path);
@@ -44,7 +46,8 @@ def _main(argv):
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo")
     out = {"dir": d}
-    out["sft"] = _main(COMMON + ["--no-quant", "--sft-steps", "240", "--steps", "0", "--save", d / "sft",
+    out["sft"] = _main(COMMON + ["--no-quant", "--sft-steps", "600", "--sft-target-accuracy", "0.5", "--steps", "0",
+                                 "--save", d / "sft",
                                  "--log-dir", d / "log_sft", "--no-tensorboard", "--no-plot"])
     rl = COMMON + ["--load", d / "sft", "--finetune", "--sft-steps", "0", "--steps", STEPS]
     out["default"] = _main(rl + ["--save", d / "ckpt", "--save-interval", SAVE_AT, "--log-dir", d / "log_default"])
