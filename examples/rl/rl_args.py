@@ -43,10 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-size", type=int, default=128, help="held-out prompts, at most (never trained on)")
     t.add_argument("--eval-interval", type=int, default=5, help="greedy held-out accuracy every N steps (0: off)")
     s = p.add_argument_group("supervised warm-up (SFT on correct answers)")
-    s.add_argument("--sft-steps", type=int, default=60)
+    s.add_argument("--sft-steps", type=int, default=600, help="at most this many steps (0: no warm-up)")
     s.add_argument("--sft-batch-size", type=int, default=64)
     s.add_argument("--sft-lr", type=float, default=3e-3)
-    s.add_argument("--sft-target-accuracy", type=float, default=0.0,
+    s.add_argument("--sft-target-accuracy", type=float, default=0.5,
                    help="stop the warm-up once the greedy accuracy on training prompts reaches this (0: off)")
     s.add_argument("--sft-eval-interval", type=int, default=20, help="steps between those checks")
     g = p.add_argument_group("GRPO / PPO")
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
     g.add_argument("--mini-batch-size", type=int, default=8, help="prompts per optimizer step (all ranks)")
     g.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward, per rank")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-steps", type=int, default=0, help="optimizer steps of linear warm-up")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
