@@ -45,8 +45,12 @@ def init_single_process(seed: int | None = 1) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A ``GPTModel`` of ``preset`` on the minite specs under ``recipe``, weights from ``seed``."""
+def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0,
+              **config_overrides):
+    """A ``GPTModel`` of ``preset`` on the minite specs under ``recipe``, weights from ``seed``.
+
+    ``config_overrides``: further ``TransformerConfig`` fields (e.g. the parallel layout:
+    ``tensor_model_parallel_size``, ``sequence_parallel``, ``expert_model_parallel_size``)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,7 +69,7 @@ def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.
         hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
         use_cpu_initialization=device.type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        init_method_std=0.02,
+        init_method_std=0.02, **config_overrides,
     )
     torch.manual_seed(seed)  # CPU initialization
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # GPU initialization (Megatron's RNG tracker)

@@ -1,0 +1,268 @@
+"""GRPO / DAPO on Megatron-Core: the NVFP4 learner and the rollout engine on the same weights.
+
+    python examples/rl/train_grpo.py                              # tiny Qwen3-MoE-shaped model, CPU or GPU
+    python examples/rl/train_grpo.py --strict                     # learner == rollout log-probs, bitwise
+    python examples/rl/train_grpo.py --hf-checkpoint DIR          # start from a Hugging Face Qwen3(-MoE)
+    python examples/rl/train_grpo.py --save ckpt --save-interval 5 ; ... --load ckpt   # exact resume
+    torchrun --nproc-per-node 2 examples/rl/train_grpo.py --ep 2  # data + expert parallel (gloo on CPU)
+
+What one step does (verl / slime vocabulary):
+
+1. *rollout*: ``--rollout-batch-size`` training prompts (``a+b=``, :mod:`rl_task`), ``--group``
+   samples each from :class:`~minite_megatron.rollout.RolloutEngine` on the learner's own
+   weights, with the log-probs of the distribution sampled (``logprobs="sampled"``: at
+   ``--temperature``); exact-match rewards;
+2. *advantages*: group-relative (GRPO; ``--no-std-normalization``, ``--dynamic-sampling``,
+   ``--overlong-filter`` for the DAPO variants);
+3. *old_log_prob* (and *ref* with ``--kl-coef``): the learner's log-probs of the rollouts at the
+   same temperature, once, before the updates; the learner/rollout gap (``rollout_corr/*``) is
+   measured on them by :class:`~minite_megatron.diagnostics.GapMonitor`;
+4. *update_actor*: ``--ppo-epochs`` x (rollout / mini-batch) optimizer steps of the PPO clipped
+   loss (clip-higher ``--eps-clip-high``), token-mean over each mini-batch, TIS-weighted by
+   ``min(exp(old - rollout), --tis-cap)``, plus the k3 KL and entropy terms, through Megatron's
+   forward-backward schedule, ``DistributedDataParallel`` and ``get_megatron_optimizer`` (Adam,
+   ``--clip-grad``);
+5. held-out greedy accuracy every ``--eval-interval`` steps; metrics to the console, TensorBoard
+   and ``metrics.jsonl``; a checkpoint every ``--save-interval`` steps; ``curves.png`` at the end.
+
+A supervised warm-up (``--sft-steps``) on correct answers first brings the fresh model to a
+policy that is neither hopeless nor saturated, so RL has something to improve.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(_HERE, "..", ".."))
+
+import torch  # noqa: E402
+
+import rl_args  # noqa: E402
+
+
+def _is_logging_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def main(argv=None) -> dict:
+    t_start = time.perf_counter()
+    args = rl_args.parse_args(argv)
+    import rl_checkpoint
+    import rl_logging
+    import rl_loop
+    import rl_model
+    from rl_task import AdditionTask
+
+    device = rl_model.init_distributed(args.tp, args.ep, args.seed)
+    from megatron.core import parallel_state as ps
+    from tqdm import tqdm
+
+    from minite_megatron.diagnostics import GapMonitor
+    from minite_megatron.rl import MetricSums, rollout_metrics
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    dp_rank, dp_size, dp_group = rl_loop.dp_info()
+    for name, n in (("--rollout-batch-size", args.rollout_batch_size), ("--mini-batch-size", args.mini_batch_size),
+                    ("--sft-batch-size", args.sft_batch_size)):
+        if n % dp_size:
+            raise ValueError(f"{name} {n} is not a multiple of the data-parallel size {dp_size}")
+    args.lockstep_rollouts = args.ep > 1  # EP ranks all-to-all in every forward: same step count everywhere
+
+    task = AdditionTask(args.digits, reverse=not args.no_reverse, partial_credit=args.partial_credit,
+                        eval_size=args.eval_size)
+    if args.eval_size % dp_size and args.lockstep_rollouts:
+        raise ValueError(f"--eval-size {args.eval_size} must be a multiple of the data-parallel size with --ep > 1")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.answer_length
+    recipe = rl_args.build_recipe(args)
+    dtype = rl_model.params_dtype(args.params_dtype, device)
+    max_seq = task.prompt_length + args.max_new_tokens
+    vocab = max(16, -(-task.tokenizer.vocab_size // 16) * 16)  # a multiple of 16 (TP splits of the LM head)
+    arch = rl_model.model_architecture(args, vocab, max_seq)
+
+    logging_rank = _is_logging_rank()
+    log = rl_logging.RunLog(args.log_dir, enabled=logging_rank, tensorboard=not args.no_tensorboard, console=None)
+    bar_disabled = args.no_progress or not logging_rank
+    say = (lambda s: tqdm.write(s)) if logging_rank else (lambda s: None)
+    logging.getLogger("minite_megatron.diagnostics.monitor").setLevel(logging.WARNING)  # our line, not its
+    if not args.verbose:
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+
+    model = rl_model.build_policy_model(args, arch, recipe, device, dtype, args.seed)
+    rl_model.check_rollout_layout(model, args.tp, args.ep)
+    ddp = rl_model.wrap_ddp(model)
+    strict = recipe.strict
+    say(f"train_grpo: {'strict' if strict else 'default'} recipe{' (no quantization)' if args.no_quant else ''}, "
+        f"backend {recipe.backend or 'auto'}, {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
+        f"TP {args.tp} EP {args.ep} DP {dp_size}, device {device}")
+
+    rl_state = None
+    if args.load:
+        rl_state = rl_checkpoint.read_rl_state(args.load)
+        if rl_state is None or args.finetune:
+            rl_checkpoint.load_weights(args.load, model)
+            why = "--finetune" if rl_state is not None else "not an RL checkpoint of this script"
+            say(f"loaded the weights of {args.load} ({why}: a new run starts from them)")
+            rl_state = None
+
+    def log_record(rec):
+        log.write(rec)
+        if "sft/train_accuracy" in rec:
+            say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f} | accuracy on training prompts "
+                f"{rec['sft/train_accuracy']:.3f}")
+        elif rec["step"] % max(1, args.sft_steps // 5) == 0 or rec["step"] == args.sft_steps:
+            say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f}")
+
+    engine = RolloutEngine(model, eod_id=task.eod,
+                           max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
+                           max_sequence_length=max_seq)
+
+    if rl_state is None and args.sft_steps:
+        sft_opt = rl_model.build_optimizer(ddp, lr=args.sft_lr, weight_decay=0.0, clip_grad=args.clip_grad,
+                                           beta1=args.adam_beta1, beta2=args.adam_beta2)
+        rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record, engine=engine,
+                           deadline=t_start + args.time_budget_s / 2 if args.time_budget_s else None)
+        del sft_opt
+
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model = rl_model.build_policy_model(args, arch, recipe, device, dtype, args.seed)
+        missing, _ = ref_model.load_state_dict(model.state_dict(), strict=False)
+        ref_model.requires_grad_(False)
+
+    optimizer = rl_model.build_optimizer(ddp, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+                                         beta1=args.adam_beta1, beta2=args.adam_beta2)
+    updates_per_step = args.ppo_epochs * (args.rollout_batch_size // args.mini_batch_size)
+    scheduler = rl_model.build_scheduler(optimizer, lr=args.lr, min_lr=args.min_lr, warmup=args.lr_warmup_steps,
+                                         total=args.steps * updates_per_step, style=args.lr_decay_style,
+                                         weight_decay=args.weight_decay)
+    expect = {"arch": arch, "recipe": recipe.to_dict(), "seed": args.seed}
+    start = 0
+    if rl_state is not None:
+        rl_state = rl_checkpoint.load(args.load, model=model, optimizer=optimizer, scheduler=scheduler,
+                                      ref_model=ref_model, expect=expect)
+        start = int(rl_state["step"])
+        say(f"resumed {args.load} at RL step {start}")
+    if args.load:
+        engine.sync_weights()  # documented for weights set from outside the optimizer (it also sees in-place copies)
+
+    monitor = GapMonitor(threshold=args.gap_threshold, writer=None)
+    history = []
+    if start == 0 and args.eval_interval:
+        acc = rl_loop.evaluate(engine, task, args)
+        rec = {"step": 0, "phase": "eval", "val/accuracy": acc}
+        log.write(rec)
+        history.append(rec)
+        say(f"held-out accuracy before RL: {acc:.3f} ({len(task.eval_pairs)} prompts, greedy)")
+
+    bar = tqdm(range(start + 1, args.steps + 1), desc=f"GRPO ({'strict' if strict else 'default'})",
+               disable=bar_disabled, initial=start, total=args.steps, dynamic_ncols=True)
+    for step in bar:
+        t_step = time.perf_counter()
+        g = torch.Generator().manual_seed(rl_loop.mix_seed(args.seed, 2, step, dp_rank))
+        pairs = task.sample_pairs(args.rollout_batch_size // dp_size, g)
+        batch, t_gen = rl_loop.timed(rl_loop.generate_rollouts, engine, task, pairs, args,
+                                     seed=rl_loop.mix_seed(args.seed, 4, step, dp_rank),
+                                     stop_at_eod=not args.lockstep_rollouts)
+        _, t_old = rl_loop.timed(rl_loop.compute_old_logprobs, model, batch, args, device, ref_model)
+        sums = MetricSums()
+        rl_loop.tis_metrics(batch, args.tis_cap, sums)
+        update, t_upd = rl_loop.timed(rl_loop.ppo_update, ddp, optimizer, scheduler, batch, args, step=step,
+                                      strict=strict, device=device, sums=sums)
+        sums.all_reduce(dp_group)
+
+        # gather the rollout batch's summaries (and the gap inputs) on every rank, log on rank 0
+        per_seq = [(batch.old_logp[i][batch.response_mask[i]], batch.rollout_logp[i][batch.response_mask[i]])
+                   for i in range(batch.tokens.shape[0])]
+        shards = rl_loop.gather_objects(
+            dict(per_seq=per_seq, rewards=batch.rewards, adv=batch.advantages, lengths=batch.response_lengths,
+                 truncated=batch.truncated, correct=batch.correct, keep=batch.loss_mask.any(1),
+                 zero_var=batch.zero_variance, gen=batch.generated_tokens, tokens=int(batch.tokens.numel())),
+            dp_group)
+        cat = lambda k: torch.cat([s[k] for s in shards])  # noqa: E731
+        rec = {"step": step, "phase": "rl"}
+        rec.update(rollout_metrics(cat("rewards"), cat("adv"), cat("lengths"), cat("truncated"), cat("keep")))
+        rec["train/accuracy"] = float(cat("correct").double().mean())
+        rec["batch/zero_variance_group_frac"] = float(cat("zero_var").double().mean())
+        rec["batch/kept_sample_frac"] = float(cat("keep").double().mean())
+        rec.update(sums.means())
+        rec.update(update)
+        from minite_megatron.diagnostics import pad_sequences
+
+        learner, _ = pad_sequences([o for s in shards for o, _ in s["per_seq"]])
+        rollout, mask = pad_sequences([r for s in shards for _, r in s["per_seq"]])
+        rec.update(monitor.update(step, learner, rollout, mask))
+        gen_tokens = sum(s["gen"] for s in shards)
+        train_tokens = sum(s["tokens"] for s in shards) * args.ppo_epochs
+        rec["timing_s/gen"], rec["timing_s/old_log_prob"], rec["timing_s/update_actor"] = t_gen, t_old, t_upd
+        rec["perf/rollout_tokens_per_s"] = gen_tokens / t_gen
+        rec["perf/train_tokens_per_s"] = train_tokens / t_upd
+        out_of_time = bool(args.time_budget_s) and time.perf_counter() - t_start > args.time_budget_s
+        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps or out_of_time):
+            rec["val/accuracy"] = rl_loop.evaluate(engine, task, args)
+        rec["timing_s/step"] = time.perf_counter() - t_step
+        history.append(rec)
+        log.write(rec)
+        say(log.line(rec))
+        bar.set_postfix(reward=f"{rec['critic/rewards/mean']:.3f}",
+                        gap=f"{rec['rollout_corr/train_rollout_logprob_abs_diff']:.1e}")
+        if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.steps
+                          or out_of_time):
+            rl_checkpoint.save(args.save, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                               ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
+            say(f"saved {args.save} at RL step {step}")
+        if out_of_time:
+            say(f"--time-budget-s {args.time_budget_s:g} reached after RL step {step}: stopping")
+            break
+    bar.close()
+    if args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
+        rl_checkpoint.save(args.save, start, model=model, optimizer=optimizer, scheduler=scheduler,
+                           ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
+        say(f"saved {args.save} at RL step {start}")
+    log.close()
+    rl = [h for h in history if h.get("phase") == "rl"]
+    if logging_rank and rl:
+        first, last = rl[0], rl[-1]
+        evals = [h for h in history if "val/accuracy" in h]
+        msg = (f"train_grpo ({'strict' if strict else 'default'}): reward {first['critic/rewards/mean']:.3f} -> "
+               f"{last['critic/rewards/mean']:.3f}")
+        if evals:
+            msg += f"; held-out accuracy {evals[0]['val/accuracy']:.3f} -> {evals[-1]['val/accuracy']:.3f}"
+        msg += f"; max learner/rollout gap {max(h['rollout_corr/train_rollout_logprob_abs_diff'] for h in rl):.3e}"
+        say(msg)
+        summary = {
+            "command": " ".join(["python examples/rl/train_grpo.py", *(sys.argv[1:] if argv is None else map(str, argv))]),
+            "date": time.strftime("%Y-%m-%d"), "device": rl_logging.device_name(device),
+            "steps": last["step"], "reward_first": first["critic/rewards/mean"], "reward_last": last["critic/rewards/mean"],
+            "held_out_accuracy": [[h["step"], h["val/accuracy"]] for h in evals],
+            "max_gap": max(h["rollout_corr/train_rollout_logprob_abs_diff"] for h in rl),
+            "rollout_tokens_per_s_median": rl_logging.median(h["perf/rollout_tokens_per_s"] for h in rl),
+            "train_tokens_per_s_median": rl_logging.median(h["perf/train_tokens_per_s"] for h in rl),
+            "wall_s": time.perf_counter() - t_start,
+        }
+        if log.path:
+            with open(os.path.join(args.log_dir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
+        if not args.no_plot and log.path:
+            png = rl_logging.plot_curves(log.path, os.path.join(args.log_dir, "curves.png"),
+                                         f"GRPO on {args.digits}-digit addition ({'strict' if strict else 'default'})")
+            say(f"curves: {png}")
+    return {"history": history, "log_dir": args.log_dir}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
