@@ -112,8 +112,15 @@ def parse(name: str) -> Layout:
 # ---- what may be bitwise ----------------------------------------------------------------------
 FORWARD_EXACT = (
     "forward bitwise: data, expert and pipeline parallelism move whole tokens and whole layers; "
-    "no sum is split (CPU GEMM rows do not depend on how many rows share the call; the top-2 "
-    "combine adds two terms, which commutes)"
+    "no sum is split (the experts' GEMMs are batch invariant, so a token's expert output does not "
+    "depend on how many tokens of other ranks share its expert's GEMM; the combine adds a token's "
+    "expert outputs in a fixed order)"
+)
+FORWARD_EP_GEMM = (
+    "forward within the rule: expert parallelism puts the tokens of every EP rank into one "
+    "expert's GEMM, and this spec's expert GEMMs are the BLAS GEMM, whose rows depend on the "
+    "number of rows (on the CPU here: groups of 1 to 3 rows take another kernel); fp32 "
+    "re-association only (strict mode or NVFP4 experts: bitwise)"
 )
 FORWARD_TP = (
     "forward within the rule: tensor parallelism splits the K of row-parallel GEMMs (two partial "
@@ -155,22 +162,27 @@ STOCHASTIC = (
 GPU = "within the rule only: GPU GEMMs may pick their kernel (and K order) by the number of rows"
 
 
-def expectations(layout: Layout, world: int, *, bitwise_capable: bool = True, stochastic: bool = False) -> Expectation:
+def expectations(layout: Layout, world: int, *, bitwise_capable: bool = True, stochastic: bool = False,
+                 invariant_experts: bool = True) -> Expectation:
     """Which results of ``layout`` on ``world`` ranks must equal one process bit for bit.
 
-    ``bitwise_capable``: the device's GEMMs give rows independent of M (true of the CPU
-    kernels; not promised by cuBLAS, whose kernel choice depends on M: on GPUs every check falls
-    back to the rule). ``stochastic``: the spec rounds gradients stochastically (the forward of
-    step 1 may still be bitwise).
+    ``bitwise_capable``: the device's GEMMs give the same rows for the same row count (true of
+    the CPU kernels; not promised by cuBLAS, whose kernel choice depends on M: on GPUs every
+    check falls back to the rule). ``stochastic``: the spec rounds gradients stochastically (the
+    forward of step 1 may still be bitwise). ``invariant_experts``: the spec's expert GEMMs are
+    batch invariant (``model.INVARIANT_EXPERTS``); if not, expert parallelism changes the
+    number of rows of each expert's GEMM and the forward is held to the rule.
     """
     if not bitwise_capable:
         return Expectation(False, False, False, (GPU,) * 3)
-    forward = layout.tp == 1 and layout.etp == 1
+    split = layout.tp > 1 or layout.etp > 1
+    forward = not split and (layout.ep == 1 or invariant_experts)
+    forward_why = FORWARD_EXACT if forward else FORWARD_TP if split else FORWARD_EP_GEMM
     if stochastic:
-        return Expectation(forward, False, False, (FORWARD_EXACT if forward else FORWARD_TP, STOCHASTIC, STOCHASTIC))
+        return Expectation(forward, False, False, (forward_why, STOCHASTIC, STOCHASTIC))
     grads = forward and layout.dp(world) == 1 and layout.edp(world) == 1
     why = (
-        FORWARD_EXACT if forward else FORWARD_TP,
+        forward_why,
         GRADS_EXACT if grads else GRADS_DP,
         TRAJECTORY_EXACT if grads else TRAJECTORY_RULE,
     )

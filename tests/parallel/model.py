@@ -14,6 +14,9 @@ Specs (``SPECS``):
   stream per rank: no layout can be bitwise, only within the rule);
 * ``exact``: the minite spec with every part in high precision (fp32 GEMMs): the "exact"
   model the 2x rule measures errors against;
+* ``exact_strict``: ``exact`` in strict mode: every fp32 GEMM, the experts' included, is the
+  batch-invariant one (``minite_megatron.strict.matmul``), so expert parallelism (which changes
+  how many tokens share an expert's GEMM) cannot change a bit of the forward;
 * ``local``: Megatron's own local spec (with a sequence-parallel-capable norm), fp32.
 
 Data: step ``s`` trains on ``GLOBAL_BATCH`` sequences (more when many data-parallel ranks need it) of a learnable toy language (each sequence
@@ -62,10 +65,21 @@ SPECS: dict[str, dict[str, Any]] = {
     "nvfp4": {"builder": "minite", "recipe": {"grad_stochastic_rounding": False}},
     "nvfp4_sr": {"builder": "minite", "recipe": {}},
     "exact": {"builder": "minite", "recipe": EXACT_RECIPE},
+    "exact_strict": {"builder": "minite", "recipe": {**EXACT_RECIPE, "strict": True}},
     "local": {"builder": "local", "recipe": None},
 }
-EXACT_OF = {"nvfp4": "exact", "nvfp4_sr": "exact", "exact": "exact", "local": "local"}
+EXACT_OF = {"nvfp4": "exact", "nvfp4_sr": "exact", "exact": "exact", "exact_strict": "exact_strict", "local": "local"}
 """The high-precision model each spec's 2x rule is measured against (itself for fp32 specs)."""
+
+INVARIANT_EXPERTS = {"nvfp4": True, "nvfp4_sr": True, "exact": False, "exact_strict": True, "local": False}
+"""Whether a spec's expert GEMMs give a row the same bits whatever number of rows shares the
+call. NVFP4: yes, the contract's GEMM adds exact 16-element block partials in K order
+(``nvfp4.gemm``). Strict mode: yes, the batch-invariant GEMM. Default mode's high-precision
+experts (``exact``: ``torch._grouped_mm``) and Megatron's (``local``): no, they are the BLAS
+GEMM, whose rows depend on M (on this project's CPU, torch 2.11's GEMM computes a group of 1 to
+3 rows with another kernel: other bits than the same rows in a larger group). Under expert parallelism an
+expert's group holds the tokens of every EP rank, so such a forward is not bitwise across EP
+sizes (``layouts.expectations``)."""
 
 
 def local_spec(config, vp_stage: int | None = None):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import DISTOPT_PAIR, expectations, parse
-from .model import EXACT_OF, N_MAX
+from .model import EXACT_OF, INVARIANT_EXPERTS, N_MAX
 
 U = 2.0**-24
 REASSOCIATION = N_MAX * U
@@ -87,7 +87,8 @@ def compare(results: dict, spec: str, layouts: list[str], world: int, *, bitwise
     rows = []
     for name in layouts:
         got = results[f"{spec}:{name}"]
-        exp = expectations(parse(name), world, bitwise_capable=bitwise_capable, stochastic=spec == "nvfp4_sr")
+        exp = expectations(parse(name), world, bitwise_capable=bitwise_capable, stochastic=spec == "nvfp4_sr",
+                           invariant_experts=INVARIANT_EXPERTS[spec])
         tag = f"{spec}:{name}"
         steps = got["losses"].shape[0]
         for i in range(steps):
