@@ -8,7 +8,7 @@ step at 4096 tokens). :class:`MiniteDotProductAttention` keeps Megatron's constr
 kernels on a GPU (and its math backend on a CPU): causal, GQA without repeating the keys,
 O(s) memory.
 
-Visibility, the rule of the strict attention (:mod:`minite_megatron.strict.attention`): the
+Visibility, the rule of the strict attention (:mod:`minite_megatron.invariant.attention`): the
 queries are the *last* ``sq`` of the ``sk`` key positions (a training / teacher-forced forward
 has ``sq == sk``; a static KV-cache prefill or decode step has ``sq`` new tokens after
 ``sk - sq`` cached ones); with a causal ``attn_mask_type`` a query at position ``t`` sees keys
@@ -17,7 +17,7 @@ convention) hides more. A query with no visible key returns zeros.
 
 Megatron callers pass the causal mask explicitly (the data loader's, ``teacher_forced_logprobs``'s,
 the static engine's rows of it). A mask that hides nothing the causal rule does not already hide
-is dropped (:func:`~minite_megatron.strict.attention.effective_mask`: one reduction, checked once per mask object and version), so
+is dropped (:func:`~minite_megatron.invariant.attention.effective_mask`: one reduction, checked once per mask object and version), so
 the call takes SDPA's fused causal path; any other mask becomes SDPA's boolean mask (memory-
 efficient / math backends).
 
@@ -34,7 +34,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..strict.attention import effective_mask, sdpa_attention
+from ..invariant.attention import effective_mask, sdpa_attention
 
 __all__ = ["MiniteDotProductAttention", "effective_mask", "sdpa_attention"]
 

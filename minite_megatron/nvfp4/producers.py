@@ -7,8 +7,8 @@ scale per row (per token), so the next GEMM's operand is written by the op that 
 * :func:`rmsnorm_quantize_reference` ``(x [M, H], weight [H]) -> (y, q)``:
   ``y = round_x.dtype(fp32(x) * (1 / sqrt(tree(fp32(x)^2) / H + eps)) * w)`` with ``w = weight``
   or ``1 + weight``, all fp32, one rounding: the formula of
-  ``minite_megatron.strict.rmsnorm.rms_norm_torch`` (the sum of squares is the aligned pairwise
-  tree of ``strict.tree``, rewritten here because this package imports nothing but torch; a
+  ``minite_megatron.invariant.rmsnorm.rms_norm_torch`` (the sum of squares is the aligned pairwise
+  tree of ``invariant.tree``, rewritten here because this package imports nothing but torch; a
   test pins the two bitwise). The Triton kernel instead reproduces ``bi_rmsnorm``'s own fixed
   reduction (another order), so its ``y`` equals ``bi_rmsnorm``'s, not this one's, in the last
   bit of a few rows.
@@ -19,7 +19,7 @@ scale per row (per token), so the next GEMM's operand is written by the op that 
   ``a`` has exactly two roundings). On CUDA tensors ``torch.nn.functional.silu`` itself is
   called (its kernel is that formula with ``expf``); on the CPU the formula is spelled out,
   because ATen's CPU ``silu`` rounds an element differently in its vector body and its scalar
-  tail (``minite_megatron.strict.activations``).
+  tail (``minite_megatron.invariant.activations``).
 
 ``q = quantize_reference(y_or_a, global_scale="row", with_image=...)`` in both: the chain of
 :mod:`.quantize`, computed from the *rounded* 16-bit output.
@@ -86,7 +86,7 @@ def checked_output(t: torch.Tensor, what: str) -> None:
 
 
 def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
-    """The aligned pairwise tree sum over the last dimension (``strict.tree.tree_sum``: adjacent
+    """The aligned pairwise tree sum over the last dimension (``invariant.tree.tree_sum``: adjacent
     pairs, the length zero-padded to even at every level; an exact-zero sum is ``+0.0``)."""
     t = x
     while t.shape[-1] > 1:

@@ -126,7 +126,7 @@ def test_the_minite_spec_uses_sdpa_except_in_strict_or_aligned_mode():
     with it off, torch SDPA; strict mode its own strict module."""
     from minite_megatron.recipe import Recipe
     from minite_megatron.specs import get_gpt_layer_minite_spec
-    from minite_megatron.strict.core_attention import AlignedDotProductAttention, StrictDotProductAttention
+    from minite_megatron.modules.core_attention import AlignedDotProductAttention, StrictDotProductAttention
 
     for recipe, cls in ((Recipe(), AlignedDotProductAttention), (Recipe(precision="bf16"), AlignedDotProductAttention),
                         (Recipe(aligned_attention=False), MiniteDotProductAttention),

@@ -2,7 +2,7 @@
 
 :class:`StrictDotProductAttention` subclasses Megatron's ``DotProductAttention`` (same
 constructor and builder protocol, so it drops into any ``SelfAttentionSubmodules``) and computes
-:func:`minite_megatron.strict.attention.attention`: a query's output does not depend on the
+:func:`minite_megatron.invariant.attention.attention`: a query's output does not depend on the
 batch, on the other queries in the call, or on whether its keys come from the whole sequence
 (training, teacher forcing, prefill) or from Megatron's static KV cache (decode).
 
@@ -31,7 +31,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from .attention import attention as batch_invariant_attention
+from ..invariant.attention import attention as batch_invariant_attention
 
 
 class StrictDotProductAttention(DotProductAttention):
@@ -81,7 +81,7 @@ class AlignedDotProductAttention(StrictDotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if self.training and self.attention_dropout.p > 0:
-            from ..modules.attention import MiniteDotProductAttention
+            from .attention import MiniteDotProductAttention
 
             if not hasattr(self, "sdpa_scale"):
                 self.sdpa_scale = self.strict_scale
