@@ -9,7 +9,7 @@ expert-major row layout the grouped expert GEMMs and the combine read.
   bit: the top-k is stable (the larger logit first, ties to the lower expert index; the
   padding experts never win), then ``m = max``, ``e_j = exp(v_j - m)`` in the selection order,
   ``l`` = the aligned pairwise tree over ``e_0 .. e_{k-1}`` (zero padded to a power of two:
-  :mod:`minite_megatron.invariant.tree`'s order; a sum of two values does not depend on how the
+  :mod:`minite_megatron.nvfp4.tree`'s order; a sum of two values does not depend on how the
   reduction is laid out), ``p_j = e_j / l`` (IEEE division, ``0`` where ``l == 0``), times the
   scaling factor if one is given. ``exp`` is libdevice's ``expf`` on the GPU (the function torch's
   CUDA ``exp`` calls; no flush to zero), numpy's under the interpreter (then the probabilities

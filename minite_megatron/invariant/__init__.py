@@ -2,8 +2,9 @@
 composition, or prefill vs decode -- so the learner's teacher-forced log-probs equal the rollout
 engine's bitwise (strict mode, and default mode's ``aligned_*`` ops).
 
-Functional ops, one module each: the fixed-order ``"torch"`` formulation on any device, the Triton
-``bi_*`` kernels on CUDA (:mod:`.backend` chooses)::
+Part of the contract layer: pure torch, the fixed-order ``"torch"`` formulation on any device and
+the reference of the Triton ``bi_*`` kernels, which run on CUDA (:mod:`.backend` chooses and finds
+them by name). Functional ops, one module each::
 
     from minite_megatron.invariant.matmul import linear             # GEMM
     from minite_megatron.invariant.rmsnorm import rms_norm           # RMSNorm
@@ -11,7 +12,7 @@ Functional ops, one module each: the fixed-order ``"torch"`` formulation on any 
     from minite_megatron.invariant.attention import attention        # prefill == decode, bitwise
     from minite_megatron.invariant.topk import stable_topk
     from minite_megatron.invariant.activations import silu, gelu_tanh
-    from minite_megatron.invariant.tree import tree_sum              # the fixed reduction order
+    from minite_megatron.nvfp4.tree import tree_sum                  # the fixed reduction order
     from minite_megatron.invariant.collectives import invariant_all_reduce, invariant_reduce_scatter
 
 The Megatron-Core modules built on them live in :mod:`minite_megatron.modules` (``linear``,

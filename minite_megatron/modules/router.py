@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from ..invariant.matmul import linear as batch_invariant_linear
 from ..invariant.softmax import sigmoid, softmax
 from ..invariant.topk import stable_topk
-from ..invariant.tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 
 def topk_routing(

@@ -18,7 +18,7 @@ def _worker(rank, world, init_file, out_dir):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from minite_megatron.invariant.collectives import invariant_all_reduce, invariant_reduce_scatter
-    from minite_megatron.invariant.tree import tree_sum
+    from minite_megatron.nvfp4.tree import tree_sum
 
     results = {}
     parts = [torch.randn(8, 5, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(world)]
