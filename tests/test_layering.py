@@ -4,7 +4,8 @@ Walks the ``import`` statements (function-level ones included) of every module u
 ``minite_megatron/`` and ``kernels/`` (installed as ``minite_kernels``) with ``ast``, nothing is
 imported. Pins the drift of issue 11: ``specs.py -> strict/megatron.py -> strict/specs.py ->
 specs.py`` and ``kernels/triton/_aot.py <-> _aot_kernels.py`` (circles), ``ops/linear.py`` and
-``rollout/engine.py`` importing ``diagnostics.capture`` (upward imports).
+``rollout/engine.py`` importing ``diagnostics.capture`` (upward imports), and
+``modules/linear.py`` calling a sibling class's ``StrictRowParallelLinear.forward(self, ...)``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,45 @@ def test_no_import_circles(graph):
         links = [f"{repo_path(a, mods)}:{line} -> {b}" for a in sorted(inside) for line, b in edges[a] if b in inside]
         described.append("circle of " + ", ".join(sorted(repo_path(m, mods) for m in component)) + ":\n  " + "\n  ".join(links))
     assert not circles, "import circles:\n" + "\n".join(described)
+
+
+def sibling_method_calls(sources: dict[str, str]) -> list[str]:
+    """``Other.method(self, ...)`` inside a class whose ancestors (by name, through the classes of
+    ``sources``) do not include ``Other``: borrowing a sibling's method instead of sharing a
+    function or a base class."""
+    trees = {name: ast.parse(text, name) for name, text in sources.items()}
+    classes = [c for tree in trees.values() for c in ast.walk(tree) if isinstance(c, ast.ClassDef)]
+    bases = {}
+    for c in classes:
+        bases.setdefault(c.name, set()).update(b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in c.bases)
+
+    def ancestors(name, seen=()):
+        out = set()
+        for b in bases.get(name, ()):
+            if b not in seen:
+                out |= {b} | ancestors(b, (*seen, b))
+        return out
+
+    found = []
+    for name, tree in trees.items():
+        for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            allowed = ancestors(c.name) | {c.name}
+            for n in ast.walk(c):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+                        and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
+                    owner = n.func.value.id
+                    if owner[:1].isupper() and owner not in allowed:
+                        found.append(f"{name}:{n.lineno}: {c.name} calls {owner}.{n.func.attr}(self, ...)")
+    return found
+
+
+def test_no_class_borrows_a_sibling_method(graph):
+    mods, _ = graph
+    sources = {repo_path(m, mods): path.read_text() for m, path in mods.items()}
+    found = sibling_method_calls(sources)
+    assert not found, "methods borrowed from a class that is not a base (share a function instead):\n" + "\n".join(found)
+    old = "class A(B):\n    def forward(self, x):\n        return StrictRowParallelLinear.forward(self, x)\n"
+    assert sibling_method_calls({"linear.py": old}) == ["linear.py:3: A calls StrictRowParallelLinear.forward(self, ...)"]
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
