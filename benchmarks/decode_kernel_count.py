@@ -10,7 +10,7 @@ qwen3-moe preset's structure (4 layers, GQA 32/4 -> 8/2 heads, 16 experts top-8,
 but tiny dimensions, every ATen op dispatched that is not a view or an allocation and every
 Triton kernel launch (ops inside a kernel's interpreter run are not counted). To count what the
 GPU launches, the model is bf16 (the GPU's dtype: the fused norm -> NVFP4 producers run), the
-batch-invariant ops take their Triton kernels (``strict.backend.use_backend("triton")``, the GPU's
+batch-invariant ops take their Triton kernels (``invariant.backend.use_backend("triton")``, the GPU's
 choice), the decode step's fused kernels run (``rollout.fused_ops.KERNELS_ON_CPU``), and the
 backend dispatches the decode GEMMs as on a GPU whose packed decode kernels are verified or not
 (``--gpu-decode``, default: what ``decode_gemm.DECODE_GPU_VERIFIED`` / ``STRICT_DECODE_VERIFIED``
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from minite_megatron.rollout import fused_ops
     from minite_megatron.rollout.engine import RolloutEngine
     from minite_megatron.rollout.sampling import SamplingConfig
-    from minite_megatron.strict.backend import use_backend
+    from minite_megatron.invariant.backend import use_backend
     from minite_megatron.training.presets import build_gpt, init_single_process
 
     init_single_process(1)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         counts.clear()
         # what a CUDA graph's capture skips: the eager host-side checks (expert ids in range, whether
         # an attention mask hides anything the causal rule does not)
-        import minite_megatron.strict.attention as strict_attention
+        import minite_megatron.invariant.attention as strict_attention
 
         saved = triton_backend.check_expert_ids_in_range, strict_attention.effective_mask
         triton_backend.check_expert_ids_in_range = lambda ids, e: None

@@ -219,7 +219,7 @@ class sdpa_attention:
     """Every aligned core attention of ``model`` computes torch SDPA instead (``aligned_attention`` off)."""
 
     def __init__(self, model):
-        from minite_megatron.strict.core_attention import AlignedDotProductAttention
+        from minite_megatron.modules.core_attention import AlignedDotProductAttention
 
         self.mods = [layer.self_attention.core_attention for layer in model.decoder.layers
                      if type(layer.self_attention.core_attention) is AlignedDotProductAttention]
@@ -232,7 +232,7 @@ class sdpa_attention:
             m.__class__ = MiniteDotProductAttention
 
     def __exit__(self, *exc):
-        from minite_megatron.strict.core_attention import AlignedDotProductAttention
+        from minite_megatron.modules.core_attention import AlignedDotProductAttention
 
         for m in self.mods:
             m.__class__ = AlignedDotProductAttention
@@ -244,7 +244,7 @@ class unaligned_ops:
 
     def __init__(self, model):
         from minite_megatron.modules.norm import MiniteNorm
-        from minite_megatron.strict.router import AlignedTopKRouter
+        from minite_megatron.modules.router import AlignedTopKRouter
 
         self.norms = [m for m in model.modules() if isinstance(m, MiniteNorm) and not m.batch_invariant]
         self.routers = [m for m in model.modules() if type(m) is AlignedTopKRouter and m.aligned]

@@ -34,7 +34,7 @@ class FP32OutputLayer(ColumnParallelLinear):
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=group)
         if self.minite_strict:
-            from .strict.matmul import linear
+            from .invariant.matmul import linear
 
             return linear(input, weight, bias, out_dtype=torch.float32)
         out = torch.matmul(input.float(), weight.float().t())

@@ -127,11 +127,11 @@ class MiniteSpecProvider(BackendSpecProvider):
         ``recipe.aligned_attention`` (training with attention dropout falls back to SDPA), else
         torch SDPA (flash / cuDNN kernels)."""
         if self.recipe.strict:
-            from .strict.megatron import StrictDotProductAttention
+            from .modules.core_attention import StrictDotProductAttention
 
             return StrictDotProductAttention
         if self.recipe.aligned_attention:
-            from .strict.core_attention import AlignedDotProductAttention
+            from .modules.core_attention import AlignedDotProductAttention
 
             return AlignedDotProductAttention
         return MiniteDotProductAttention
@@ -141,28 +141,28 @@ class MiniteSpecProvider(BackendSpecProvider):
         deterministic); default mode: the same with ``recipe.aligned_ops`` where the config allows
         it (else Megatron's ``TopKRouter``)."""
         if self.recipe.strict:
-            from .strict.megatron import StrictTopKRouter
+            from .modules.router import StrictTopKRouter
 
             return StrictTopKRouter
         if self.recipe.aligned_ops:
-            from .strict.router import AlignedTopKRouter
+            from .modules.router import AlignedTopKRouter
 
             return AlignedTopKRouter
         return TopKRouter
 
     def moe_layer(self):
         """The MoE layer class: Megatron's with a deterministic combine in both modes
-        (:mod:`minite_megatron.strict.moe`: the learner and the rollout engine add a token's
+        (:mod:`minite_megatron.modules.deterministic_moe`: the learner and the rollout engine add a token's
         expert outputs in the same order; strict mode also refuses what it cannot make
         deterministic). ``MINITE_MEGATRON_COMBINE=1`` keeps Megatron's atomic combine in default
         mode (the benchmark's before/after comparison)."""
         if self.recipe.strict:
-            from .strict.megatron import StrictMoELayer
+            from .modules.deterministic_moe import StrictMoELayer
 
             return StrictMoELayer
         if os.environ.get("MINITE_MEGATRON_COMBINE") == "1":
             return MiniteMoELayer
-        from .strict.moe import DeterministicMoELayer
+        from .modules.deterministic_moe import DeterministicMoELayer
 
         return DeterministicMoELayer
 

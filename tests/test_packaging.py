@@ -33,7 +33,11 @@ import torch
 from minite_megatron import nvfp4
 q = nvfp4.quantize(torch.randn(4, 32))
 print(nvfp4.gemm(q, nvfp4.quantize(torch.randn(16, 32), 'tensor', (16, 16))).shape)
+from minite_megatron.invariant import activations, attention, collectives, matmul, rmsnorm, softmax, topk  # noqa: F401
+x = torch.randn(2, 5, 4, 8)
+print(matmul.linear(x[0, 0], torch.randn(3, 8)).shape, attention.attention(x, x, x, causal=True).shape)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "torch.Size([4, 16])" in out.stdout
+    assert "torch.Size([4, 3]) torch.Size([2, 5, 4, 8])" in out.stdout  # the batch-invariant math too

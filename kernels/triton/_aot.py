@@ -5,7 +5,7 @@ can be compiled for sm_90a (H200) on a CPU and its SASS inspected: that the imag
 wgmma (``HGMMA``), that no FMA merges two roundings in the quantize kernel, registers and
 spills. Must run in a process without ``TRITON_INTERPRET=1`` (the interpreter replaces
 ``triton.jit`` functions). Used by tests (in a subprocess) and by ``python -m
-minite_kernels.triton._aot`` (a resource report of every kernel).
+minite_kernels.triton._aot_kernels`` (a resource report of every kernel).
 """
 
 from __future__ import annotations
@@ -122,14 +122,3 @@ def ptxas_resources(kernel, arch: str = "sm_90a") -> dict:
 def report(kernel) -> dict:
     """Registers, spills, shared memory and opcode counts of a compiled kernel."""
     return {**ptxas_resources(kernel), "shared": kernel.metadata.shared, **opcode_counts(sass(kernel))}
-
-
-def _main() -> None:  # pragma: no cover - a developer tool
-    from . import _aot_kernels
-
-    for name, kernel in _aot_kernels.all_kernels():
-        print(f"{name:40s} {report(kernel)}")
-
-
-if __name__ == "__main__":
-    _main()

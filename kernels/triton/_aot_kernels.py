@@ -1,13 +1,13 @@
 """The kernels of this package as they are compiled for the H200, for ahead-of-time checks.
 
 Each entry compiles one kernel at the config the ops launch on sm_90a (see the ops'
-``select_config``), so tests and ``python -m minite_kernels.triton._aot`` inspect the code
+``select_config``), so tests and ``python -m minite_kernels.triton._aot_kernels`` inspect the code
 that runs. Requires a process without ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
-from ._aot import compile_for
+from ._aot import compile_for, report
 from ._nvfp4_math import EXACT_LAUNCH
 
 
@@ -171,3 +171,8 @@ def all_kernels():
     from . import _aot_quantize
 
     yield from _aot_quantize.all_kernels()  # the fast row/column kernels the dispatch prefers
+
+
+if __name__ == "__main__":  # pragma: no cover - a developer tool: python -m minite_kernels.triton._aot_kernels
+    for name, kernel in all_kernels():
+        print(f"{name:40s} {report(kernel)}")

@@ -1,6 +1,6 @@
 """Batch- and prefill/decode-invariant causal attention (GQA), one fixed KV-block order.
 
-Reference: :func:`minite_megatron.strict.attention.attention_torch` (same semantics: the queries
+Reference: :func:`minite_megatron.invariant.attention.attention_torch` (same semantics: the queries
 are the last ``Sq`` of the ``Sk`` positions, causal visibility, optional bool mask with True =
 hidden, fp32 softmax, zeros for a query with no visible key; a different fixed reduction order,
 so not bitwise equal to it).

@@ -1,6 +1,6 @@
 """Batch-invariant fp32 log-softmax over the last dimension (LM-head log-probs).
 
-Reference: :func:`minite_megatron.strict.softmax.log_softmax_torch` (same formula
+Reference: :func:`minite_megatron.invariant.softmax.log_softmax_torch` (same formula
 ``(x - m) - log(sum exp(x - m))`` in fp32; a different fixed summation tree).
 
 Invariance: one program per row, three passes over the row in chunks of a fixed ``BLOCK``

@@ -1,6 +1,6 @@
 """Batch-invariant matmul ``out = x @ w.T (+ bias)`` for strict mode's high-precision linears.
 
-Reference: :func:`minite_megatron.strict.matmul.linear_torch` (the same epilogue order: fp32
+Reference: :func:`minite_megatron.invariant.matmul.linear_torch` (the same epilogue order: fp32
 accumulator, fp32 bias add, one rounding to ``out_dtype``; not the same reduction tree, so not
 bitwise equal to it).
 

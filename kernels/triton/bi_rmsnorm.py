@@ -1,6 +1,6 @@
 """Batch-invariant RMSNorm: one program per row, one fixed reduction order.
 
-Reference: :func:`minite_megatron.strict.rmsnorm.rms_norm_torch` (same formula and rounding
+Reference: :func:`minite_megatron.invariant.rmsnorm.rms_norm_torch` (same formula and rounding
 points: ``y = round(fp32(x) * (1 / sqrt_rn(sum(x^2) / H + eps)) * w)``, ``w`` or ``1 + w``; the sum
 of squares is a different fixed tree, so the two are not bitwise equal).
 

@@ -1,7 +1,7 @@
 """The deterministic MoE combine in one pass: each token gathers its expert rows and adds them.
 
-Reference: :func:`minite_megatron.strict.moe.deterministic_unpermute_reference` and
-:func:`minite_megatron.strict.moe.ordered_sum_reference` (torch gathers, ``where``s and adds, one
+Reference: :func:`minite_megatron.modules.deterministic_moe.deterministic_unpermute_reference` and
+:func:`minite_megatron.modules.deterministic_moe.ordered_sum_reference` (torch gathers, ``where``s and adds, one
 launch per slot). The kernels compute the same sum with the same roundings, bit for bit:
 
     out[t] = round(... round(round(+0.0 + r_0) + r_1) ... + r_{c-1})

@@ -4,12 +4,12 @@ expert-major row layout the grouped expert GEMMs and the combine read.
 ``moe_route(logits, k)`` for fp32 logits ``[T, E]`` (``T`` tokens of a decode step) returns
 :class:`Route`:
 
-* the selection and probabilities of :func:`minite_megatron.strict.router.topk_routing` (softmax
+* the selection and probabilities of :func:`minite_megatron.modules.router.topk_routing` (softmax
   over the top-k logits, no pre-softmax; the strict and the aligned router's function), bit for
   bit: the top-k is stable (the larger logit first, ties to the lower expert index; the
   padding experts never win), then ``m = max``, ``e_j = exp(v_j - m)`` in the selection order,
   ``l`` = the aligned pairwise tree over ``e_0 .. e_{k-1}`` (zero padded to a power of two:
-  :mod:`minite_megatron.strict.tree`'s order; a sum of two values does not depend on how the
+  :mod:`minite_megatron.nvfp4.tree`'s order; a sum of two values does not depend on how the
   reduction is laid out), ``p_j = e_j / l`` (IEEE division, ``0`` where ``l == 0``), times the
   scaling factor if one is given. ``exp`` is libdevice's ``expf`` on the GPU (the function torch's
   CUDA ``exp`` calls; no flush to zero), numpy's under the interpreter (then the probabilities
@@ -20,7 +20,7 @@ expert-major row layout the grouped expert GEMMs and the combine read.
   ``[T * k]``; ``sizes`` ``[E]`` int32 (rows per expert) and ``offsets`` ``[E + 1]`` int32 (their
   prefix sums: what the grouped GEMM reads); and ``combine`` ``[T * k]`` int32, the
   row of token ``t``'s ``j``-th expert in increasing expert order at ``t * k + j`` -- the order in
-  which the deterministic combine (:func:`minite_megatron.strict.moe.ordered_sum`) adds them.
+  which the deterministic combine (:func:`minite_megatron.modules.deterministic_moe.ordered_sum`) adds them.
 
 One program holds all ``T x E`` logits (``T * E <= MAX_ELEMENTS``); the layout is a counting
 sort (column sums of the routing map, their exclusive prefix, the ranks within a column). No
@@ -92,7 +92,7 @@ def _moe_route_kernel(
         taken = taken | (e == idx[:, None])
         vals = tl.where(jj == j, v[:, None], vals)
         idxs = tl.where(jj == j, idx[:, None], idxs)
-    # ---- softmax over the k selected logits (strict.softmax.softmax: max, exp, tree sum, divide)
+    # ---- softmax over the k selected logits (invariant.softmax.softmax: max, exp, tree sum, divide)
     sel = jj < K
     mx = tl.max(tl.where(sel, vals, float("-inf")), axis=1)
     mx = tl.where(mx == float("-inf"), 0.0, mx)

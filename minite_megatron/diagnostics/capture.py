@@ -44,9 +44,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..ops.trace_hook import ACTIVE as _ACTIVE, active_tracer
 from .trace import MAX_EXPERT, Trace, TracePoint, pack_keys
-
-_ACTIVE: list["Tracer"] = []
 
 MEGATRON_PATTERNS: tuple[str, ...] = (
     "embedding",
@@ -75,11 +74,6 @@ layer output, the final norm and the logits."""
 _ROUTER_RE = re.compile(r"^(?P<mlp>.*\.mlp)\.router$")
 _LOCAL_EXPERT_RE = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.local_experts\.(?P<e>\d+)(\..+)?$")
 _GROUPED_EXPERTS_RE = re.compile(r"^(?P<mlp>.*\.mlp)\.experts(\.linear_fc[12])?$")
-
-
-def active_tracer() -> "Tracer | None":
-    """The innermost active tracer, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def capture(name: str, tensor: torch.Tensor, *, keys: torch.Tensor | None = None) -> None:

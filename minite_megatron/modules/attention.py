@@ -8,7 +8,7 @@ step at 4096 tokens). :class:`MiniteDotProductAttention` keeps Megatron's constr
 kernels on a GPU (and its math backend on a CPU): causal, GQA without repeating the keys,
 O(s) memory.
 
-Visibility, the rule of the strict attention (:mod:`minite_megatron.strict.attention`): the
+Visibility, the rule of the strict attention (:mod:`minite_megatron.invariant.attention`): the
 queries are the *last* ``sq`` of the ``sk`` key positions (a training / teacher-forced forward
 has ``sq == sk``; a static KV-cache prefill or decode step has ``sq`` new tokens after
 ``sk - sq`` cached ones); with a causal ``attn_mask_type`` a query at position ``t`` sees keys
@@ -17,7 +17,7 @@ convention) hides more. A query with no visible key returns zeros.
 
 Megatron callers pass the causal mask explicitly (the data loader's, ``teacher_forced_logprobs``'s,
 the static engine's rows of it). A mask that hides nothing the causal rule does not already hide
-is dropped (:func:`~minite_megatron.strict.attention.effective_mask`: one reduction, checked once per mask object and version), so
+is dropped (:func:`~minite_megatron.invariant.attention.effective_mask`: one reduction, checked once per mask object and version), so
 the call takes SDPA's fused causal path; any other mask becomes SDPA's boolean mask (memory-
 efficient / math backends).
 
@@ -34,9 +34,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..strict.attention import effective_mask, sdpa_attention
+from ..invariant.attention import effective_mask, sdpa_attention
 
-__all__ = ["MiniteDotProductAttention", "effective_mask", "sdpa_attention"]
+__all__ = ["MiniteDotProductAttention", "effective_mask", "sdpa_attention", "sdpa_core_attention"]
 
 class MiniteDotProductAttention(DotProductAttention):
     """Megatron's ``DotProductAttention`` computed by torch SDPA (see the module docstring)."""
@@ -57,20 +57,29 @@ class MiniteDotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         """``query`` [sq, b, np, hn], ``key``/``value`` [sk, b, ng, hn] -> [sq, b, np * hn]."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("minite core attention does not support packed sequences (THD)")
-        if attention_bias is not None:
-            raise NotImplementedError("minite core attention does not support attention_bias")
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError(f"attention_mask must be [b|1, 1|np, sq, sk], got {tuple(attention_mask.shape)}")
-        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-        p = self.attention_dropout.p if self.training else 0.0
-        if p > 0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                ctx = sdpa_attention(q, k, v, scale=self.sdpa_scale, causal=self.causal, mask=attention_mask, dropout_p=p)
-        else:
-            ctx = sdpa_attention(q, k, v, scale=self.sdpa_scale, causal=self.causal, mask=attention_mask, dropout_p=p)
-        sq, b = query.shape[0], query.shape[1]
-        return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return sdpa_core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params, self.sdpa_scale)
+
+
+def sdpa_core_attention(attn: DotProductAttention, query, key, value, attention_mask, attention_bias, packed_seq_params,
+                        scale: float):
+    """The core attention of ``attn`` (its dropout, causality and config) by torch SDPA: ``query``
+    [sq, b, np, hn], ``key``/``value`` [sk, b, ng, hn] -> [sq, b, np * hn]. Raises
+    NotImplementedError for packed sequences or an attention bias, ValueError for a mask that is
+    not 4-D."""
+    if packed_seq_params is not None:
+        raise NotImplementedError("minite core attention does not support packed sequences (THD)")
+    if attention_bias is not None:
+        raise NotImplementedError("minite core attention does not support attention_bias")
+    if attention_mask is not None and attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be [b|1, 1|np, sq, sk], got {tuple(attention_mask.shape)}")
+    q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    k = key.permute(1, 2, 0, 3)
+    v = value.permute(1, 2, 0, 3)
+    p = attn.attention_dropout.p if attn.training else 0.0
+    if p > 0 and not attn.config.sequence_parallel:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            ctx = sdpa_attention(q, k, v, scale=scale, causal=attn.causal, mask=attention_mask, dropout_p=p)
+    else:
+        ctx = sdpa_attention(q, k, v, scale=scale, causal=attn.causal, mask=attention_mask, dropout_p=p)
+    sq, b = query.shape[0], query.shape[1]
+    return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -178,7 +178,7 @@ class NVFP4GroupedLinear(MegatronModule):
         mode the batch-invariant GEMM, one per expert."""
         if not self.recipe.strict:
             return bf16_grouped_linear(x, sizes, self.weights, biases, self.stacked_weights())
-        from ..strict.matmul import linear
+        from ..invariant.matmul import linear
 
         outs = [
             linear(xe, w, None if biases is None else biases[g])

@@ -8,8 +8,18 @@ Megatron's own ``gather_from_sequence_parallel_region`` / ``copy_to_tensor_model
 autograd functions, the row-parallel reduction through Megatron's ``forward``.
 
 ``precision="bf16"`` keeps Megatron's GEMM (the BF16 first/last layers of a recipe), except in
-strict mode, where a batch-invariant high-precision GEMM is used so that row results do not
-depend on the batch.
+strict mode, where every high-precision linear (attention projections, dense MLPs, experts of
+``SequentialMLP``, BF16 first/last layers) is batch invariant:
+
+- the GEMM is :func:`minite_megatron.invariant.matmul.linear` (a row's result cannot depend on
+  how many tokens share the call; fp32 accumulation, one rounding);
+- the row-parallel forward reduction (all-reduce, or reduce-scatter with sequence parallelism)
+  is :mod:`minite_megatron.invariant.collectives`' fixed-order version instead of NCCL's
+  size-dependent one (:func:`strict_row_parallel_forward`).
+The column-parallel input all-gather and every backward collective stay Megatron's (they move
+data without adding, or only affect gradients). Strict mode does not support (raises
+NotImplementedError) deferred embedding wgrad (``grad_output_buffer``) and gradient-tensor-parallel
+weight rematerialization (``gtp_remat_size > 1``).
 """
 
 from __future__ import annotations
@@ -19,8 +29,11 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 
+from ..invariant.collectives import invariant_all_reduce, invariant_reduce_scatter
+from ..invariant.matmul import linear as batch_invariant_linear
 from ..nvfp4.formats import BLOCK
 from ..ops.linear import LinearContext, nvfp4_linear
 from ..ops.weight_cache import QuantizedWeightCache
@@ -37,6 +50,35 @@ def check_multiple_of_16(value: int, what: str, flag: str) -> None:
         raise MiniteConfigError(
             f"NVFP4 needs {what} to be a multiple of {BLOCK}, got {value} (check {flag})"
         )
+
+
+def _refuse_strict_unsupported(grad_output_buffer=None, gtp_remat_size=1, **_):
+    if grad_output_buffer is not None:
+        raise NotImplementedError("strict linears do not support defer_embedding_wgrad_compute")
+    if gtp_remat_size and gtp_remat_size > 1:
+        raise NotImplementedError("strict linears do not support gtp_remat_size > 1")
+
+
+def strict_row_parallel_forward(linear: RowParallelLinear, input_parallel: torch.Tensor):
+    """Megatron's ``RowParallelLinear.forward`` with the strict GEMM (``linear._gemm``) and the
+    fixed-order TP reduction: ``input_`` [s, b, h/tp] (or [tokens, h/tp] for experts) ->
+    ``(output, bias or None)``."""
+    if not linear.input_is_parallel:
+        if linear.sequence_parallel:
+            raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        input_parallel = scatter_to_tensor_model_parallel_region(input_parallel, group=linear.tp_group)
+    output_parallel = linear._gemm(input_parallel, linear.weight, None)
+    if linear.explicit_expert_comm:
+        if not linear.skip_bias_add:
+            raise ValueError("expert RowParallelLinear must use skip_bias_add=True")
+        output_ = output_parallel
+    elif linear.sequence_parallel:
+        output_ = invariant_reduce_scatter(output_parallel, group=linear.tp_group)
+    else:
+        output_ = invariant_all_reduce(output_parallel, group=linear.tp_group)
+    if not linear.skip_bias_add:
+        return ((output_ + linear.bias) if linear.bias is not None else output_), None
+    return output_, linear.bias
 
 
 class _NVFP4LinearMixin:
@@ -73,8 +115,6 @@ class _NVFP4LinearMixin:
     def _gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.precision == "nvfp4":
             return nvfp4_linear(x, weight, bias, self.minite_ctx)
-        from ..strict.matmul import linear as batch_invariant_linear
-
         return batch_invariant_linear(x, weight, bias)
 
 
@@ -101,6 +141,8 @@ class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
                 input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group, **kwargs,
             )
+        if self.recipe.strict:
+            _refuse_strict_unsupported(**kwargs)
         group = tp_group if tp_group is not None else self.tp_group
         if sequence_parallel:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
@@ -134,14 +176,9 @@ class NVFP4RowParallelLinear(_NVFP4LinearMixin, RowParallelLinear):
             )
         return self._gemm(input, weight, bias)
 
-    def _strict_gemm(self, input_parallel):
-        return self._gemm(input_parallel, self.weight, None)
-
     def forward(self, input_):
         """Megatron's forward; in strict mode its TP reduction is the fixed-order one (NCCL's
         all-reduce / reduce-scatter order depends on the message size, i.e. on the batch)."""
         if self.recipe.strict:
-            from ..strict.parallel_linear import StrictRowParallelLinear
-
-            return StrictRowParallelLinear.forward(self, input_)
+            return strict_row_parallel_forward(self, input_)
         return super().forward(input_)

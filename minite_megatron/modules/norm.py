@@ -4,7 +4,7 @@ Megatron's torch fallback norm refuses sequence parallelism (its SP gradient all
 on the ``sequence_parallel`` attribute that apex's fused norm sets on its parameters); this norm
 sets it, so Megatron's ``finalize_model_grads`` all-reduces the norm weights across TP ranks as
 it does for apex/TE norms. In strict mode RMSNorm uses the batch-invariant formulation of
-:mod:`minite_megatron.strict.rmsnorm`; so does default mode with ``aligned`` (the recipe's
+:mod:`minite_megatron.invariant.rmsnorm`; so does default mode with ``aligned`` (the recipe's
 ``aligned_ops``, on by default), so that the rollout engine's decode steps normalize a token
 with the learner's bits (the cost is the same: one kernel per norm forward on the GPU, the
 ordinary gradient formulas backward). A norm that feeds an NVFP4 linear (``offer_to=recipe``,
@@ -60,7 +60,7 @@ class MiniteNorm(torch.nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.normalization == "RMSNorm":
             if self.invariant_rms:
-                from ..strict.rmsnorm import rms_norm
+                from ..invariant.rmsnorm import rms_norm
 
                 return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma)
             w = self.weight + 1 if self.zero_centered_gamma else self.weight

@@ -7,9 +7,8 @@ scale per row (per token), so the next GEMM's operand is written by the op that 
 * :func:`rmsnorm_quantize_reference` ``(x [M, H], weight [H]) -> (y, q)``:
   ``y = round_x.dtype(fp32(x) * (1 / sqrt(tree(fp32(x)^2) / H + eps)) * w)`` with ``w = weight``
   or ``1 + weight``, all fp32, one rounding: the formula of
-  ``minite_megatron.strict.rmsnorm.rms_norm_torch`` (the sum of squares is the aligned pairwise
-  tree of ``strict.tree``, rewritten here because this package imports nothing but torch; a
-  test pins the two bitwise). The Triton kernel instead reproduces ``bi_rmsnorm``'s own fixed
+  ``minite_megatron.invariant.rmsnorm.rms_norm_torch`` (the sum of squares is the aligned pairwise
+  tree of :mod:`.tree`; a test pins the two bitwise). The Triton kernel instead reproduces ``bi_rmsnorm``'s own fixed
   reduction (another order), so its ``y`` equals ``bi_rmsnorm``'s, not this one's, in the last
   bit of a few rows.
 * :func:`swiglu_quantize_reference` ``(h [M, 2F]) -> (a, q)``: Megatron's
@@ -19,7 +18,7 @@ scale per row (per token), so the next GEMM's operand is written by the op that 
   ``a`` has exactly two roundings). On CUDA tensors ``torch.nn.functional.silu`` itself is
   called (its kernel is that formula with ``expf``); on the CPU the formula is spelled out,
   because ATen's CPU ``silu`` rounds an element differently in its vector body and its scalar
-  tail (``minite_megatron.strict.activations``).
+  tail (``minite_megatron.invariant.activations``).
 
 ``q = quantize_reference(y_or_a, global_scale="row", with_image=...)`` in both: the chain of
 :mod:`.quantize`, computed from the *rounded* 16-bit output.
@@ -35,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .quantize import check_finite, quantize_reference
+from .tree import tree_sum
 from .tensor import NVFP4Tensor
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -85,22 +85,11 @@ def checked_output(t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: {e}") from None
 
 
-def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
-    """The aligned pairwise tree sum over the last dimension (``strict.tree.tree_sum``: adjacent
-    pairs, the length zero-padded to even at every level; an exact-zero sum is ``+0.0``)."""
-    t = x
-    while t.shape[-1] > 1:
-        if t.shape[-1] % 2:
-            t = torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)
-        t = t[..., 0::2] + t[..., 1::2]
-    return t[..., 0] + 0.0
-
-
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
                       zero_centered_gamma: bool = False) -> torch.Tensor:
     """``rms_norm_torch``'s formula: [M, H] -> [M, H] in ``x.dtype`` (see the module docstring)."""
     xf = x.to(torch.float32)
-    ms = _tree_sum_last(xf * xf).unsqueeze(-1) / xf.shape[-1]
+    ms = tree_sum(xf * xf, dim=-1, keepdim=True) / xf.shape[-1]
     r = 1.0 / torch.sqrt(ms + eps)
     w = weight.to(torch.float32)
     if zero_centered_gamma:

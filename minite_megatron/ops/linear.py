@@ -33,6 +33,7 @@ from ..recipe import Recipe
 from . import handoff
 from .amax_sync import needs_sync, synced_amax
 from .seeds import next_sr_seed
+from .trace_hook import capture
 from .weight_cache import QuantizedWeightCache, keep_images
 
 
@@ -128,8 +129,6 @@ def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, back
 
 def _trace(ctx: LinearContext, point: str, tensor: torch.Tensor) -> None:
     if ctx.trace_name is not None:
-        from ..diagnostics.capture import capture
-
         capture(f"{ctx.trace_name}.{point}", tensor)
 
 

@@ -11,7 +11,7 @@ consumes it (:mod:`.handoff`), so the linear does not read the activation again:
 * elsewhere (the reference backend: CPU) the module's own norm runs, then the quantizer: the
   same numbers as without the handoff, and the same code path through the consumer.
 
-The backward is the ordinary RMSNorm gradient (:func:`minite_megatron.strict.rmsnorm.rms_norm_backward`).
+The backward is the ordinary RMSNorm gradient (:func:`minite_megatron.invariant.rmsnorm.rms_norm_backward`).
 
 ``swiglu_offering(h, recipe, act_fn)`` does the same for SwiGLU (``h`` [..., 2F] -> [..., F]) in
 front of ``linear_fc2``: ``backend.swiglu_quantize`` (Megatron's ``silu(gate) * up`` with its bf16
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import Recipe
-from ..strict.rmsnorm import rms_norm_backward
+from ..invariant.rmsnorm import rms_norm_backward
 from . import handoff
 from .linear import backend_for
 

@@ -25,7 +25,7 @@ modules, the final norm and the LM head. Three things it does itself, with the l
   ``B*k`` (token, expert) rows, ``backend.decode_grouped_gemm`` on the stacked expert weights
   (only the selected experts' bytes are read), the experts' activation and probability scaling as
   ``TEGroupedMLP`` / ``SequentialMLP`` compute them, fc2 the same way, and
-  :func:`minite_megatron.strict.moe.ordered_sum` -- the deterministic combine's order (the
+  :func:`minite_megatron.modules.deterministic_moe.ordered_sum` -- the deterministic combine's order (the
   minite specs' MoE layers use it in both modes). BF16 experts: ``torch._grouped_mm`` on stacked
   weights, or, for strict BF16 experts, each expert's own modules on its rows (a host loop:
   eager only).
@@ -67,7 +67,7 @@ from megatron.core.utils import GlobalMemoryBuffer
 from ..modules.grouped_linear import NVFP4GroupedLinear
 from ..nvfp4.tensor import NVFP4Tensor
 from ..ops.linear import backend_for, quantize_activation
-from ..strict.moe import ordered_sum
+from ..modules.deterministic_moe import ordered_sum
 from . import fused_ops
 from .decode_weights import StaticWeight, stacked_nvfp4
 from .support import is_nvfp4_linear, unwrap_gpt
@@ -398,7 +398,7 @@ class ExpertsStep:
 def _grouped_bf16_expert(linear: NVFP4GroupedLinear, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` of a BF16-precision grouped linear on rows ``x``, as its forward computes it."""
     if linear.recipe.strict:
-        from ..strict.matmul import linear as batch_invariant_linear
+        from ..invariant.matmul import linear as batch_invariant_linear
 
         return batch_invariant_linear(x, linear.weights[e], None)
     return torch.nn.functional.linear(x, linear.weights[e], None)
@@ -477,7 +477,7 @@ class AttentionStep:
         from megatron.core.transformer.identity_op import IdentityOp
 
         from ..modules.norm import MiniteNorm
-        from ..strict.backend import resolve
+        from ..invariant.backend import resolve
 
         qn, kn = self.attn.q_layernorm, self.attn.k_layernorm
         if (qn is None or isinstance(qn, IdentityOp)) and (kn is None or isinstance(kn, IdentityOp)):

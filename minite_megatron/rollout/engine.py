@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from ..ops.trace_hook import active_tracer
 from .logprobs import model_is_strict
 from .rollout import Rollout
 
@@ -196,8 +197,6 @@ class RolloutEngine:
         lp_temperature = float(temperature) if logprobs == "sampled" and temperature > 0 else 1.0
         out: list[Rollout] = []
         if self._fast is not None:
-            from ..diagnostics.capture import active_tracer  # lazy: tracing is optional
-
             tracer = active_tracer()
             with torch.no_grad():
                 self._fast.sync_weights()

@@ -5,10 +5,10 @@ kernels' tests compare them with these references on fresh data and on the hard 
 
 * :func:`moe_route`: router logits -> stable top-k -> softmax probabilities -> Megatron's
   expert-major rows (``minite_kernels.triton.moe_route``; reference :func:`moe_route_reference`:
-  :func:`minite_megatron.strict.router.topk_routing`, the strict / aligned router's function,
+  :func:`minite_megatron.modules.router.topk_routing`, the strict / aligned router's function,
   and the permutation in torch);
 * :func:`combine_rows`: the deterministic MoE combine of expert-major rows
-  (:func:`minite_megatron.strict.moe.ordered_sum`'s order; ``minite_kernels.triton.moe_combine``);
+  (:func:`minite_megatron.modules.deterministic_moe.ordered_sum`'s order; ``minite_kernels.triton.moe_combine``);
 * :func:`rope_tables`: the ``cos`` / ``sin`` tables of Megatron's unfused RoPE, computed once by
   torch (``(cos(freqs) * mscale).to(dtype)``, what ``_apply_rotary_pos_emb_bshd`` computes per call),
   read per position by ``minite_kernels.triton.qk_norm_rope``.
@@ -55,7 +55,7 @@ def route_supported(router, tokens: int) -> bool:
     top-k, no expert bias, not training (no aux losses, no jitter), and a shape one program routes."""
     from minite_kernels.triton.moe_route import fits
 
-    from ..strict.router import StrictTopKRouter
+    from ..modules.router import StrictTopKRouter
 
     if not isinstance(router, StrictTopKRouter) or not getattr(router, "aligned", True):
         return False  # Megatron's TopKRouter (or an aligned one that kept it): call the module
@@ -66,11 +66,11 @@ def route_supported(router, tokens: int) -> bool:
 
 
 def moe_route_reference(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
-    """:func:`moe_route` in torch: the learner's :func:`~minite_megatron.strict.router.topk_routing`
+    """:func:`moe_route` in torch: the learner's :func:`~minite_megatron.modules.router.topk_routing`
     (softmax after the top-k), then the rows of Megatron's expert-major permutation."""
     from minite_kernels.triton.moe_route import Route
 
-    from ..strict.router import topk_routing
+    from ..modules.router import topk_routing
 
     t, e = logits.shape
     probs, routing_map = topk_routing(logits, k, score_function="softmax", use_pre_softmax=False,
@@ -115,7 +115,7 @@ _BOUNDS: dict = {}
 
 def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Tensor:
     """``[T * k, H]`` expert-major rows -> ``[T, H]``: each token's rows added in increasing expert
-    order from ``+0.0`` (:func:`~minite_megatron.strict.moe.ordered_sum`'s bits), ``combine`` the
+    order from ``+0.0`` (:func:`~minite_megatron.modules.deterministic_moe.ordered_sum`'s bits), ``combine`` the
     rows of token ``t`` at ``t * k .. t * k + k - 1``. One kernel on the GPU."""
     t = combine.numel() // k
     if use_kernels(rows) and rows.dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -126,6 +126,6 @@ def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Ten
         if bounds is None:  # made on the first (eager) call, before any graph capture reads it
             bounds = _BOUNDS[key] = torch.arange(0, t * k + 1, k, dtype=torch.int32, device=rows.device)
         return torch.ops.minite.moe_sum_rows(rows, combine, bounds, 0)
-    from ..strict.moe import ordered_sum_reference
+    from ..modules.deterministic_moe import ordered_sum_reference
 
     return ordered_sum_reference(rows.index_select(0, combine.long()).view(t, k, rows.shape[-1]))

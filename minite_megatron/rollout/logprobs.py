@@ -4,7 +4,7 @@
 the FP32 logits divided by ``temperature`` (1: the *raw* model distribution; the sampling
 temperature: the distribution the sampler actually drew from, which is what RL's importance
 ratios compare; top-k / top-p filtering is never applied). In strict mode it is the
-batch-invariant :func:`minite_megatron.strict.token_log_probs`; otherwise ``torch.log_softmax``
+batch-invariant :func:`minite_megatron.invariant.softmax.token_log_probs`; otherwise ``torch.log_softmax``
 in fp32. The division is one elementwise fp32 op, so it is batch invariant too.
 
 :func:`teacher_forced_logprobs` is the learner side: one full forward of Megatron's
@@ -51,9 +51,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, tem
     if temperature != 1.0:
         logits = logits.to(torch.float32) / temperature
     if strict:
-        from ..strict.softmax import log_softmax
+        from ..invariant.softmax import log_softmax
 
-        lp = log_softmax(logits, dim=-1)  # strict.softmax.token_log_probs without its id check
+        lp = log_softmax(logits, dim=-1)  # invariant.softmax.token_log_probs without its id check
         return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)

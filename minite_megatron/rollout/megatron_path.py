@@ -36,6 +36,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.inference.utils import InferenceMode
 
+from ..ops.trace_hook import active_tracer
 from .logprobs import token_logprobs
 from .rollout import Rollout
 
@@ -113,8 +114,6 @@ class LogProbGPTInferenceWrapper(GPTInferenceWrapper):
         """Tell an active diagnostics tracer which (sequence, position) each row of this step is
         (sequences numbered from ``seq_offset`` in request order), so that the rollout's trace
         aligns with the learner's (:meth:`minite_megatron.diagnostics.Tracer.set_tokens`)."""
-        from ..diagnostics.capture import active_tracer
-
         tracer = active_tracer()
         if tracer is None or self._window is None:
             return

@@ -179,6 +179,6 @@ def graph_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
         strict = recipe is not None and recipe.strict
         if isinstance(m, NVFP4GroupedLinear) and m.precision != "nvfp4" and strict:
             return "strict BF16 grouped experts run one batch-invariant GEMM per expert (host loop)"
-        if isinstance(m, SequentialMLP) and any(getattr(x, "minite_strict", False) for x in m.modules()):
+        if isinstance(m, SequentialMLP) and any(getattr(getattr(x, "recipe", None), "strict", False) for x in m.modules()):
             return "strict SequentialMLP experts run one batch-invariant GEMM per expert (host loop)"
     return None

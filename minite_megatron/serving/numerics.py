@@ -16,7 +16,7 @@ itself still computes its own way):
   (:func:`route`: strict or Megatron's), tokens permuted expert-major, fc1 per token
   quantized, the GLU activation of :class:`~minite_megatron.modules.activation.MiniteActivation`,
   the router probability applied in fp32 and rounded to bf16 (Megatron's ``bias_act_func``), fc2,
-  and :func:`~minite_megatron.strict.moe.deterministic_unpermute` (experts added in increasing
+  and :func:`~minite_megatron.modules.deterministic_moe.deterministic_unpermute` (experts added in increasing
   index order).
 """
 
@@ -83,7 +83,7 @@ def high_precision_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           strict: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP32 router / LM-head logits (or a BF16 layer with ``out_dtype=bf16``), as the learner runs them."""
     if strict:
-        from ..strict.matmul import linear
+        from ..invariant.matmul import linear
 
         return linear(x, weight, bias, out_dtype=out_dtype)
     if out_dtype != torch.float32:
@@ -98,7 +98,7 @@ def glu_activation(h: torch.Tensor, strict: bool) -> torch.Tensor:
     from ..modules.activation import MiniteActivation
 
     if strict:
-        from ..strict.activations import silu
+        from ..invariant.activations import silu
     else:
         silu = torch.nn.functional.silu
     cfg = SimpleNamespace(gated_linear_unit=True, activation_func=silu, activation_func_clamp_value=None,
@@ -114,7 +114,7 @@ def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = Fal
     (``moe_router_pre_softmax=False``); without it, softmax over all experts then top-k.
 
     Strict mode, and default mode with the recipe's ``aligned_ops`` (``invariant``, default: ``strict``):
-    :func:`~minite_megatron.strict.router.topk_routing` (``StrictTopKRouter`` / ``AlignedTopKRouter``:
+    :func:`~minite_megatron.modules.router.topk_routing` (``StrictTopKRouter`` / ``AlignedTopKRouter``:
     stable top-k, the fixed-order softmax). Default mode without aligned ops: Megatron's ``topk_routing_with_score_function``
     (``TopKRouter``: ``torch.topk`` and ``torch.softmax``) with the experts of a *sorted*
     ``torch.topk``, i.e. the learner's training forward. Megatron itself sorts the top-k only
@@ -124,7 +124,7 @@ def route(logits: torch.Tensor, topk: int, renormalize: bool, strict: bool = Fal
     (``docs/serving.md``). The plugin serves the training forward's bits."""
     logits = logits.float()
     if strict if invariant is None else invariant:
-        from ..strict.router import topk_routing
+        from ..modules.router import topk_routing
 
         return topk_routing(logits, topk, score_function="softmax", use_pre_softmax=not renormalize,
                             check_finite=strict)
@@ -176,7 +176,7 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
                 invariant_routing: bool | None = None) -> torch.Tensor:
     """The learner's MoE block (module docstring) on ``x [T, H]`` bf16 with FP32 ``logits [T, E]``.
 
-    The combine is :func:`~minite_megatron.strict.moe.deterministic_unpermute` (a token's rows
+    The combine is :func:`~minite_megatron.modules.deterministic_moe.deterministic_unpermute` (a token's rows
     added in increasing expert order, one bf16 rounding per add) in both modes: strict mode's
     ``StrictMoELayer`` combine. Megatron's own ``MoELayer`` (the default-mode layer on ``main``)
     combines with ``scatter_add_`` instead: on a CPU an fp32 sum rounded once to bf16, on a GPU bf16
@@ -195,7 +195,7 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     Raises:
         ValueError for mismatched shapes.
     """
-    from ..strict.moe import deterministic_unpermute
+    from ..modules.deterministic_moe import deterministic_unpermute
 
     rows, token_of = moe_expert_rows(x, logits, w13, w2, topk=topk, renormalize=renormalize, strict=strict,
                                      backend=backend, invariant_routing=invariant_routing)

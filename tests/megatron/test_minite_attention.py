@@ -126,7 +126,7 @@ def test_the_minite_spec_uses_sdpa_except_in_strict_or_aligned_mode():
     with it off, torch SDPA; strict mode its own strict module."""
     from minite_megatron.recipe import Recipe
     from minite_megatron.specs import get_gpt_layer_minite_spec
-    from minite_megatron.strict.core_attention import AlignedDotProductAttention, StrictDotProductAttention
+    from minite_megatron.modules.core_attention import AlignedDotProductAttention, StrictDotProductAttention
 
     for recipe, cls in ((Recipe(), AlignedDotProductAttention), (Recipe(precision="bf16"), AlignedDotProductAttention),
                         (Recipe(aligned_attention=False), MiniteDotProductAttention),
@@ -135,6 +135,30 @@ def test_the_minite_spec_uses_sdpa_except_in_strict_or_aligned_mode():
         spec = get_gpt_layer_minite_spec(recipe, num_experts=4, qk_layernorm=True)
         assert spec.submodules.self_attention.submodules.core_attention is cls
     assert not AlignedDotProductAttention.minite_strict  # default mode is not reported as strict
+
+
+def test_aligned_attention_with_dropout_in_training_is_the_sdpa_attention(config):
+    """Training with attention dropout: the aligned core attention computes what the SDPA module
+    does (the same function, the same RNG fork), bitwise, output and gradients. Pins the shared
+    ``sdpa_core_attention`` that replaced ``MiniteDotProductAttention.forward(self, ...)`` called
+    on an ``AlignedDotProductAttention``."""
+    import dataclasses
+
+    from megatron.core import tensor_parallel
+
+    from minite_megatron.modules.core_attention import AlignedDotProductAttention
+    from minite_megatron.testing import assert_bitwise_equal
+
+    cfg = dataclasses.replace(config, attention_dropout=0.25)
+    results = []
+    for cls in (MiniteDotProductAttention, AlignedDotProductAttention):
+        module = cls(cfg, 1, AttnMaskType.causal, "self").train()
+        tensor_parallel.model_parallel_cuda_manual_seed(5)
+        results.append(_run(module, *_qkv(7), causal_mask(7)))
+    for got, ref in zip(results[1], results[0]):
+        assert_bitwise_equal(got, ref)
+    eval_out = AlignedDotProductAttention(cfg, 1, AttnMaskType.causal, "self").eval()(*_qkv(7), causal_mask(7))
+    assert not torch.equal(eval_out.detach(), results[1][0])  # dropout was applied in training
 
 
 def test_model_loss_and_grads_equal_megatron_attention_in_fp32(config):

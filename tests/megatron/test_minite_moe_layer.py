@@ -48,7 +48,7 @@ def test_deterministic_moe_layer_with_the_combine_kernel_is_bitwise_megatrons(mo
     """The deterministic combine (Triton kernel, interpreted) and the ordered permutation backward
     give Megatron's loss and every gradient bit for bit on a CPU, where Megatron's
     ``scatter_add_`` / ``index_add_`` add in the same (increasing row) order."""
-    from minite_megatron.strict import moe as strict_moe
+    from minite_megatron.modules import deterministic_moe as strict_moe
 
     init_single_process()
     monkeypatch.setattr(strict_moe, "KERNEL_ON_CPU", True)

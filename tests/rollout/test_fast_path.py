@@ -112,7 +112,7 @@ def test_routed_experts_and_ordered_sum_are_the_learners_combine():
     """The decode MoE's expert order (increasing index) and ``ordered_sum`` give the bits of
     ``deterministic_unpermute`` over Megatron's expert-major permutation (bf16, top-3 of 6)."""
     from minite_megatron.rollout.decode_step import routed_experts
-    from minite_megatron.strict.moe import deterministic_unpermute, ordered_sum
+    from minite_megatron.modules.deterministic_moe import deterministic_unpermute, ordered_sum
 
     g = torch.Generator().manual_seed(4)
     t, e, k, h = 9, 6, 3, 32
@@ -131,7 +131,7 @@ def test_routed_experts_and_ordered_sum_are_the_learners_combine():
 
 def test_default_minite_spec_uses_the_deterministic_combine(models):
     from minite_megatron.rollout.logprobs import model_is_strict
-    from minite_megatron.strict.moe import DeterministicMoELayer, StrictAlltoAllTokenDispatcher
+    from minite_megatron.modules.deterministic_moe import DeterministicMoELayer, StrictAlltoAllTokenDispatcher
 
     model, _ = models["default-nvfp4-moe"]
     moe = model.decoder.layers[0].mlp

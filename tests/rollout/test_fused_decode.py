@@ -2,7 +2,7 @@
 routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine) inside the engine.
 
 Pinned here, on the CPU with the kernels forced under the interpreter (``KERNELS_ON_CPU``) and
-the batch-invariant ops on their Triton kernels (``strict.backend.use_backend("triton")``, what
+the batch-invariant ops on their Triton kernels (``invariant.backend.use_backend("triton")``, what
 a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
 the unfused step on the learner's modules, in default (aligned) and strict mode; and the
 routing reference is the router module's own output. The kernels' own contracts are in
@@ -39,7 +39,7 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
     CPU bits on them (tests/kernels/triton/test_moe_route.py compares exactly that)."""
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
-    from minite_megatron.strict.backend import use_backend
+    from minite_megatron.invariant.backend import use_backend
     from minite_megatron.training.presets import init_single_process
 
     init_single_process(1)

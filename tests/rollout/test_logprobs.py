@@ -30,7 +30,7 @@ def test_strict_model_is_detected_and_uses_the_strict_log_softmax(strict_model):
     assert model_is_strict(strict_model)
     g = torch.Generator().manual_seed(0)
     logits, tokens = torch.randn(4, 7, 96, generator=g), torch.randint(0, 96, (4, 7), generator=g)
-    from minite_megatron.strict.softmax import token_log_probs
+    from minite_megatron.invariant.softmax import token_log_probs
 
     assert_bitwise_equal(token_logprobs(logits, tokens, strict=True), token_log_probs(logits, tokens))
     torch.testing.assert_close(token_logprobs(logits, tokens, strict=False), token_log_probs(logits, tokens))

@@ -136,7 +136,7 @@ def test_router_routing_and_lm_head_equal_the_learners_modules(pair):
 
 def test_moe_block_equals_the_learners_moe_layer(pair):
     """Strict: bitwise. Default on main: expert rows bitwise, then each side's combine (docstring)."""
-    from minite_megatron.strict.moe import deterministic_unpermute
+    from minite_megatron.modules.deterministic_moe import deterministic_unpermute
 
     model, root, vc, recipe = pair
     layer = model.decoder.layers[1].mlp
@@ -155,7 +155,7 @@ def test_moe_block_equals_the_learners_moe_layer(pair):
                                                   invariant_routing=recipe.strict or recipe.aligned_ops)
     assert_bitwise_equal(rows, rows_seen[0], "expert outputs (permuted rows)")
     assert_bitwise_equal(got, deterministic_unpermute(rows, token_of, x.shape[0]), "plugin combine")
-    if type(layer.token_dispatcher).__module__ == "minite_megatron.strict.moe":  # the deterministic combine
+    if type(layer.token_dispatcher).__module__ == "minite_megatron.modules.deterministic_moe":  # the deterministic combine
         assert_bitwise_equal(got, want, "moe block")
     else:  # Megatron's scatter_add_: fp32 sum per token, one rounding (CPU)
         fp32 = torch.zeros(x.shape[0], H).index_add_(0, token_of, rows.float())

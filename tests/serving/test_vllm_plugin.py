@@ -22,8 +22,8 @@ from minite_megatron.export.modelopt import export_tensors  # noqa: E402
 from minite_megatron.recipe import Recipe  # noqa: E402
 from minite_megatron.serving import numerics  # noqa: E402
 from minite_megatron.serving.refit import refit_vllm_model  # noqa: E402
-from minite_megatron.strict.moe import deterministic_unpermute  # noqa: E402
-from minite_megatron.strict.router import topk_routing  # noqa: E402
+from minite_megatron.modules.deterministic_moe import deterministic_unpermute  # noqa: E402
+from minite_megatron.modules.router import topk_routing  # noqa: E402
 from minite_megatron.testing import assert_bitwise_equal  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))

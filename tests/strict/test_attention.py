@@ -4,8 +4,8 @@ whatever the batch; accurate; GQA; masks; hidden keys cannot leak; gradients."""
 import pytest
 import torch
 
-from minite_megatron.strict import attention as attention_module
-from minite_megatron.strict.attention import attention
+from minite_megatron.invariant import attention as attention_module
+from minite_megatron.invariant.attention import attention
 from minite_megatron.testing import assert_bitwise_equal
 
 

@@ -17,8 +17,8 @@ def _worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    from minite_megatron.strict.collectives import invariant_all_reduce, invariant_reduce_scatter
-    from minite_megatron.strict.tree import tree_sum
+    from minite_megatron.invariant.collectives import invariant_all_reduce, invariant_reduce_scatter
+    from minite_megatron.nvfp4.tree import tree_sum
 
     results = {}
     parts = [torch.randn(8, 5, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(world)]
@@ -43,8 +43,9 @@ def _worker(rank, world, init_file, out_dir):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from minite_megatron.strict.matmul import linear
-    from minite_megatron.strict.parallel_linear import StrictRowParallelLinear
+    from minite_megatron.invariant.matmul import linear
+    from minite_megatron.modules.linear import NVFP4RowParallelLinear
+    from minite_megatron.recipe import Recipe
 
     parallel_state.initialize_model_parallel(world, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
@@ -53,8 +54,9 @@ def _worker(rank, world, init_file, out_dir):
     g = torch.Generator().manual_seed(9)
     w_full = torch.randn(32, 64, generator=g)
     inp = torch.randn(6, 2, 64, generator=g)
-    row = StrictRowParallelLinear(64, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
-                                  input_is_parallel=True, skip_bias_add=True, tp_group=dist.group.WORLD)
+    row = NVFP4RowParallelLinear(64, 32, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                                 input_is_parallel=True, skip_bias_add=True, tp_group=dist.group.WORLD,
+                                 recipe=Recipe(precision="bf16", strict=True), precision="bf16")
     shard = 64 // world
     with torch.no_grad():
         row.weight.copy_(w_full[:, rank * shard : (rank + 1) * shard])

@@ -11,8 +11,8 @@ builds silu/sigmoid from ``exp`` and IEEE operations, and this test pins that ``
 import pytest
 import torch
 
-from minite_megatron.strict.activations import gelu_tanh, silu
-from minite_megatron.strict.softmax import sigmoid
+from minite_megatron.invariant.activations import gelu_tanh, silu
+from minite_megatron.invariant.softmax import sigmoid
 
 
 def _position_diffs(fn, x: torch.Tensor) -> int:

@@ -4,8 +4,8 @@ differentiable; clear errors."""
 import pytest
 import torch
 
-from minite_megatron.strict import matmul
-from minite_megatron.strict.matmul import linear
+from minite_megatron.invariant import matmul
+from minite_megatron.invariant.matmul import linear
 from minite_megatron.testing import assert_bitwise_equal
 
 

@@ -13,7 +13,7 @@ from minite_megatron.testing import assert_bitwise_equal
 def test_topk_routing_matches_megatron_without_ties():
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from minite_megatron.strict.router import topk_routing
+    from minite_megatron.modules.router import topk_routing
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 8, generator=g)
@@ -30,7 +30,7 @@ def test_topk_routing_matches_megatron_without_ties():
 
 
 def test_topk_routing_is_batch_invariant_with_stable_ties():
-    from minite_megatron.strict.router import topk_routing
+    from minite_megatron.modules.router import topk_routing
 
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.5], [2.0, 2.0, -1.0, 2.0, 2.0], [0.0, -0.0, 0.0, 0.0, 0.0]])
     probs, rmap = topk_routing(logits, 2)
@@ -51,7 +51,7 @@ def test_topk_routing_is_batch_invariant_with_stable_ties():
 def test_strict_router_gating_and_refusals(tiny_gpt):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from minite_megatron.strict.router import StrictTopKRouter
+    from minite_megatron.modules.router import StrictTopKRouter
 
     config = tiny_gpt.tiny_config(True)
     router = StrictTopKRouter(config, pg_collection=get_default_pg_collection()).eval()
@@ -70,7 +70,7 @@ def test_strict_router_gating_and_refusals(tiny_gpt):
 def test_deterministic_unpermute_equals_sequential_scatter_add():
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from minite_megatron.strict.moe import deterministic_unpermute
+    from minite_megatron.modules.deterministic_moe import deterministic_unpermute
 
     g = torch.Generator().manual_seed(3)
     tokens, experts, k = 20, 6, 3
@@ -93,11 +93,10 @@ def test_deterministic_unpermute_equals_sequential_scatter_add():
 
 def test_strict_moe_layer_uses_the_deterministic_dispatcher(tiny_gpt):
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from minite_megatron.strict.moe import StrictAlltoAllTokenDispatcher, StrictMoELayer
-    from minite_megatron.strict.specs import get_gpt_decoder_block_strict_spec
+    from minite_megatron.modules.deterministic_moe import StrictAlltoAllTokenDispatcher, StrictMoELayer
 
     config = tiny_gpt.tiny_config(True)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_strict_spec(config),
+    model = GPTModel(config=config, transformer_layer_spec=tiny_gpt.strict_block_spec(config),
                      vocab_size=32, max_sequence_length=16, position_embedding_type="rope")
     moe = model.decoder.layers[0].mlp
     assert isinstance(moe, StrictMoELayer) and isinstance(moe.token_dispatcher, StrictAlltoAllTokenDispatcher)
@@ -113,7 +112,7 @@ def test_strict_core_attention_matches_megatron_and_its_decode_layout(tiny_gpt):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from minite_megatron.strict.core_attention import StrictDotProductAttention
+    from minite_megatron.modules.core_attention import StrictDotProductAttention
 
     config = tiny_gpt.tiny_config(True)
     strict = StrictDotProductAttention(config, 1, AttnMaskType.causal, "self")
@@ -135,14 +134,16 @@ def test_strict_core_attention_matches_megatron_and_its_decode_layout(tiny_gpt):
 
 # ---- tensor-parallel linears (TP = 1 here; the reductions are tested in test_collectives.py) ----
 def test_strict_parallel_linears_are_batch_invariant_and_train(tiny_gpt):
-    from minite_megatron.strict.matmul import linear
-    from minite_megatron.strict.parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
+    from minite_megatron.invariant.matmul import linear
+    from minite_megatron.modules.linear import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+    from minite_megatron.recipe import Recipe
 
     config = tiny_gpt.tiny_config(True)
     init = torch.nn.init.normal_
-    col = StrictColumnParallelLinear(64, 48, config=config, init_method=init, bias=True, gather_output=True)
-    row = StrictRowParallelLinear(48, 64, config=config, init_method=init, bias=True, input_is_parallel=True,
-                                  skip_bias_add=False)
+    strict = dict(recipe=Recipe(precision="bf16", strict=True), precision="bf16")
+    col = NVFP4ColumnParallelLinear(64, 48, config=config, init_method=init, bias=True, gather_output=True, **strict)
+    row = NVFP4RowParallelLinear(48, 64, config=config, init_method=init, bias=True, input_is_parallel=True,
+                                 skip_bias_add=False, **strict)
     x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(6), requires_grad=True)
     h, hb = col(x)
     y, yb = row(h)
@@ -158,27 +159,34 @@ def test_strict_parallel_linears_are_batch_invariant_and_train(tiny_gpt):
 # ---- specs and config ----------------------------------------------------------------------------
 def test_strict_block_spec_wiring(tiny_gpt):
     """Inspects the built spec without instantiating modules."""
-    from minite_megatron.strict.core_attention import StrictDotProductAttention
-    from minite_megatron.strict.parallel_linear import StrictColumnParallelLinear, StrictRowParallelLinear
-    from minite_megatron.strict.specs import StrictRMSNorm, get_gpt_decoder_block_strict_spec
+    from minite_megatron.modules.core_attention import StrictDotProductAttention
+    from minite_megatron.modules.linear import NVFP4ColumnParallelLinear, NVFP4RowParallelLinear
+    from minite_megatron.modules.norm import MiniteNorm
+
+    def strict_norm(spec):
+        return spec.func is MiniteNorm and spec.keywords["batch_invariant"]
+
+    def strict_linear(spec, cls):
+        return spec.func is cls and spec.keywords["precision"] == "bf16" and spec.keywords["recipe"].strict
 
     config = tiny_gpt.tiny_config(True, moe_layer_freq=[1, 0])
-    block = get_gpt_decoder_block_strict_spec(config)
-    assert block.layer_norm is StrictRMSNorm and len(block.layer_specs) == 2
+    block = tiny_gpt.strict_block_spec(config)
+    assert strict_norm(block.layer_norm) and len(block.layer_specs) == 2
     moe_layer, dense_layer = (spec.submodules for spec in block.layer_specs)
     attn = moe_layer.self_attention.submodules
     assert attn.core_attention is StrictDotProductAttention
-    assert attn.linear_qkv is StrictColumnParallelLinear and attn.linear_proj is StrictRowParallelLinear
-    assert attn.q_layernorm is StrictRMSNorm and moe_layer.input_layernorm is StrictRMSNorm
+    assert strict_linear(attn.linear_qkv, NVFP4ColumnParallelLinear) and strict_linear(attn.linear_proj, NVFP4RowParallelLinear)
+    assert strict_norm(attn.q_layernorm) and strict_norm(moe_layer.input_layernorm)
     moe = moe_layer.mlp
     assert moe.func.__name__ == "StrictMoELayer" and moe.keywords["submodules"].router.__name__ == "StrictTopKRouter"
     experts = moe.keywords["submodules"].experts
-    assert experts.keywords["submodules"].linear_fc1 is StrictColumnParallelLinear
-    assert dense_layer.mlp.keywords["submodules"].linear_fc2 is StrictRowParallelLinear
+    assert experts.func.__name__ == "SequentialMLP"
+    assert strict_linear(experts.keywords["submodules"].linear_fc1, NVFP4ColumnParallelLinear)
+    assert strict_linear(dense_layer.mlp.keywords["submodules"].linear_fc2, NVFP4RowParallelLinear)
 
 
 def test_strict_config_errors_and_overrides(tiny_gpt):
-    from minite_megatron.strict.config import StrictConfigError, check_strict_config, strict_config_errors
+    from minite_megatron.strict_config import StrictConfigError, check_strict_config, strict_config_errors
 
     plain = tiny_gpt.tiny_config(False, attention_dropout=0.1, bias_activation_fusion=True)
     errors = "\n".join(strict_config_errors(plain))

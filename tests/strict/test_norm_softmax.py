@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from minite_megatron.strict.rmsnorm import rms_norm
-from minite_megatron.strict.softmax import log_softmax, softmax, token_log_probs
+from minite_megatron.invariant.rmsnorm import rms_norm
+from minite_megatron.invariant.softmax import log_softmax, softmax, token_log_probs
 from minite_megatron.testing import assert_bitwise_equal
 
 

@@ -155,7 +155,7 @@ def test_nvfp4_model_in_strict_mode_has_zero_gap(tiny_gpt):
 def test_strict_gap_zero_with_the_triton_kernels(tiny_gpt):
     """The strict modules on the ``bi_*`` Triton kernels (under the interpreter on CPU: a 1-layer
     model and a few tokens; on a GPU this is the real kernel path)."""
-    from minite_megatron.strict.backend import use_backend
+    from minite_megatron.invariant.backend import use_backend
 
     model = tiny_gpt.build_gpt(True, num_layers=1, num_moe_experts=4, seed=9)
     with use_backend("triton"):
@@ -184,7 +184,7 @@ def test_strict_gap_zero_with_the_triton_kernels(tiny_gpt):
 )
 def test_gpu_strict_gap_is_exactly_zero_with_triton_kernels(tiny_gpt, dtype):
     """On the GPU the strict ops dispatch to the batch-invariant Triton kernels by default."""
-    from minite_megatron.strict.backend import resolve
+    from minite_megatron.invariant.backend import resolve
 
     assert resolve("cuda") == "triton"
     model = tiny_gpt.build_gpt(True, dtype, seed=5, device="cuda")

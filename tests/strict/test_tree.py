@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minite_megatron.strict.tree import tree_sum, tree_sum_chunked, tree_sum_raw
+from minite_megatron.nvfp4.tree import tree_sum, tree_sum_chunked, tree_sum_raw
 from minite_megatron.testing import assert_bitwise_equal
 
 

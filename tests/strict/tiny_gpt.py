@@ -22,7 +22,7 @@ def init_single_process() -> None:
 
 def tiny_config(strict: bool, dtype=torch.float32, **overrides):
     """A 2-layer GQA MoE (8 experts, top-2, qk-layernorm, RoPE, SwiGLU); ``strict`` applies
-    :func:`minite_megatron.strict.config.strict_config_overrides`."""
+    :func:`minite_megatron.strict_config.strict_config_overrides`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(
@@ -35,11 +35,21 @@ def tiny_config(strict: bool, dtype=torch.float32, **overrides):
         hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32", init_method_std=0.05,
     )
     if strict:
-        from minite_megatron.strict.config import strict_config_overrides
+        from minite_megatron.strict_config import strict_config_overrides
 
         kw.update(strict_config_overrides())
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+def strict_block_spec(config):
+    """The strict BF16 decoder block: the one spec provider with ``Recipe(precision="bf16",
+    strict=True)`` and Megatron's ``SequentialMLP`` experts (batch-invariant linears, norms,
+    attention, router and combine)."""
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    return get_gpt_decoder_block_minite_spec(config, Recipe(precision="bf16", strict=True), moe_grouped_gemm=False)
 
 
 def build_gpt(strict: bool, dtype=torch.float32, seed: int = 7, max_seq: int = 64, device=None, **overrides):
@@ -51,11 +61,10 @@ def build_gpt(strict: bool, dtype=torch.float32, seed: int = 7, max_seq: int = 6
 
     config = tiny_config(strict, dtype, **overrides)
     if strict:
-        from minite_megatron.strict.config import check_strict_config
-        from minite_megatron.strict.specs import get_gpt_decoder_block_strict_spec
+        from minite_megatron.strict_config import check_strict_config
 
         check_strict_config(config)
-        spec = get_gpt_decoder_block_strict_spec(config)
+        spec = strict_block_spec(config)
     else:
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm")
     torch.manual_seed(seed)

@@ -135,11 +135,11 @@ def test_bi_attention_mask_gqa_and_empty_rows():
 
 def test_strict_ops_dispatch_to_the_triton_kernels():
     """The strict API with the triton backend forced: invariant and close to the torch one."""
-    from minite_megatron.strict.attention import attention
-    from minite_megatron.strict.backend import use_backend
-    from minite_megatron.strict.matmul import linear
-    from minite_megatron.strict.rmsnorm import rms_norm
-    from minite_megatron.strict.softmax import log_softmax
+    from minite_megatron.invariant.attention import attention
+    from minite_megatron.invariant.backend import use_backend
+    from minite_megatron.invariant.matmul import linear
+    from minite_megatron.invariant.rmsnorm import rms_norm
+    from minite_megatron.invariant.softmax import log_softmax
 
     x, w = _rand(5, 32, seed=1), _rand(24, 32, seed=2)
     q, k, v = _qkv(1, 2, 2, 6, 16, seed=4)

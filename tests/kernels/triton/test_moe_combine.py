@@ -1,5 +1,5 @@
 """The one-pass deterministic MoE combine (``minite_kernels.triton.moe_combine``) against its torch
-reference (``strict.moe.deterministic_unpermute_reference`` / ``ordered_sum_reference``), bitwise:
+reference (``deterministic_moe.deterministic_unpermute_reference`` / ``ordered_sum_reference``), bitwise:
 forward and gradients, on order-sensitive data (rows of very different magnitudes, so any other
 order of the adds gives other bits), signed zeros, infinities, NaN, tokens with no row or fewer
 rows, several column blocks and a masked column tail. On a CPU the kernels run under the Triton
@@ -61,7 +61,7 @@ def small_blocks(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_unpermute_kernel_bitwise_equals_the_reference(dtype, small_blocks):
     from minite_kernels.triton.moe_combine import deterministic_unpermute
-    from minite_megatron.strict.moe import deterministic_unpermute_reference
+    from minite_megatron.modules.deterministic_moe import deterministic_unpermute_reference
 
     tokens, hidden = 24, 40
     routing = _routing(tokens, 8, 3, seed=1, drop=[(4, 0), (9, 1), (17, 2)])
@@ -83,7 +83,7 @@ def test_unpermute_kernel_bitwise_equals_the_reference(dtype, small_blocks):
 @pytest.mark.parametrize("k", [1, 3])
 def test_ordered_sum_kernel_bitwise_equals_the_reference(k, small_blocks):
     from minite_kernels.triton.moe_combine import ordered_sum
-    from minite_megatron.strict.moe import ordered_sum_reference
+    from minite_megatron.modules.deterministic_moe import ordered_sum_reference
 
     tokens, hidden = 7, 40
     base = _order_sensitive(tokens * k, hidden, torch.bfloat16, seed=4).view(k, tokens, hidden)
@@ -117,7 +117,7 @@ def test_gpu_combine_kernel_at_model_size():
     """qwen3-moe's combine (4096 tokens, 128 experts, top-8, hidden 2048): the kernel's forward and
     gradient equal the torch reference's on the CPU and on the GPU, bit for bit."""
     from minite_kernels.triton.moe_combine import deterministic_unpermute, ordered_sum
-    from minite_megatron.strict.moe import deterministic_unpermute_reference, ordered_sum_reference
+    from minite_megatron.modules.deterministic_moe import deterministic_unpermute_reference, ordered_sum_reference
 
     tokens, hidden = 4096, 2048
     routing = _routing(tokens, 128, 8, seed=6, drop=[(11, 0), (12, 5)])

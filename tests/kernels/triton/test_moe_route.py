@@ -2,7 +2,7 @@
 
 Contract pinned here: the kernel's expert-major rows (expert, token, probability of each row),
 the combine order and the per-expert counts are bitwise what the learner's router computes --
-:func:`minite_megatron.strict.router.topk_routing` (stable top-k, softmax over the selected
+:func:`minite_megatron.modules.router.topk_routing` (stable top-k, softmax over the selected
 logits with the aligned pairwise tree, scaling) followed by Megatron's expert-major permutation
 (:func:`minite_megatron.rollout.fused_ops.moe_route_reference`) -- on fresh logits, exact ties
 (the lower expert wins), ``-inf`` logits, k = 1 and k = E, non-power-of-two E and k, a scaling

@@ -241,7 +241,7 @@ def test_norm_bad_arguments():
 def test_norm_reference_is_rms_norm_torch_and_the_cpu_path(monkeypatch):
     """The reference's y is strict mode's ``rms_norm_torch`` bitwise; without a GPU (and outside
     the interpreter) ``rmsnorm_quantize`` returns the reference."""
-    from minite_megatron.strict.rmsnorm import rms_norm_torch
+    from minite_megatron.invariant.rmsnorm import rms_norm_torch
 
     x = heavy_tailed(5, 80, seed=13, dtype=torch.bfloat16)
     w = randn(80, seed=14, dtype=torch.bfloat16)
@@ -365,7 +365,7 @@ def test_swiglu_without_image_empty_strided_and_bad_arguments():
 def test_swiglu_reference_is_megatrons_formula_and_the_cpu_path(monkeypatch):
     """On the CPU the reference is strict mode's silu (x / (1 + exp(-x)) in fp32, one rounding)
     times up, bitwise; without a GPU (outside the interpreter) ``swiglu_quantize`` returns it."""
-    from minite_megatron.strict.activations import silu
+    from minite_megatron.invariant.activations import silu
 
     h = randn(6, 2 * 48, seed=21, scale=4.0, dtype=torch.bfloat16)
     g, u = torch.chunk(h, 2, -1)
@@ -515,7 +515,7 @@ def test_the_ops_producers_on_triton_hand_the_linear_the_fused_quantization(whic
     from minite_megatron.nvfp4 import get_backend
     from minite_megatron.ops import handoff, producers
     from minite_megatron.recipe import Recipe
-    from minite_megatron.strict.rmsnorm import rms_norm_backward
+    from minite_megatron.invariant.rmsnorm import rms_norm_backward
 
     recipe = Recipe(backend="triton")
     backend = get_backend("triton", DEVICE)

@@ -1,6 +1,6 @@
 """Measure what strict mode costs the learner (and the rollout engine), and the default mode's gap.
 
-``python -m minite_megatron.strict.overhead [--device cpu|cuda] [--dtype bf16|fp32] [--json PATH]``
+``python -m benchmarks.strict_overhead [--device cpu|cuda] [--dtype bf16|fp32] [--json PATH]``
 
 Builds one small Megatron MoE GPT twice with the same weights -- Megatron's local spec
 (default mode) and the strict spec with the FP32 strict LM head -- and times, on the device:
@@ -52,8 +52,9 @@ def build(strict: bool, dtype: torch.dtype, device: str, *, layers: int, hidden:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .config import strict_config_overrides
-    from .specs import get_gpt_decoder_block_strict_spec
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+    from minite_megatron.strict_config import strict_config_overrides
 
     heads = max(2, hidden // 32)
     kw = dict(
@@ -68,15 +69,15 @@ def build(strict: bool, dtype: torch.dtype, device: str, *, layers: int, hidden:
     if strict:
         kw.update(strict_config_overrides())
     config = TransformerConfig(**kw)
-    spec = (get_gpt_decoder_block_strict_spec(config) if strict else
+    strict_recipe = Recipe(precision="bf16", strict=True)
+    spec = (get_gpt_decoder_block_minite_spec(config, strict_recipe, moe_grouped_gemm=False) if strict else
             get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=True, normalization="RMSNorm"))
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
                      position_embedding_type="rope")
     if strict:
-        from ..model import finalize_gpt_model
-        from ..recipe import Recipe
+        from minite_megatron.model import finalize_gpt_model
 
         finalize_gpt_model(model, Recipe(strict=True))
     return model.to(dtype).to(device)
@@ -103,8 +104,8 @@ def measure(device: str = "cpu", dtype: torch.dtype = torch.float32, *, layers: 
             experts: int = 8, vocab: int = 512, batch: int = 4, prompt: int = 16, new: int = 16,
             repeats: int = 3) -> dict:
     """Time both modes on the same weights and tokens; returns a dict of seconds and gaps."""
-    from ..rollout.engine import RolloutEngine
-    from ..rollout.logprobs import teacher_forced_logprobs
+    from minite_megatron.rollout.engine import RolloutEngine
+    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
 
     _init(device)
     seq = prompt + new + 1

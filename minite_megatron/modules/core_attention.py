@@ -2,7 +2,7 @@
 
 :class:`StrictDotProductAttention` subclasses Megatron's ``DotProductAttention`` (same
 constructor and builder protocol, so it drops into any ``SelfAttentionSubmodules``) and computes
-:func:`minite_megatron.strict.attention.attention`: a query's output does not depend on the
+:func:`minite_megatron.invariant.attention.attention`: a query's output does not depend on the
 batch, on the other queries in the call, or on whether its keys come from the whole sequence
 (training, teacher forcing, prefill) or from Megatron's static KV cache (decode).
 
@@ -31,7 +31,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from .attention import attention as batch_invariant_attention
+from ..invariant.attention import attention as batch_invariant_attention
+from .attention import sdpa_core_attention
 
 
 class StrictDotProductAttention(DotProductAttention):
@@ -74,17 +75,13 @@ class AlignedDotProductAttention(StrictDotProductAttention):
     """Default mode's core attention with ``recipe.aligned_attention``: the forward of
     :class:`StrictDotProductAttention` (a query gets the same bits in the learner's forward and in
     the rollout engine's decode step), not flagged strict; in training mode with attention
-    dropout it is torch SDPA (:class:`~minite_megatron.modules.attention.MiniteDotProductAttention`'s
-    computation), since dropout draws per call anyway."""
+    dropout it is torch SDPA (:func:`~minite_megatron.modules.attention.sdpa_core_attention`, the
+    computation of ``MiniteDotProductAttention``), since dropout draws per call anyway."""
 
     minite_strict = False
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if self.training and self.attention_dropout.p > 0:
-            from ..modules.attention import MiniteDotProductAttention
-
-            if not hasattr(self, "sdpa_scale"):
-                self.sdpa_scale = self.strict_scale
-            return MiniteDotProductAttention.forward(self, query, key, value, attention_mask, attn_mask_type,
-                                                     attention_bias, packed_seq_params)
+            return sdpa_core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params,
+                                       self.strict_scale)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)

@@ -7,7 +7,7 @@ first/last layers, attention projections, experts) with one of two formulations:
 
 - ``"torch"`` (any device, the CPU path): ``y[m, n] = round_out(tree_k(fp32(x[m, k]) *
   fp32(W[n, k])) (+ fp32(b[n])))`` -- exact fp32 products (exact for bf16 inputs, one rounding
-  for fp32 inputs), the aligned pairwise tree over K (:mod:`.tree`), bias added in fp32, one
+  for fp32 inputs), the aligned pairwise tree over K (:mod:`minite_megatron.nvfp4.tree`), bias added in fp32, one
   rounding to the output dtype. Computed in chunks of rows and columns (at most
   ``2**22`` products at a time); every element is computed by elementwise ops, so chunking and
   batch composition cannot change a bit.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import backend as _backend
-from .tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -70,9 +70,7 @@ def linear_torch(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _forward(x2d, weight, bias, out_dtype, which):
     if which == "triton":
-        from minite_kernels.triton.bi_matmul import bi_matmul
-
-        return bi_matmul(x2d, weight, bias, out_dtype)
+        return _backend.kernel("bi_matmul")(x2d, weight, bias, out_dtype)
     return linear_torch(x2d, weight, bias, out_dtype)
 
 

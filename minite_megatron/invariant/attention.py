@@ -17,7 +17,7 @@ The torch formulation (``"torch"`` backend), per (batch, head, query):
     o_d = tree_j(p_j * v_jd)  (+0.0 where j is hidden)
 
 The key-axis trees are anchored at key 0 and hidden keys are exact ``+0.0``, so by the zero
-padding invariance of :mod:`.tree` a query's output is the same bits whether its key axis is
+padding invariance of :mod:`minite_megatron.nvfp4.tree` a query's output is the same bits whether its key axis is
 ``t + 1`` long (decode) or ``T`` long with the rest masked (prefill/learner), and whatever the
 batch size, the other sequences or the other queries in the call. Hidden keys cannot leak
 non-finite values (they are selected away, not multiplied by zero). A query with no visible
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import backend as _backend
-from .tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -202,9 +202,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, which):
         if which == "triton":
-            from minite_kernels.triton.bi_attention import bi_attention
-
-            out = bi_attention(q, k, v, mask, scale, causal)
+            out = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal)
         else:
             out = attention_torch(q, k, v, scale, causal, mask)
         ctx.save_for_backward(q, k, v, mask if mask is not None else torch.empty(0))

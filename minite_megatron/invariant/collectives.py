@@ -7,7 +7,7 @@ per decode step) would round a token's output differently. Strict mode replaces 
 reductions Megatron does in the forward pass:
 
 - :func:`invariant_all_reduce`: all-gather the partials, then the aligned pairwise tree over
-  ranks in rank order (:mod:`.tree`), in fp32, one rounding to the input dtype;
+  ranks in rank order (:mod:`minite_megatron.nvfp4.tree`), in fp32, one rounding to the input dtype;
 - :func:`invariant_reduce_scatter` (sequence parallel, along dim 0): an all-to-all that hands
   every rank the partials of its own slice from every rank, then the same tree.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 
 def _world(group) -> int:

@@ -1,7 +1,7 @@
 """Batch-invariant softmax, log-softmax and sigmoid (fp32), with a fixed per-row order.
 
 ``log_softmax(x)[i] = (x_i - m) - log(tree(exp(x_j - m)))`` with ``m = max_j x_j`` (a max is
-exact in any order), the sum the aligned pairwise tree of :mod:`.tree`; ``softmax`` is
+exact in any order), the sum the aligned pairwise tree of :mod:`minite_megatron.nvfp4.tree`; ``softmax`` is
 ``exp(x_i - m) / tree(...)``. Everything is fp32 whatever the input dtype. The elementwise
 ``exp``/``log`` are the backend's own functions: per element they do not depend on where the
 element sits (tested: ``tests/strict/test_elementwise_position.py``); torch's own ``softmax``,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import backend as _backend
-from .tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 
 def _shifted(x: torch.Tensor, dim: int, mask: torch.Tensor | None):
@@ -55,9 +55,7 @@ class _LogSoftmaxLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, which):
         if which == "triton":
-            from minite_kernels.triton.bi_log_softmax import bi_log_softmax
-
-            out = bi_log_softmax(x2d)
+            out = _backend.kernel("bi_log_softmax")(x2d)
         else:
             out = log_softmax_torch(x2d, -1)
         ctx.save_for_backward(out)

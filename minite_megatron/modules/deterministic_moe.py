@@ -41,8 +41,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from ..modules.moe import IdentitySortSkip
-from .collectives import invariant_reduce_scatter
+from .moe import IdentitySortSkip
+from ..invariant.collectives import invariant_reduce_scatter
 
 
 KERNEL_ON_CPU = False

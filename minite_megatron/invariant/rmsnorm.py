@@ -2,7 +2,7 @@
 
 ``y = round_out(fp32(x) * (1 / sqrt(tree_h(fp32(x)^2) / H + eps)) * w)`` with ``w = weight`` or
 ``1 + weight`` (``zero_centered_gamma``), all in fp32, one rounding to ``x.dtype``. The sum of
-squares is the aligned pairwise tree of :mod:`.tree` (``"torch"``) or one fixed-size block
+squares is the aligned pairwise tree of :mod:`minite_megatron.nvfp4.tree` (``"torch"``) or one fixed-size block
 reduction per row (``"triton"``: ``minite_kernels.triton.bi_rmsnorm``); ``sqrt`` and the division
 are correctly rounded IEEE operations, so a row's result depends on nothing but the row.
 Backward uses the ordinary formulas.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import backend as _backend
-from .tree import tree_sum
+from ..nvfp4.tree import tree_sum
 
 
 def rms_norm_torch(x2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
@@ -32,9 +32,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, eps, zero_centered_gamma, which):
         if which == "triton":
-            from minite_kernels.triton.bi_rmsnorm import bi_rmsnorm
-
-            y = bi_rmsnorm(x2d, weight, eps, zero_centered_gamma)
+            y = _backend.kernel("bi_rmsnorm")(x2d, weight, eps, zero_centered_gamma)
         else:
             y = rms_norm_torch(x2d, weight, eps, zero_centered_gamma)
         ctx.save_for_backward(x2d, weight)

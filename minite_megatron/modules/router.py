@@ -2,14 +2,14 @@
 
 :func:`topk_routing` is Megatron's ``topk_routing_with_score_function`` (softmax before/after
 top-k, or sigmoid with optional expert bias, optional scaling) rebuilt from strict parts:
-:func:`~minite_megatron.strict.topk.stable_topk` (ties to the lower expert index; NaN raises),
-:func:`~minite_megatron.strict.softmax.softmax` / ``sigmoid`` and the tree sum for the sigmoid
+:func:`~minite_megatron.invariant.topk.stable_topk` (ties to the lower expert index; NaN raises),
+:func:`~minite_megatron.invariant.softmax.softmax` / ``sigmoid`` and the tree sum for the sigmoid
 normalization. A token's probabilities and experts depend only on its own logits.
 
 :class:`StrictTopKRouter` subclasses Megatron's ``TopKRouter`` (same parameters, aux-loss and
 z-loss machinery, expert-bias bookkeeping) and overrides only
 
-- ``gating``: FP32 logits from the batch-invariant GEMM (:func:`~minite_megatron.strict.matmul.linear`),
+- ``gating``: FP32 logits from the batch-invariant GEMM (:func:`~minite_megatron.invariant.matmul.linear`),
   whatever ``moe_router_dtype`` says (``fp64`` is refused);
 - ``routing``: :func:`topk_routing` instead of the torch top-k.
 
@@ -31,10 +31,10 @@ import torch
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
-from .matmul import linear as batch_invariant_linear
-from .softmax import sigmoid, softmax
-from .topk import stable_topk
-from .tree import tree_sum
+from ..invariant.matmul import linear as batch_invariant_linear
+from ..invariant.softmax import sigmoid, softmax
+from ..invariant.topk import stable_topk
+from ..nvfp4.tree import tree_sum
 
 
 def topk_routing(

@@ -6,7 +6,7 @@ AVX2 machines: ~28% of elements of a 100k tensor change bits when the same value
 calls of 7 elements), so a token's MLP output would depend on how many tokens share the call.
 :func:`silu` is built from ``exp`` and correctly rounded IEEE operations instead, in fp32, with
 one rounding to the input dtype. Use it as ``TransformerConfig.activation_func`` (with
-``bias_activation_fusion=False``) in strict mode; :func:`minite_megatron.strict.config.strict_config_errors`
+``bias_activation_fusion=False``) in strict mode; :func:`minite_megatron.strict_config.strict_config_errors`
 checks it.
 """
 

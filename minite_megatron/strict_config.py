@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .activations import gelu_tanh, silu
+from .invariant.activations import gelu_tanh, silu
 
 STRICT_ACTIVATIONS = (silu, gelu_tanh)
 
@@ -26,7 +26,7 @@ def strict_config_errors(config) -> list[str]:
     if config.normalization != "RMSNorm":
         errors.append("normalization must be 'RMSNorm' (the strict norm)")
     if config.activation_func not in STRICT_ACTIVATIONS:
-        hint = " (use minite_megatron.strict.activations.silu)" if config.activation_func is F.silu else ""
+        hint = " (use minite_megatron.invariant.activations.silu)" if config.activation_func is F.silu else ""
         errors.append(
             f"activation_func {getattr(config.activation_func, '__name__', config.activation_func)!r} is not a "
             f"strict activation{hint}: torch's silu/sigmoid round by element position on CPU"

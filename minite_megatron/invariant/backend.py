@@ -2,7 +2,7 @@
 
 Two implementations, each batch invariant and prefill/decode invariant on its own:
 
-- ``"torch"``: the fixed-order formulation of :mod:`.tree` built from elementwise torch ops.
+- ``"torch"``: the fixed-order formulation of :mod:`minite_megatron.nvfp4.tree` built from elementwise torch ops.
   Runs on any device (the CPU path; on a GPU it is exact but slow and memory hungry).
 - ``"triton"``: the batch-invariant Triton kernels ``minite_kernels.triton.bi_*`` (fixed tiles,
   fixed K / KV-block order, no split-K, no autotuning by shape). Needs a CUDA device, or a CPU
@@ -12,11 +12,15 @@ The two are *not* bitwise equal to each other (different reduction trees): learn
 must use the same one, which the default choice guarantees on one device. The default is
 ``"triton"`` on CUDA tensors and ``"torch"`` elsewhere; ``MINITE_STRICT_BACKEND`` or
 :func:`use_backend` override it.
+
+The kernels are found by name (:func:`kernel`), like the NVFP4 backends of
+:mod:`minite_megatron.nvfp4.backends`, so this package imports only torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import torch
 
@@ -31,6 +35,15 @@ def _override() -> str | None:
     if env is not None and env not in BACKENDS:
         raise ValueError(f"MINITE_STRICT_BACKEND={env!r}; expected one of {BACKENDS}")
     return env
+
+
+KERNELS = "minite_kernels.triton"
+"""The package of the ``"triton"`` kernels: ``<KERNELS>.<name>.<name>`` is kernel ``name``."""
+
+
+def kernel(name: str):
+    """The Triton kernel ``name`` (``"bi_matmul"``, ``"bi_rmsnorm"``, ...), imported on first use."""
+    return getattr(importlib.import_module(f"{KERNELS}.{name}"), name)
 
 
 def triton_why_not(device: torch.device) -> str | None:
