@@ -11,9 +11,14 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 
 * ``anchor``: :class:`benchmarks.lean_moe.LeanMoE`, plain torch (SDPA, ``torch._grouped_mm``):
   the best BF16 this machine runs, no framework;
-* ``bf16``: the fair BF16 twin, ``Recipe(precision="bf16")``: the minite modules with every
-  linear in BF16 (Megatron's GEMM, experts through ``torch._grouped_mm``), SDPA attention;
-* ``nvfp4``: ``Recipe()``, the default NVFP4 recipe (W4A4, full update, SR, RHT);
+* ``bf16``: the fair BF16 twin, ``Recipe(precision="bf16", aligned_ops=False,
+  aligned_attention=False)``: the minite modules with every linear in BF16 (Megatron's GEMM,
+  experts through ``torch._grouped_mm``), torch SDPA attention and torch norms (the best BF16
+  the minite modules run: the aligned ops only serve the learner/sampler gap);
+* ``nvfp4``: ``Recipe()``, the default NVFP4 recipe (W4A4, full update, SR, RHT, aligned ops and
+  attention);
+* ``nvfp4_sdpa`` (not in the default list): the default recipe with ``aligned_ops`` and
+  ``aligned_attention`` off (what the aligned ops cost the learner);
 * ``strict``: ``Recipe(strict=True)`` (batch-invariant kernels, FP32 LM head);
 * ``local`` (not in the default list): Megatron's local spec (experts looped, unfused attention).
 
@@ -95,7 +100,9 @@ def build(variant: str, preset: dict, seq: int, device, dtype):
     if variant == "local":
         model = _build_local(preset, seq, device, dtype)
     else:
-        recipe = {"bf16": Recipe(precision="bf16"), "nvfp4": Recipe(), "strict": Recipe(strict=True)}[variant]
+        unaligned = dict(aligned_ops=False, aligned_attention=False)
+        recipe = {"bf16": Recipe(precision="bf16", **unaligned), "nvfp4": Recipe(), "nvfp4_sdpa": Recipe(**unaligned),
+                  "strict": Recipe(strict=True)}[variant]
         model = build_gpt(preset, recipe, max_seq=seq, device=device, dtype=dtype)
     model.train()
 
@@ -365,7 +372,7 @@ def main(argv=None):
     ap.add_argument("--preset", default=None, help="a training.presets name (default: qwen3-moe; tiny with --smoke)")
     ap.add_argument("--tokens", default="4096,16384", help="tokens per step, comma-separated")
     ap.add_argument("--seq-length", type=int, default=4096, help="sequence length (sequences = tokens / this)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('local',)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('local', 'nvfp4_sdpa')}")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--weight-refresh", choices=("step", "cached"), default="step")
@@ -396,8 +403,8 @@ def main(argv=None):
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         base, *switches = v.split("+")
-        if base not in VARIANTS + ("local",) or any(sw not in SWITCHES for sw in switches):
-            sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local',)}, switches {tuple(SWITCHES)})")
+        if base not in VARIANTS + ("local", "nvfp4_sdpa") or any(sw not in SWITCHES for sw in switches):
+            sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local', 'nvfp4_sdpa')}, switches {tuple(SWITCHES)})")
     records = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         if tokens % args.seq_length:
@@ -430,6 +437,8 @@ def main(argv=None):
             ratios["nvfp4_over_bf16_peak_memory"] = by["nvfp4"]["peak_gib"] / by["bf16"]["peak_gib"] if by["bf16"]["peak_gib"] else None
         if "strict" in by and "nvfp4" in by:
             ratios["strict_over_default_time"] = by["strict"]["step_ms"] / by["nvfp4"]["step_ms"]
+        if "nvfp4" in by and "nvfp4_sdpa" in by:
+            ratios["aligned_over_sdpa_time"] = by["nvfp4"]["step_ms"] / by["nvfp4_sdpa"]["step_ms"]
         if "bf16" in by and "anchor" in by:
             ratios["bf16_over_anchor_time"] = by["bf16"]["step_ms"] / by["anchor"]["step_ms"]
         print_table(f"learner step, {preset_name}, {tokens} tokens ({batch} x {seq}), {env['device']}",

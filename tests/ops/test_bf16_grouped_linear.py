@@ -116,11 +116,13 @@ def test_grouped_mm_on_the_gpu_within_the_bf16_rule():
 
 def test_precision_flag_builds_the_bf16_twin():
     """``--minite-precision bf16`` (generated from the recipe field) gives a recipe whose specs
-    build every linear and the experts in BF16, with the SDPA core attention; a bad value names
-    the flag."""
+    build every linear and the experts in BF16; its core attention is the recipe's (the aligned
+    attention by default, torch SDPA with ``aligned_attention`` off: the benchmark's best-BF16
+    twin); a bad value names the flag."""
     import argparse
 
     from minite_megatron.modules.attention import MiniteDotProductAttention
+    from minite_megatron.modules.core_attention import AlignedDotProductAttention
     from minite_megatron.recipe import Recipe, RecipeError, add_recipe_args, recipe_from_args
     from minite_megatron.specs import get_gpt_layer_minite_spec
 
@@ -130,7 +132,9 @@ def test_precision_flag_builds_the_bf16_twin():
     spec = get_gpt_layer_minite_spec(recipe, num_experts=4, qk_layernorm=True)
     attn = spec.submodules.self_attention.submodules
     assert attn.linear_qkv.keywords["precision"] == "bf16" and attn.linear_proj.keywords["precision"] == "bf16"
-    assert attn.core_attention is MiniteDotProductAttention
+    assert attn.core_attention is AlignedDotProductAttention
+    sdpa = get_gpt_layer_minite_spec(Recipe(precision="bf16", aligned_attention=False), num_experts=4, qk_layernorm=True)
+    assert sdpa.submodules.self_attention.submodules.core_attention is MiniteDotProductAttention
     experts = spec.submodules.mlp.keywords["submodules"].experts.keywords["submodules"]
     assert experts.linear_fc1.keywords["precision"] == "bf16" and experts.linear_fc2.keywords["precision"] == "bf16"
     assert spec.submodules.input_layernorm.keywords["offer_to"] is None  # no NVFP4 handoff in the twin
