@@ -86,6 +86,19 @@ def device_name(device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def versions() -> dict:
+    """torch / triton / megatron-core / transformers versions (those importable)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "triton", "megatron-core", "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
