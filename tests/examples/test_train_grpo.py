@@ -134,3 +134,32 @@ def test_old_entry_point_maps_its_flags():
         "--sft-steps", "3", "--rollout-batch-size", "4", "--mini-batch-size", "4", "--eps-clip", "0.1", "--strict"]
     with pytest.raises(SystemExit, match="--vocab belonged to the old counting task"):
         rl_grpo.translate(["--vocab", "64"])
+
+
+def test_h200_script_flags_parse(tmp_path):
+    """examples/rl/h200_run.sh (the one H200 run, made by hand) passes flags the trainer accepts for the
+    qwen3-moe preset: its real command line, with PYTHON pointed at a stand-in that parses them with
+    rl_args and checks the model architecture instead of training (a typo would waste the device call)."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples' / 'rl')!r}); sys.path.insert(0, {str(ROOT)!r})\n"
+        "import rl_args, rl_model\n"
+        "a = rl_args.parse_args(sys.argv[2:])\n"
+        "arch = rl_model.model_architecture(a, 16, 10)\n"
+        "print('PROBE ' + json.dumps({'arch': arch, 'budget': a.time_budget_s, 'log_dir': a.log_dir,"
+        " 'sft_target': a.sft_target_accuracy, 'updates': a.ppo_epochs * a.rollout_batch_size // a.mini_batch_size}))\n"
+    )
+    env = dict(os.environ, PYTHON=str(tmp_path / "py"), OUT=str(tmp_path / "out"))
+    (tmp_path / "py").write_text(f"#!/bin/sh\nexec {sys.executable} {probe} \"$@\"\n")
+    (tmp_path / "py").chmod(0o755)
+    res = subprocess.run(["bash", str(ROOT / "examples" / "rl" / "h200_run.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(l for l in res.stdout.splitlines() if l.startswith("PROBE "))
+    got = json.loads(line[len("PROBE "):])
+    assert got["arch"]["preset"] == "qwen3-moe" and got["arch"]["layers"] == 4 and got["arch"]["experts"] == 128
+    assert got["log_dir"] == str(tmp_path / "out") and got["budget"] == 100 and got["updates"] == 4
+    assert (tmp_path / "out" / "console.log").exists()
