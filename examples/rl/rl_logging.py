@@ -135,7 +135,7 @@ def plot_curves(jsonl_path: str, png_path: str, title: str) -> str:
     zero = [s for s, g in gaps if g == 0]
     if zero:
         gx.plot(zero, [0.5] * len(zero), "s", color="C2", transform=gx.get_xaxis_transform(),
-                label="exactly 0 (strict)")
+                label="exactly 0")
         gx.legend(loc="upper right")
     gx.set_xlabel("RL step")
     gx.set_title("learner vs rollout mean |dlogp|")

@@ -11,11 +11,15 @@ Runs are shared through one module-scoped fixture, in this process (no interpret
 3. ``strict``: the same with ``--strict`` and a k3 KL to the reference (the ref-model path);
 4. ``resumed``: ``--load`` of ``default``'s step-``K`` checkpoint, run to the end.
 
-Margin (why it is robust): the held-out greedy accuracy on 128 prompts never trained on must rise
-by at least ``MARGIN`` over the RL steps. Seeds are fixed, so on this machine the run is one
-deterministic trajectory; what can move it elsewhere is floating-point summation order (thread
-count, CPU). The rise measured here is recorded in examples/rl/README.md: several times the margin,
-and the margin itself is 8 prompts (not one or two flips of a borderline answer).
+Margin (why it means learning): the held-out greedy accuracy on 128 prompts never trained on
+must rise by at least ``MARGIN`` (0.1: 13 prompts) over the ``STEPS`` RL steps, in default and in
+strict mode. Greedy decoding of fixed prompts is deterministic, so without updates the number does
+not move at all; with updates in the wrong direction it falls (the old example's collapse, and
+``--lr 1e-3`` from the same warm-up: 0.61 -> 0.00 in 30 steps). Measured on this machine with
+these settings (2026-12-01, CPU, seed 1234; examples/rl/README.md): 0.609 -> 0.742 after 20 steps
+at lr 1e-4, with the rise spread over the run (0.609, 0.617, 0.695, 0.711, 0.742 every 5 steps).
+Seeds are fixed, so the run is one deterministic trajectory here; floating-point summation order
+(thread count, CPU) is what can move it elsewhere.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "rl"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-STEPS, SAVE_AT, MARGIN = 12, 8, 8 / 128
-COMMON = ["--digits", "2", "--no-progress", "--seed", "1234", "--eval-interval", "6", "--lr", "1e-4"]
+STEPS, SAVE_AT, MARGIN = 20, 15, 0.1
+COMMON = ["--digits", "2", "--no-progress", "--seed", "1234", "--eval-interval", "5", "--lr", "1e-4"]
 
 
 def _main(argv):
