@@ -1,17 +1,40 @@
 #!/usr/bin/env bash
-# GRPO on a Qwen3-MoE-shaped model (the qwen3-moe preset: hidden 2048, 32 heads / 4 KV groups of 128,
-# 128 experts top-8 with FFN 768, qk-layernorm) on one H200, NVFP4 learner + rollout engine.
-# Short SFT warm-up (stops at 30% accuracy on training prompts), then RL until the time budget;
-# metrics.jsonl, curves.png, summary.json under OUT (default runs/rl_h200).
-#   examples/rl/h200_run.sh [extra train_grpo.py flags]
+# GRPO on a Qwen3-MoE-shaped model on one H200, NVFP4 learner + rollout engine on the same weights:
+# the qwen3-moe preset (Qwen3-30B-A3B's layer shapes: hidden 2048, 32 heads / 4 KV groups of 128,
+# 128 experts top-8 with FFN 768, qk-layernorm; NUM_LAYERS of them, the preset's 4 by default),
+# 2-digit addition. A supervised warm-up (stops at 30% greedy accuracy on training prompts, or at
+# half the time budget), then RL until the step count or the budget; held-out accuracy before, every
+# 5 steps and after. Writes metrics.jsonl, curves.png, summary.json, console.log under OUT.
+#
+#   OUT=DIR [TIME_BUDGET_S=100] [HARD_LIMIT_S=135] [PRESET=qwen3-moe] [NUM_LAYERS=4] \
+#       examples/rl/h200_run.sh [extra train_grpo.py flags, which override these]
+#
+# Wall time: TIME_BUDGET_S counts from the start of train_grpo.main (after `import torch`); the
+# run then finishes its step, evaluates, plots and writes the summary (a few seconds). HARD_LIMIT_S
+# is a watchdog: SIGINT (the trainer then writes summary.json from the steps done), SIGKILL 10 s later.
+# On a CPU (the code path, checked in tests/examples/test_train_grpo.py):
+#   OUT=/tmp/rl PRESET=tiny NUM_LAYERS=2 TIME_BUDGET_S=60 examples/rl/h200_run.sh --sft-steps 20 --steps 2
 set -euo pipefail
 OUT=${OUT:-runs/rl_h200}
+PRESET=${PRESET:-qwen3-moe}
+NUM_LAYERS=${NUM_LAYERS:-4}
+TIME_BUDGET_S=${TIME_BUDGET_S:-100}
+HARD_LIMIT_S=${HARD_LIMIT_S:-135}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
-python examples/rl/train_grpo.py \
-    --preset qwen3-moe --num-layers 2 --digits 2 \
-    --sft-steps 200 --sft-batch-size 128 --sft-lr 3e-4 --sft-target-accuracy 0.3 --sft-eval-interval 10 \
-    --steps 40 --rollout-batch-size 32 --group 8 --mini-batch-size 16 --ppo-epochs 2 --micro-batch-size 256 \
+{ date -u +"h200_run.sh: %Y-%m-%d %H:%M:%S UTC"; command -v nvidia-smi >/dev/null && nvidia-smi -L || true; } \
+    | tee "$OUT/console.log"
+set +e
+timeout -s INT -k 10 "$HARD_LIMIT_S" "$PYTHON" examples/rl/train_grpo.py \
+    --preset "$PRESET" --num-layers "$NUM_LAYERS" --digits 2 \
+    --sft-steps 400 --sft-batch-size 256 --sft-lr 3e-4 --sft-target-accuracy 0.3 --sft-eval-interval 10 \
+    --steps 60 --rollout-batch-size 32 --group 8 --mini-batch-size 16 --ppo-epochs 2 --micro-batch-size 256 \
     --lr 2e-5 --eps-clip 0.2 --eps-clip-high 0.28 --tis-cap 2.0 --clip-grad 1.0 \
-    --eval-interval 5 --eval-size 256 --time-budget-s "${TIME_BUDGET_S:-95}" \
-    --no-progress --log-dir "$OUT" "$@" 2>&1 | grep --line-buffered -v "static requests" | tee "$OUT/console.log"
+    --eval-interval 5 --eval-size 256 --time-budget-s "$TIME_BUDGET_S" \
+    --no-progress --log-dir "$OUT" "$@" 2>&1 | grep --line-buffered -v "static requests" | tee -a "$OUT/console.log"
+rc=${PIPESTATUS[0]}
+set -e
+echo "h200_run.sh: train_grpo.py exit status $rc; $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/console.log"
+if [ -f "$OUT/summary.json" ]; then cat "$OUT/summary.json"; fi
+exit "$rc"

@@ -86,6 +86,19 @@ def device_name(device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def versions() -> dict:
+    """torch / triton / megatron-core / transformers versions (those importable)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "triton", "megatron-core", "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
@@ -122,7 +135,7 @@ def plot_curves(jsonl_path: str, png_path: str, title: str) -> str:
     zero = [s for s, g in gaps if g == 0]
     if zero:
         gx.plot(zero, [0.5] * len(zero), "s", color="C2", transform=gx.get_xaxis_transform(),
-                label="exactly 0 (strict)")
+                label="exactly 0")
         gx.legend(loc="upper right")
     gx.set_xlabel("RL step")
     gx.set_title("learner vs rollout mean |dlogp|")

@@ -98,6 +98,8 @@ def main(argv=None) -> dict:
 
     model = rl_model.build_policy_model(args, arch, recipe, device, dtype, args.seed)
     rl_model.check_rollout_layout(model, args.tp, args.ep)
+    model_info = {**arch, "parameters_per_rank": sum(p.numel() for p in model.parameters()),
+                  "params_dtype": str(dtype).replace("torch.", ""), "backend": recipe.backend or "auto"}
     ddp = rl_model.wrap_ddp(model)
     strict = recipe.strict
     say(f"train_grpo: {'strict' if strict else 'default'} recipe{' (no quantization)' if args.no_quant else ''}, "
@@ -113,7 +115,10 @@ def main(argv=None) -> dict:
             say(f"loaded the weights of {args.load} ({why}: a new run starts from them)")
             rl_state = None
 
+    sft_records = []
+
     def log_record(rec):
+        sft_records.append(rec)
         log.write(rec)
         if "sft/train_accuracy" in rec:
             say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f} | accuracy on training prompts "
@@ -125,12 +130,20 @@ def main(argv=None) -> dict:
                            max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
                            max_sequence_length=max_seq)
 
+    timings = {"build_s": time.perf_counter() - t_start}  # imports, process groups, model, engine
+    interrupted = False
     if rl_state is None and args.sft_steps:
+        t_sft = time.perf_counter()
         sft_opt = rl_model.build_optimizer(ddp, lr=args.sft_lr, weight_decay=0.0, clip_grad=args.clip_grad,
                                            beta1=args.adam_beta1, beta2=args.adam_beta2)
-        rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record, engine=engine,
-                           deadline=t_start + args.time_budget_s / 2 if args.time_budget_s else None)
+        try:
+            rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record, engine=engine,
+                               deadline=t_start + args.time_budget_s / 2 if args.time_budget_s else None)
+        except KeyboardInterrupt:  # see the RL loop: finish with what there is, no RL
+            interrupted = True
+            say("interrupted during the warm-up: no RL steps")
         del sft_opt
+        timings["sft_s"] = time.perf_counter() - t_sft
 
     ref_model = None
     if args.kl_coef > 0:
@@ -154,9 +167,10 @@ def main(argv=None) -> dict:
     if args.load:
         engine.sync_weights()  # documented for weights set from outside the optimizer (it also sees in-place copies)
 
+    t_rl = time.perf_counter()
     monitor = GapMonitor(threshold=args.gap_threshold, writer=None)
     history = []
-    if start == 0 and args.eval_interval:
+    if start == 0 and args.eval_interval and not interrupted:
         acc = rl_loop.evaluate(engine, task, args)
         rec = {"step": 0, "phase": "eval", "val/accuracy": acc}
         log.write(rec)
@@ -165,97 +179,137 @@ def main(argv=None) -> dict:
 
     bar = tqdm(range(start + 1, args.steps + 1), desc=f"GRPO ({'strict' if strict else 'default'})",
                disable=bar_disabled, initial=start, total=args.steps, dynamic_ncols=True)
-    for step in bar:
-        t_step = time.perf_counter()
-        g = torch.Generator().manual_seed(rl_loop.mix_seed(args.seed, 2, step, dp_rank))
-        pairs = task.sample_pairs(args.rollout_batch_size // dp_size, g)
-        batch, t_gen = rl_loop.timed(rl_loop.generate_rollouts, engine, task, pairs, args,
-                                     seed=rl_loop.mix_seed(args.seed, 4, step, dp_rank),
-                                     stop_at_eod=not args.lockstep_rollouts)
-        _, t_old = rl_loop.timed(rl_loop.compute_old_logprobs, model, batch, args, device, ref_model)
-        sums = MetricSums()
-        rl_loop.tis_metrics(batch, args.tis_cap, sums)
-        update, t_upd = rl_loop.timed(rl_loop.ppo_update, ddp, optimizer, scheduler, batch, args, step=step,
-                                      strict=strict, device=device, sums=sums)
-        sums.all_reduce(dp_group)
+    try:
+        for step in bar:
+            if interrupted:
+                break
+            t_step = time.perf_counter()
+            g = torch.Generator().manual_seed(rl_loop.mix_seed(args.seed, 2, step, dp_rank))
+            pairs = task.sample_pairs(args.rollout_batch_size // dp_size, g)
+            batch, t_gen = rl_loop.timed(rl_loop.generate_rollouts, engine, task, pairs, args,
+                                         seed=rl_loop.mix_seed(args.seed, 4, step, dp_rank),
+                                         stop_at_eod=not args.lockstep_rollouts)
+            _, t_old = rl_loop.timed(rl_loop.compute_old_logprobs, model, batch, args, device, ref_model)
+            sums = MetricSums()
+            rl_loop.tis_metrics(batch, args.tis_cap, sums)
+            update, t_upd = rl_loop.timed(rl_loop.ppo_update, ddp, optimizer, scheduler, batch, args, step=step,
+                                          strict=strict, device=device, sums=sums)
+            sums.all_reduce(dp_group)
 
-        # gather the rollout batch's summaries (and the gap inputs) on every rank, log on rank 0
-        per_seq = [(batch.old_logp[i][batch.response_mask[i]], batch.rollout_logp[i][batch.response_mask[i]])
-                   for i in range(batch.tokens.shape[0])]
-        shards = rl_loop.gather_objects(
-            dict(per_seq=per_seq, rewards=batch.rewards, adv=batch.advantages, lengths=batch.response_lengths,
-                 truncated=batch.truncated, correct=batch.correct, keep=batch.loss_mask.any(1),
-                 zero_var=batch.zero_variance, gen=batch.generated_tokens, tokens=int(batch.tokens.numel())),
-            dp_group)
-        cat = lambda k: torch.cat([s[k] for s in shards])  # noqa: E731
-        rec = {"step": step, "phase": "rl"}
-        rec.update(rollout_metrics(cat("rewards"), cat("adv"), cat("lengths"), cat("truncated"), cat("keep")))
-        rec["train/accuracy"] = float(cat("correct").double().mean())
-        rec["batch/zero_variance_group_frac"] = float(cat("zero_var").double().mean())
-        rec["batch/kept_sample_frac"] = float(cat("keep").double().mean())
-        rec.update(sums.means())
-        rec.update(update)
-        from minite_megatron.diagnostics import pad_sequences
+            # gather the rollout batch's summaries (and the gap inputs) on every rank, log on rank 0
+            per_seq = [(batch.old_logp[i][batch.response_mask[i]], batch.rollout_logp[i][batch.response_mask[i]])
+                       for i in range(batch.tokens.shape[0])]
+            shards = rl_loop.gather_objects(
+                dict(per_seq=per_seq, rewards=batch.rewards, adv=batch.advantages, lengths=batch.response_lengths,
+                     truncated=batch.truncated, correct=batch.correct, keep=batch.loss_mask.any(1),
+                     zero_var=batch.zero_variance, gen=batch.generated_tokens, tokens=int(batch.tokens.numel())),
+                dp_group)
+            cat = lambda k: torch.cat([s[k] for s in shards])  # noqa: E731
+            rec = {"step": step, "phase": "rl"}
+            rec.update(rollout_metrics(cat("rewards"), cat("adv"), cat("lengths"), cat("truncated"), cat("keep")))
+            rec["train/accuracy"] = float(cat("correct").double().mean())
+            rec["batch/zero_variance_group_frac"] = float(cat("zero_var").double().mean())
+            rec["batch/kept_sample_frac"] = float(cat("keep").double().mean())
+            rec.update(sums.means())
+            rec.update(update)
+            from minite_megatron.diagnostics import pad_sequences
 
-        learner, _ = pad_sequences([o for s in shards for o, _ in s["per_seq"]])
-        rollout, mask = pad_sequences([r for s in shards for _, r in s["per_seq"]])
-        rec.update(monitor.update(step, learner, rollout, mask))
-        gen_tokens = sum(s["gen"] for s in shards)
-        train_tokens = sum(s["tokens"] for s in shards) * args.ppo_epochs
-        rec["timing_s/gen"], rec["timing_s/old_log_prob"], rec["timing_s/update_actor"] = t_gen, t_old, t_upd
-        rec["perf/rollout_tokens_per_s"] = gen_tokens / t_gen
-        rec["perf/train_tokens_per_s"] = train_tokens / t_upd
-        out_of_time = bool(args.time_budget_s) and time.perf_counter() - t_start > args.time_budget_s
-        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps or out_of_time):
-            rec["val/accuracy"] = rl_loop.evaluate(engine, task, args)
-        rec["timing_s/step"] = time.perf_counter() - t_step
-        history.append(rec)
-        log.write(rec)
-        say(log.line(rec))
-        bar.set_postfix(reward=f"{rec['critic/rewards/mean']:.3f}",
-                        gap=f"{rec['rollout_corr/train_rollout_logprob_abs_diff']:.1e}")
-        if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.steps
-                          or out_of_time):
-            rl_checkpoint.save(args.save, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                               ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
-            say(f"saved {args.save} at RL step {step}")
-        if out_of_time:
-            say(f"--time-budget-s {args.time_budget_s:g} reached after RL step {step}: stopping")
-            break
+            learner, _ = pad_sequences([o for s in shards for o, _ in s["per_seq"]])
+            rollout, mask = pad_sequences([r for s in shards for _, r in s["per_seq"]])
+            rec.update(monitor.update(step, learner, rollout, mask))
+            gen_tokens = sum(s["gen"] for s in shards)
+            train_tokens = sum(s["tokens"] for s in shards) * args.ppo_epochs
+            rec["timing_s/gen"], rec["timing_s/old_log_prob"], rec["timing_s/update_actor"] = t_gen, t_old, t_upd
+            rec["perf/rollout_tokens_per_s"] = gen_tokens / t_gen
+            rec["perf/train_tokens_per_s"] = train_tokens / t_upd
+            out_of_time = bool(args.time_budget_s) and time.perf_counter() - t_start > args.time_budget_s
+            if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps or out_of_time):
+                rec["val/accuracy"] = rl_loop.evaluate(engine, task, args)
+            rec["timing_s/step"] = time.perf_counter() - t_step
+            history.append(rec)
+            log.write(rec)
+            say(log.line(rec))
+            bar.set_postfix(reward=f"{rec['critic/rewards/mean']:.3f}",
+                            gap=f"{rec['rollout_corr/train_rollout_logprob_abs_diff']:.1e}")
+            if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.steps
+                              or out_of_time):
+                rl_checkpoint.save(args.save, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
+                say(f"saved {args.save} at RL step {step}")
+            if out_of_time:
+                say(f"--time-budget-s {args.time_budget_s:g} reached after RL step {step}: stopping")
+                break
+    except KeyboardInterrupt:  # Ctrl-C, or the SIGINT of a wall-clock watchdog (examples/rl/h200_run.sh)
+        interrupted = True
+        say("interrupted: finishing with the steps done so far (metrics.jsonl is complete up to them)")
+        last = history[-1] if history else None
+        if last is not None and last.get("phase") == "rl" and "val/accuracy" not in last and args.eval_interval:
+            try:  # the held-out accuracy after the last finished step
+                acc = rl_loop.evaluate(engine, task, args)
+                rec = {"step": last["step"], "phase": "eval", "val/accuracy": acc}
+                log.write(rec)
+                history.append(rec)
+            except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the summary matters more
+                say(f"no final held-out evaluation ({type(e).__name__})")
     bar.close()
     if args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
         rl_checkpoint.save(args.save, start, model=model, optimizer=optimizer, scheduler=scheduler,
                            ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
         say(f"saved {args.save} at RL step {start}")
     log.close()
-    rl = [h for h in history if h.get("phase") == "rl"]
-    if logging_rank and rl:
-        first, last = rl[0], rl[-1]
-        evals = [h for h in history if "val/accuracy" in h]
-        msg = (f"train_grpo ({'strict' if strict else 'default'}): reward {first['critic/rewards/mean']:.3f} -> "
-               f"{last['critic/rewards/mean']:.3f}")
-        if evals:
-            msg += f"; held-out accuracy {evals[0]['val/accuracy']:.3f} -> {evals[-1]['val/accuracy']:.3f}"
-        msg += f"; max learner/rollout gap {max(h['rollout_corr/train_rollout_logprob_abs_diff'] for h in rl):.3e}"
-        say(msg)
-        summary = {
-            "command": " ".join(["python examples/rl/train_grpo.py", *(sys.argv[1:] if argv is None else map(str, argv))]),
-            "date": time.strftime("%Y-%m-%d"), "device": rl_logging.device_name(device),
-            "steps": last["step"], "reward_first": first["critic/rewards/mean"], "reward_last": last["critic/rewards/mean"],
-            "held_out_accuracy": [[h["step"], h["val/accuracy"]] for h in evals],
-            "max_gap": max(h["rollout_corr/train_rollout_logprob_abs_diff"] for h in rl),
-            "rollout_tokens_per_s_median": rl_logging.median(h["perf/rollout_tokens_per_s"] for h in rl),
-            "train_tokens_per_s_median": rl_logging.median(h["perf/train_tokens_per_s"] for h in rl),
-            "wall_s": time.perf_counter() - t_start,
-        }
-        if log.path:
-            with open(os.path.join(args.log_dir, "summary.json"), "w") as fh:
-                json.dump(summary, fh, indent=1)
-        if not args.no_plot and log.path:
-            png = rl_logging.plot_curves(log.path, os.path.join(args.log_dir, "curves.png"),
-                                         f"GRPO on {args.digits}-digit addition ({'strict' if strict else 'default'})")
-            say(f"curves: {png}")
+    if logging_rank:
+        _finish(args, history, sft_records, model_info=model_info, strict=strict, device=device, argv=argv,
+                t_start=t_start, timings={**timings, "rl_s": time.perf_counter() - t_rl}, interrupted=interrupted,
+                log_path=log.path, say=say)
     return {"history": history, "log_dir": args.log_dir}
+
+
+def _finish(args, history, sft_records, *, model_info, strict, device, argv, t_start, timings, interrupted,
+            log_path, say):
+    """The closing line, ``summary.json`` (what a results table needs: held-out accuracy before /
+    after, rewards, gap, throughput, device, date, command) and ``curves.png`` (logging rank)."""
+    import rl_logging
+
+    rl = [h for h in history if h.get("phase") == "rl"]
+    evals = [[h["step"], h["val/accuracy"]] for h in history if "val/accuracy" in h]
+    gaps = [h["rollout_corr/train_rollout_logprob_abs_diff"] for h in rl]
+    sft_acc = [r["sft/train_accuracy"] for r in sft_records if "sft/train_accuracy" in r]
+    mode = "strict" if strict else "default"
+    msg = f"train_grpo ({mode}): {len(rl)} RL steps"
+    if rl:
+        msg += f", reward {rl[0]['critic/rewards/mean']:.3f} -> {rl[-1]['critic/rewards/mean']:.3f}"
+    if evals:
+        msg += f"; held-out accuracy {evals[0][1]:.3f} -> {evals[-1][1]:.3f}"
+    if gaps:
+        msg += f"; max learner/rollout gap {max(gaps):.3e}"
+    say(msg)
+    summary = {
+        "command": " ".join(["python examples/rl/train_grpo.py", *(sys.argv[1:] if argv is None else map(str, argv))]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": rl_logging.device_name(device),
+        "versions": rl_logging.versions(), "mode": mode, "quantized": not args.no_quant,
+        "model": model_info, "status": "interrupted" if interrupted else "completed",
+        "sft_steps": len(sft_records), "sft_train_accuracy_last": sft_acc[-1] if sft_acc else None,
+        "rl_steps": len(rl), "rollouts_per_step": args.rollout_batch_size * args.group,
+        "reward_first": rl[0]["critic/rewards/mean"] if rl else None,
+        "reward_last": rl[-1]["critic/rewards/mean"] if rl else None,
+        "train_accuracy_first": rl[0]["train/accuracy"] if rl else None,
+        "train_accuracy_last": rl[-1]["train/accuracy"] if rl else None,
+        "held_out_accuracy_before": evals[0][1] if evals and evals[0][0] == 0 else None,
+        "held_out_accuracy_after": evals[-1][1] if evals and evals[-1][0] > 0 else None,
+        "held_out_accuracy": evals, "held_out_prompts": args.eval_size,
+        "max_gap": max(gaps) if gaps else None, "mean_gap": sum(gaps) / len(gaps) if gaps else None,
+        "rollout_tokens_per_s_median": rl_logging.median(h["perf/rollout_tokens_per_s"] for h in rl),
+        "train_tokens_per_s_median": rl_logging.median(h["perf/train_tokens_per_s"] for h in rl),
+        "step_s_median": rl_logging.median(h["timing_s/step"] for h in rl),
+        "timing_s": timings, "wall_s": time.perf_counter() - t_start,
+    }
+    if log_path:
+        with open(os.path.join(args.log_dir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
+        if not args.no_plot and rl:
+            png = rl_logging.plot_curves(log_path, os.path.join(args.log_dir, "curves.png"),
+                                         f"GRPO on {args.digits}-digit addition ({mode})")
+            say(f"curves: {png}")
 
 
 if __name__ == "__main__":

