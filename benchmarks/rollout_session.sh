@@ -16,14 +16,14 @@
 # Writes into $OUT: summary.txt (this script's output), rollout.jsonl (the benchmark's record) and
 # logs.tgz (every log). From the repository root of a staged tree, after device_env.sh:
 #
-#   OUT=$OUT BUDGET=95 bash benchmarks/rollout_session.sh
+#   OUT=$OUT BUDGET=98 bash benchmarks/rollout_session.sh
 #   SMALL=1 BUDGET=600 OUT=/tmp/o bash benchmarks/rollout_session.sh    (CPU dry run: tiny preset, fp32, eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/minite_out}
 mkdir -p "$OUT"
-BUDGET=${BUDGET:-95}
-T1=${T1:-48}
+BUDGET=${BUDGET:-98}
+T1=${T1:-52}
 T0=$SECONDS
 LOGS=$(mktemp -d)
 exec > >(tee "$OUT/summary.txt") 2>&1
@@ -51,17 +51,21 @@ timeout "$T1" python3 -m benchmarks.rollout $WARM --engines nvfp4 --no-variants 
 timeout "$T1" python3 -m benchmarks.rollout $WARM --engines strict --no-variants > "$LOGS/warm_strict.log" 2>&1 & PIDS+=($!)
 timeout "$T1" python3 -m benchmarks.rollout $WARM --engines "" > "$LOGS/warm_variants.log" 2>&1 & PIDS+=($!)
 PYTEST="python3 -m pytest -q -p no:cacheprovider -ra"
-timeout "$T1" $PYTEST -m gpu -k strict tests/rollout > "$LOGS/gpu_tests_strict.log" 2>&1 & PIDS+=($!)
-timeout "$T1" $PYTEST -m gpu -k "not strict" tests/rollout > "$LOGS/gpu_tests_default.log" 2>&1 & PIDS+=($!)
+G1=tests/rollout/test_fast_path.py::test_cuda_graphs_equal_eager_steps_and_strict_gap_is_zero
+G2=tests/rollout/test_fused_decode.py::test_gpu_fused_graphs_equal_the_unfused_eager_steps
+for t in "$G1[strict]" "$G1[default]" "$G2[strict]" "$G2[default]"; do  # one process per GPU test
+  f=$(basename "${t%%::*}" .py)_${t##*[}
+  timeout "$T1" $PYTEST "$t" > "$LOGS/gpu_${f%]}.log" 2>&1 & PIDS+=($!)
+done
 timeout "$T1" $PYTEST tests/kernels/triton/test_residual_norm.py tests/kernels/triton/test_qk_norm_rope.py \
   tests/kernels/triton/test_moe_route.py -k "not sm90" > "$LOGS/kernel_tests.log" 2>&1 & PIDS+=($!)
 timeout "$T1" $PYTEST tests/kernels/triton/test_triton_producers.py -k "test_norm_ or weighted_swiglu or gpu_norm" \
   > "$LOGS/producer_tests.log" 2>&1 & PIDS+=($!)
 RCS=()
 for p in "${PIDS[@]}"; do wait "$p"; RCS+=($?); done
-echo "rc: warm nvfp4/strict/variants, gpu tests strict/default, kernel tests, producer tests = ${RCS[*]}"
+echo "rc: warm nvfp4/strict/variants, 4 gpu tests, kernel tests, producer tests = ${RCS[*]}"
 echo "=== tests + warm-up: $((SECONDS - T0)) s (cap $T1 s; rc 124 = cut by the cap)"
-for f in "$LOGS"/gpu_tests_*.log "$LOGS"/kernel_tests.log "$LOGS"/producer_tests.log; do
+for f in "$LOGS"/gpu_test_*.log "$LOGS"/kernel_tests.log "$LOGS"/producer_tests.log; do
   echo "--- $(basename "$f")"
   grep -E "passed|failed|FAILED|ERROR|SKIPPED|deselected" "$f" | grep -v "warnings.warn\|UserWarning" | tail -n 8
 done
