@@ -25,11 +25,18 @@ default-mode variants (gap and decode ms): the decode step on the learner's modu
 fused decode kernels (``rollout.fused_ops.ENABLED``), torch SDPA attention in the learner and the
 decode step (``recipe.aligned_attention`` off), round 1's default (SDPA and no aligned norms /
 routing either), the split-K decode GEMMs instead of the learner's order, Megatron's atomic
-combine in the learner; Megatron's own static engine (``--megatron``, slow); whether the decode
-GEMMs' invariant configuration equals the learner's full-batch GEMM bits; what the deterministic
-combine costs the learner (one MoE layer's forward + backward at ``--learner-tokens``) and what
-the aligned ops and attention cost it (the whole model's forward + backward at
-``--learner-tokens``, aligned vs round 1's default). Prints tables, appends one JSON line.
+combine in the learner (``--variant-set fused``: the default and the first of these only);
+Megatron's own static engine (``--megatron``, slow); on the GPU, the kernels one decode step
+launches at ``--gap-batch`` (``kernels_per_step``: torch.profiler's CUDA kernel records of
+``generate`` at 6 minus 2 new tokens, per extra step: the graph replays;
+``kernels_per_step_eager``: the same model's eager steps, host-side checks included), for every
+engine and variant; whether the decode GEMMs' invariant configuration equals the learner's
+full-batch GEMM bits; what the deterministic combine costs the learner (one MoE layer's forward
++ backward at ``--learner-tokens``) and what the aligned ops and attention cost it (the whole
+model's forward + backward at ``--learner-tokens``, aligned vs round 1's default). Order: every engine at ``--gap-batch``, the
+variants, the kernel counts, the other batch sizes (``timed_after_profiler``), the learner's
+costs; sections past ``--time-budget`` are skipped (listed under ``skipped``). Prints tables,
+appends one JSON line.
 """
 
 from __future__ import annotations
@@ -152,6 +159,55 @@ def time_engine(engine, prompts, new: int, repeats: int) -> dict:
             "generate_ms": wall * 1e3}
 
 
+def cuda_kernels(fn) -> int:
+    """CUDA kernels ``fn()`` runs on the GPU (torch.profiler / CUPTI: every kernel record,
+    those inside CUDA-graph replays included; memcpy / memset excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    n = 0
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and not e.name().startswith(("Memcpy", "Memset")):
+            n += 1
+    return n
+
+
+def kernels_per_step(engine, prompts, a: int = 2, b: int = 6) -> float:
+    """Kernels one decode step launches on the GPU: ``generate(b)`` minus ``generate(a)`` tokens
+    (the same prefill and sampling calls), per extra step. With CUDA graphs these are the replays'
+    kernels; eager steps also launch the host-side checks a capture skips."""
+    def run(n):
+        return cuda_kernels(lambda: engine.generate(prompts, n, temperature=1.0, seed=7, stop_at_eod=False))
+
+    return (run(b) - run(a)) / (b - a)
+
+
+def kernel_counts(jobs: list[dict]) -> None:
+    """Fill ``kernels_per_step`` (the engine's CUDA-graph replays) and, where a job names its
+    ``model``, ``kernels_per_step_eager`` (the same model's eager steps) into each job's ``row``.
+    Run after every timing: CUPTI stays initialized once the profiler ran (torch keeps it around
+    CUDA graphs: ``TEARDOWN_CUPTI=0``, its workaround for re-init crashes)."""
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    os.environ["TEARDOWN_CUPTI"] = "0"
+    for job in jobs:
+        row, prompts = job["row"], job["prompts"]
+        try:
+            row["kernels_per_step"] = kernels_per_step(job["engine"], prompts)
+            if job.get("model") is not None:
+                eager = RolloutEngine(job["model"], eod_id=0, max_batch_size=len(prompts),
+                                      max_sequence_length=job["max_seq"], attention=job["attention"], cuda_graphs=False)
+                eager.generate(prompts, 2, temperature=1.0, seed=7, stop_at_eod=False)  # weights, warm-up
+                row["kernels_per_step_eager"] = kernels_per_step(eager, prompts)
+                del eager
+        except Exception as e:  # the profiler is a measurement aid: keep the timings
+            row["kernel_count_error"] = f"{type(e).__name__}: {e}"
+        print(f"  kernels per decode step, {row.get('engine', row.get('variant'))}: {row.get('kernels_per_step')} "
+              f"(eager {row.get('kernels_per_step_eager')})", flush=True)
+
+
 def run_engine(name, model, preset, args, batches, copy_gbps, attention) -> list[dict]:
     from minite_megatron.rollout.engine import RolloutEngine
 
@@ -172,6 +228,9 @@ def run_engine(name, model, preset, args, batches, copy_gbps, attention) -> list
             row["byte_floor_ms"] = (nbytes["weight_bytes"] + nbytes["kv_bytes"]) / copy_gbps / 1e6
         if b == args.gap_batch or args.gap_all:
             row.update(gap_of(model, engine, prompts, args.new))
+        if b == args.gap_batch and args.kernel_count and engine.path == "fast" and torch.cuda.is_available():
+            args._count_jobs.append(dict(row=row, engine=engine, prompts=prompts, model=model, max_seq=max_seq,
+                                         attention=attention))
         rows.append(row)
         print(f"  {name} batch {b}: {row['decode_step_ms']:.3f} ms/step", flush=True)
     return rows
@@ -193,7 +252,9 @@ def default_mode_variants(model, preset, args) -> list[dict]:
         engine = RolloutEngine(model, eod_id=0, max_batch_size=args.gap_batch, max_sequence_length=max_seq, **kw)
         row = {"variant": label, **gap_of(model, engine, prompts, args.new)}
         if engine.path == "fast":
-            row.update(time_engine(engine, prompts, args.new, 1))
+            row.update(time_engine(engine, prompts, args.new, args.variant_repeats))
+            if args.kernel_count and torch.cuda.is_available():  # the graph replays (captured with this variant)
+                args._count_jobs.append(dict(row=row, engine=engine, prompts=prompts))
         out.append(row)
         print(f"  variant {label}: gap {row['gap_mean_abs']:.3g}, {row.get('decode_step_ms', 0):.3f} ms/step", flush=True)
 
@@ -203,6 +264,8 @@ def default_mode_variants(model, preset, args) -> list[dict]:
         variant("decode step on the learner's modules (no fused decode kernels)")
     finally:
         fused_ops.ENABLED = True
+    if args.variant_set == "fused":
+        return out
     with sdpa_attention(model):
         variant("SDPA attention in learner and decode (aligned_attention off)")
         with unaligned_ops(model):
@@ -417,6 +480,10 @@ def _gemm_order_checks(layer, dg, flag, out):
     return out
 
 
+class Cut(BaseException):
+    """SIGTERM (a caller's timeout): unwinds past the sections' ``except Exception`` to the report."""
+
+
 def strict_kernels_verified(checks: dict) -> bool:
     return bool(checks) and all(v.get("decode_strict_kernel_equals_learner", True) for v in checks.values())
 
@@ -435,6 +502,15 @@ def main(argv=None):
     ap.add_argument("--gap-all", action="store_true", help="the gap at every batch size")
     ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
                     help="default-mode gap variants, GEMM order checks and the learner's combine cost")
+    ap.add_argument("--variant-set", choices=("all", "fused"), default="all",
+                    help="fused: only the default decode step with and without the fused decode kernels")
+    ap.add_argument("--variant-repeats", type=int, default=1, help="timed generate calls per variant (median)")
+    ap.add_argument("--gemm-order", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --variants: the GEMM-order checks (first layer's weights)")
+    ap.add_argument("--learner-costs", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --variants: the deterministic combine's and the aligned ops' cost in the learner")
+    ap.add_argument("--kernel-count", action=argparse.BooleanOptionalAction, default=True,
+                    help="GPU: kernels per decode step at --gap-batch (torch.profiler), graphs and eager")
     ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=False,
                     help="Megatron's static engine as a variant (slow)")
     ap.add_argument("--learner-tokens", type=int, default=4096)
@@ -445,6 +521,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args._t0 = time.perf_counter()
+    args._count_jobs = []
 
     from minite_megatron.training.presets import PRESETS, init_single_process
 
@@ -478,43 +555,71 @@ def main(argv=None):
             return None
 
     models = {}
-    if "nvfp4" in args.engines or args.variants:
-        models["nvfp4"] = minite_gpt(preset, False, max_seq, device, dtype)
-    if gpu and args.variants:
-        # first: do the decode kernels' strict configurations give the learner's bits here? If they
-        # do, the engines below use them (the backend otherwise keeps the image GEMM in strict mode)
-        checks = guarded("gemm_order", lambda: gemm_order_checks(models["nvfp4"]))
-        if checks:
-            results["gemm_order"] = checks
-            print("gemm_order:", checks, flush=True)
-            if args.trust_verified and strict_kernels_verified(checks):
-                import minite_kernels.triton.decode_gemm as dg
 
-                dg.STRICT_DECODE_VERIFIED = True
-                results["strict_decode_verified_in_run"] = True
-    for name in args.engines.split(","):
-        print(f"# {name}", flush=True)
+    def sections():
+        if "nvfp4" in args.engines or args.variants:
+            models["nvfp4"] = minite_gpt(preset, False, max_seq, device, dtype)
+        if gpu and args.variants and args.gemm_order:
+            # first: do the decode kernels' strict configurations give the learner's bits here? If they
+            # do, the engines below use them (the backend otherwise keeps the image GEMM in strict mode)
+            checks = guarded("gemm_order", lambda: gemm_order_checks(models["nvfp4"]))
+            if checks:
+                results["gemm_order"] = checks
+                print("gemm_order:", checks, flush=True)
+                if args.trust_verified and strict_kernels_verified(checks):
+                    import minite_kernels.triton.decode_gemm as dg
 
-        def engine_rows(name=name):
-            model = models.get(name)
-            if model is None:
-                model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"
-                         else minite_gpt(preset, name == "strict", max_seq, device, dtype))
-            try:
-                return run_engine(name, model, preset, args, batches, copy_gbps, "sdpa" if name == "bf16" else "module")
-            finally:
-                if name != "nvfp4":
-                    del model
-                    if gpu:
-                        torch.cuda.empty_cache()
+                    dg.STRICT_DECODE_VERIFIED = True
+                    results["strict_decode_verified_in_run"] = True
+        names = [n for n in args.engines.split(",") if n]
 
-        results["rows"] += guarded(name, engine_rows) or []
-    if args.variants:
-        results["default_mode_variants"] = guarded("variants", lambda: default_mode_variants(models["nvfp4"], preset, args))
-        if gpu:
+        def model_for(name):
+            if name not in models:
+                models[name] = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"
+                                else minite_gpt(preset, name == "strict", max_seq, device, dtype))
+            return models[name]
+
+        def engine_pass(sizes, label):
+            for name in names:
+                print(f"# {name} batch {','.join(map(str, sizes))}", flush=True)
+                attention = "sdpa" if name == "bf16" else "module"
+                results["rows"] += guarded(f"{name} {label}", lambda name=name: run_engine(
+                    name, model_for(name), preset, args, sizes, copy_gbps, attention)) or []
+
+        # the numbers that matter first (every engine at --gap-batch, then the default-mode variants),
+        # the other batch sizes and the learner's costs with the time left
+        engine_pass([args.gap_batch], "gap batch")
+        if args.variants:
+            results["default_mode_variants"] = guarded(
+                "variants", lambda: default_mode_variants(models["nvfp4"], preset, args))
+        profiled = bool(args._count_jobs)
+        if profiled:  # after the gap-batch timings: the profiler leaves CUPTI initialized (kernel_counts)
+            guarded("kernel counts", lambda: kernel_counts(args._count_jobs))
+        args._count_jobs.clear()
+        rest = [b for b in batches if b != args.gap_batch]
+        if rest:
+            n = len(results["rows"])
+            engine_pass(rest, "other batches")
+            for r in results["rows"][n:]:
+                r["timed_after_profiler"] = profiled
+        results["rows"].sort(key=lambda r: (names.index(r["engine"]), r["batch"]))
+        if args.variants and gpu and args.learner_costs:
             results["combine_cost"] = guarded("combine_cost", lambda: combine_cost(models["nvfp4"], args.learner_tokens))
             results["alignment_cost"] = guarded("alignment_cost",
                                                 lambda: alignment_cost(models["nvfp4"], args.learner_tokens))
+
+    import signal
+
+    def cut(signum, frame):  # the caller's timeout: keep what was measured
+        raise Cut()
+
+    signal.signal(signal.SIGTERM, cut)
+    try:
+        sections()
+    except Cut:
+        results.setdefault("errors", []).append(f"cut by SIGTERM after {time.perf_counter() - t0:.0f} s")
+        print("rollout: SIGTERM, reporting what was measured", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     models.clear()
     bf16 = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "bf16"}
     default = {r["batch"]: r["decode_step_ms"] for r in results["rows"] if r["engine"] == "nvfp4"}
@@ -530,10 +635,12 @@ def main(argv=None):
     results["wall_s"] = time.perf_counter() - t0
     print_table(f"rollout decode ({args.preset}, {args.new} new tokens, {results['device']})", results["rows"],
                 ["engine", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "speedup_vs_bf16",
-                 "strict_over_default", "effective_weight_gbps", "byte_floor_ms", "gap_mean_abs", "gap_max_abs"])
+                 "strict_over_default", "effective_weight_gbps", "byte_floor_ms", "gap_mean_abs", "gap_max_abs",
+                 "gap_tokens_equal", "kernels_per_step", "kernels_per_step_eager"])
     if results.get("default_mode_variants"):
         print_table("default-mode gap variants", results["default_mode_variants"],
-                    ["variant", "gap_mean_abs", "gap_max_abs", "k3_kl", "gap_tokens_equal", "gap_tokens", "decode_step_ms"])
+                    ["variant", "gap_mean_abs", "gap_max_abs", "k3_kl", "gap_tokens_equal", "gap_tokens", "decode_step_ms",
+                     "kernels_per_step"])
     for key in ("gemm_order", "combine_cost", "alignment_cost", "errors", "skipped"):
         if key in results:
             print(f"{key}: {results[key]}")

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from ..custom_op import custom_op
 from ._nvfp4_math import interpreting
 
 #: Largest T * E (padded to powers of two) one program routes.
@@ -146,7 +147,7 @@ def fits(tokens: int, experts: int, topk: int) -> bool:
             and triton.next_power_of_2(max(tokens, 1)) * triton.next_power_of_2(experts) <= MAX_ELEMENTS)
 
 
-@torch.library.custom_op("minite::moe_route", mutates_args=())
+@custom_op("minite::moe_route", mutates_args=())
 def moe_route_op(logits: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                            torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch (:func:`moe_route`); ``scaling == 0`` means none."""

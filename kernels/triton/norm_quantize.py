@@ -44,6 +44,17 @@ reduction (every fp32 / shuffle / barrier instruction up to ``sqrt.rn``) is iden
 bi_rmsnorm's at H = 2048 bf16, 4096 fp16 and 8192 bf16; after it the only ``fma.rn.f32`` is
 ``fma(y, 512, 2^23)`` (exact, above); ptxas contracts exactly one more mul+add than with
 ``--fmad=false`` in both kernels (``div.full``'s multiply with ``+ eps``). The tests pin these.
+
+The residual variant (:func:`add_rmsnorm_quantize`, the decode step's bias-dropout-add fused
+into the next norm): the program first writes ``h = round(residual + out)`` (each operand
+loaded to fp32, one fp32 add, one RNE to the 16-bit dtype: torch's add; double rounding through
+fp32 is innocuous for a sum of two 16-bit values, so ptxas's single-rounding ``add.bf16x2``
+gives the same bits) to ``h``'s buffer, then ``bar.sync`` (the row's stores visible to every
+thread of the program), then the kernel above with ``x = h`` read back. Before that barrier the
+reduction list holds nothing (the add is element-wise); after it the reduction PTX is
+bi_rmsnorm's (tests/kernels/triton/test_residual_norm.py pins both). The extra traffic per row:
+two reads and one write of ``H`` 16-bit values (h's read-back hits L1/L2); unfused it is two
+kernels (torch's add, then the norm) and one more read of ``h`` from memory.
 """
 
 from __future__ import annotations
@@ -168,9 +179,23 @@ def _rmsnorm_quantize_kernel(
     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
     IS_FP16: tl.constexpr, W_KIND: tl.constexpr, WITH_IMAGE: tl.constexpr, BITWISE_BF16: tl.constexpr,
     BLOCK_NB: tl.constexpr, CHUNKS: tl.constexpr,
+    r_ptr=None, o_ptr=None, s_r=0, s_o=0, RESIDUAL: tl.constexpr = False,
 ):
     """One row per program (bi_rmsnorm's grid and warps). ``sxh`` is 1 (unit stride along H;
-    kept as an argument so phase 1's load expression is bi_rmsnorm's). See the module docstring."""
+    kept as an argument so phase 1's load expression is bi_rmsnorm's). See the module docstring.
+    ``RESIDUAL``: first ``x = round(residual + out)`` is written to ``x_ptr`` (the residual add of
+    Megatron's bias-dropout-add: an fp32 add rounded once to the 16-bit dtype, as torch adds), then
+    a barrier, then the kernel as without it (phase 1 reads ``x`` back: the same load expression)."""
+    if RESIDUAL:
+        row0 = tl.program_id(0).to(tl.int64)
+        for h0 in range(0, H, BLOCK):
+            cols0 = h0 + tl.arange(0, BLOCK)
+            m0 = cols0 < H
+            a = _load_f32(r_ptr + row0 * s_r + cols0, m0, BITWISE_BF16)
+            b = _load_f32(o_ptr + row0 * s_o + cols0, m0, BITWISE_BF16)
+            hb, _hv = round_half(a + b, IS_FP16, BITWISE_BF16)
+            tl.store(x_ptr.to(tl.pointer_type(tl.int16)) + row0 * sxm + cols0, hb.to(tl.int16), mask=m0)
+        tl.debug_barrier()  # x's stores are visible to every thread's loads below
     # ---- phase 1: bi_rmsnorm's reduction, statement for statement
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
@@ -243,37 +268,46 @@ def _w_kind(weight: torch.Tensor) -> int:
 @custom_op("minite::rmsnorm_quantize", mutates_args=())
 def rmsnorm_quantize_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, with_image: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch: ``x`` [M, H] bf16/fp16 (unit stride along H, rows on 4-byte boundaries),
     ``weight`` [H] contiguous bf16/fp16/fp32. Returns ``(y [M, H], codes [M, H/2] uint8,
-    scales [M, H/16] uint8 (E4M3 bits), global decode [M] fp32, image [M, H] bf16 or [0])``."""
+    scales [M, H/16] uint8 (E4M3 bits), global decode [M] fp32, image [M, H] bf16 or [0],
+    x + residual [M, H] or [0])``; with ``residual`` ([M, H], x's dtype, unit stride along H) the
+    kernel normalizes ``x + residual``."""
     m, h = x.shape
     dev = x.device
+    summed = torch.empty((m, h) if residual is not None else (0,), dtype=x.dtype, device=dev)
     y = torch.empty(m, h, dtype=x.dtype, device=dev)
     codes = torch.empty(m, h // 2, dtype=torch.uint8, device=dev)
     scales = torch.empty(m, h // 16, dtype=torch.uint8, device=dev)
     sdec = torch.empty(m, dtype=torch.float32, device=dev)
     image = torch.empty((m, h) if with_image else (0,), dtype=torch.bfloat16, device=dev)
     if m == 0:
-        return y, codes, scales, sdec, image
+        return y, codes, scales, sdec, image, summed
     block, block_nb, chunks = config(h)
+    extra = {}
+    if residual is not None:
+        extra = dict(r_ptr=residual, o_ptr=x, s_r=residual.stride(0), s_o=x.stride(0), RESIDUAL=True)
     # bi_rmsnorm's launch options (Triton's defaults: FMA contraction on), see the module docstring
+    xin = summed if residual is not None else x
     _rmsnorm_quantize_kernel[(m,)](
-        x, weight, y, codes, scales, sdec, image if with_image else codes,
-        h, x.stride(0), x.stride(1), eps,
+        xin, weight, y, codes, scales, sdec, image if with_image else codes,
+        h, xin.stride(0), xin.stride(1), eps,
         ZERO_CENTERED=zero_centered_gamma, BLOCK=block, IS_FP16=x.dtype == torch.float16, W_KIND=_w_kind(weight),
         WITH_IMAGE=with_image, BITWISE_BF16=interpreting() and x.dtype == torch.bfloat16,
-        BLOCK_NB=block_nb, CHUNKS=chunks, num_warps=NORM_WARPS,
+        BLOCK_NB=block_nb, CHUNKS=chunks, num_warps=NORM_WARPS, **extra,
     )
-    return y, codes, scales, sdec, image
+    return y, codes, scales, sdec, image, summed
 
 
 @rmsnorm_quantize_op.register_fake
-def _(x, weight, eps, zero_centered_gamma, with_image):
+def _(x, weight, eps, zero_centered_gamma, with_image, residual=None):
     m, h = x.shape
     return (x.new_empty((m, h)), x.new_empty((m, h // 2), dtype=torch.uint8),
             x.new_empty((m, h // 16), dtype=torch.uint8), x.new_empty((m,), dtype=torch.float32),
-            x.new_empty((m, h) if with_image else (0,), dtype=torch.bfloat16))
+            x.new_empty((m, h) if with_image else (0,), dtype=torch.bfloat16),
+            x.new_empty((m, h) if residual is not None else (0,)))
 
 
 def as_nvfp4(codes, scales, sdec, image, shape, with_image: bool) -> NVFP4Tensor:
@@ -322,8 +356,8 @@ def rmsnorm_quantize(
     weight = weight.contiguous()
     if weight.dtype != torch.float32 and weight.data_ptr() % 4:
         weight = weight.clone()
-    y, codes, scales, sdec, image = rmsnorm_quantize_op(x, weight, float(eps), bool(zero_centered_gamma),
-                                                        bool(with_image))
+    y, codes, scales, sdec, image, _ = rmsnorm_quantize_op(x, weight, float(eps), bool(zero_centered_gamma),
+                                                           bool(with_image))
     if nonfinite == "raise":
         checked_output(y, "rmsnorm_quantize: the normalized output y")
     return y, as_nvfp4(codes, scales, sdec, image, x.shape, with_image)
@@ -368,3 +402,65 @@ def reduction_ptx(ptx: str) -> list[str]:
             if m.group(2).startswith("sqrt.rn"):
                 break
     return out
+
+
+def add_rmsnorm_quantize(
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    zero_centered_gamma: bool = False,
+    *,
+    with_image: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, NVFP4Tensor]:
+    """The residual add of a transformer layer fused into the next norm: ``h = residual + out``
+    (torch's 16-bit add: the fp32 sum rounded once), then :func:`rmsnorm_quantize` of ``h``.
+
+    Args:
+        residual, out: ``[M, H]`` bf16 / fp16, the same dtype, unit stride along H.
+        weight, eps, zero_centered_gamma, with_image: as :func:`rmsnorm_quantize`.
+    Returns:
+        ``(h, y, q)``: ``h`` bitwise ``residual + out``; ``y`` bitwise ``bi_rmsnorm(h)``; ``q`` bitwise
+        ``quantize_reference(y, global_scale="row")`` (the kernel's phase 1 reads ``h`` back with
+        bi_rmsnorm's load expression; the sm_90a reduction PTX after the barrier is pinned equal).
+    Raises:
+        TypeError / ValueError as :func:`rmsnorm_quantize`, and for a mismatched ``residual``.
+    """
+    validate_rmsnorm(out, weight, "propagate")
+    if not isinstance(residual, torch.Tensor) or residual.shape != out.shape or residual.dtype != out.dtype:
+        raise ValueError(f"add_rmsnorm_quantize: residual {getattr(residual, 'dtype', None)} "
+                         f"{tuple(getattr(residual, 'shape', ()))} vs out {out.dtype} {tuple(out.shape)}")
+    if not out.is_cuda and not interpreting():
+        h = residual + out
+        y, q = rmsnorm_quantize_reference(h, weight, eps, zero_centered_gamma, with_image=with_image)
+        return h, y, q
+    out = out if out.stride(1) == 1 else out.contiguous()
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    weight = weight if weight.dtype in (torch.bfloat16, torch.float16, torch.float32) else weight.float()
+    weight = weight.contiguous()
+    if weight.dtype != torch.float32 and weight.data_ptr() % 4:
+        weight = weight.clone()
+    y, codes, scales, sdec, image, h = rmsnorm_quantize_op(out, weight, float(eps), bool(zero_centered_gamma),
+                                                           bool(with_image), residual)
+    return h, y, as_nvfp4(codes, scales, sdec, image, out.shape, with_image)
+
+
+def aot_add_kernel(h: int = 2048, dtype: str = "bf16"):
+    """The residual-add variant as launched (image written), compiled for sm_90a on this machine."""
+    from ._aot import compile_for
+
+    block, block_nb, chunks = config(h)
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "codes_ptr": "*u8",
+           "scales_ptr": "*u8", "sdec_ptr": "*fp32", "image_ptr": "*bf16", "H": "i32", "sxm": "i32",
+           "eps": "fp32", "r_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "s_r": "i32", "s_o": "i32"}
+    ce = dict(ZERO_CENTERED=False, BLOCK=block, IS_FP16=dtype == "fp16", W_KIND=1 if dtype == "fp16" else 0,
+              WITH_IMAGE=True, BITWISE_BF16=False, BLOCK_NB=block_nb, CHUNKS=chunks, sxh=1, RESIDUAL=True)
+    return compile_for(_rmsnorm_quantize_kernel, sig, ce, num_warps=NORM_WARPS, divisible=("H", "sxm", "s_r", "s_o"))
+
+
+def reduction_ptx_after_residual(ptx: str) -> tuple[list[str], list[str]]:
+    """``(before, reduction)``: :func:`reduction_ptx`'s instructions split after the residual
+    pass's barrier (the first ``bar``): what precedes it must be the residual add alone."""
+    red = reduction_ptx(ptx)
+    cut = next((i for i, op in enumerate(red) if op.startswith("bar")), -1)
+    return red[: cut + 1], red[cut + 1 :]

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..custom_op import custom_op
 from ._nvfp4_math import interpreting
 from .bi_rmsnorm import MAX_BLOCK
 from .norm_quantize import NORM_WARPS, _load_f32, round_half
@@ -120,7 +121,7 @@ def _qk_norm_rope_kernel(
     tl.store(dst, val, mask=cmask)
 
 
-@torch.library.custom_op("minite::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+@custom_op("minite::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
 def qk_norm_rope_cache_op(
     mixed: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     zero_centered_gamma: bool, cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor,

@@ -541,15 +541,77 @@ class LayerStep:
         self.mlp = MoEStep(layer.mlp, invariant, weights) if isinstance(layer.mlp, MoELayer) else MLPStep(
             layer.mlp, invariant, weights)
 
-    def __call__(self, h, rope, hidden, rows, positions, cache, fire: bool = False):
+    def __call__(self, h, pending, rope, hidden, rows, positions, cache, fire: bool = False):
+        """``h`` the residual stream, ``pending`` the previous layer's MLP output and its
+        bias-dropout-add not yet applied (None for the first layer) -> ``(h, pending)`` of this
+        layer: each residual add is fused into the norm that follows it where
+        :func:`add_then_norm` can (one kernel), else run as the learner runs it."""
         layer = self.layer
         fusion = layer.config.bias_dropout_fusion
-        residual = h
-        out = self.attention(layer.input_layernorm(h), rope, hidden, rows, positions, cache, fire)
-        h = layer.self_attn_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
-        residual = h
-        out = self.mlp(layer.pre_mlp_layernorm(h), fire)
-        return layer.mlp_bda(layer.training, fusion)(out, residual, layer.hidden_dropout)
+        if pending is None:
+            x = layer.input_layernorm(h)
+        else:
+            h, x = add_then_norm(layer.input_layernorm, h, pending, fire)
+        out = self.attention(x, rope, hidden, rows, positions, cache, fire)
+        h, x = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire)
+        return h, (self.mlp(x, fire), self.bda("mlp_bda"))
+
+    def bda(self, name: str):
+        """The layer's bias-dropout-add ``name`` as ``fn(out_with_bias, residual)``; ``fn.plain``:
+        it is a plain ``residual + out`` (no bias, no active dropout)."""
+        layer = self.layer
+        fn = getattr(layer, name)(layer.training, layer.config.bias_dropout_fusion)
+
+        def apply(out, residual):
+            return fn(out, residual, layer.hidden_dropout)
+
+        apply.plain = not (layer.training and layer.hidden_dropout)
+        return apply
+
+
+def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
+    """``(h, norm(h))`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``.
+
+    One kernel (``minite_kernels.triton.norm_quantize.add_rmsnorm_quantize``: ``h`` bitwise torch's
+    add, ``norm(h)`` bitwise ``bi_rmsnorm``) where the norm is the batch-invariant RMSNorm the
+    learner computes with ``bi_rmsnorm`` -- an input norm whose NVFP4 quantization goes to the
+    next linear (the handoff gets it, as from the learner's fused producer) or a strict / aligned
+    ``MiniteNorm`` -- the add is plain and the fused kernels run (:func:`.fused_ops.use_kernels`);
+    else the learner's bias-dropout-add and the norm module."""
+    (out, bias), bda = pending
+    fused = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out)
+    if fused is not None:
+        return fused
+    h = bda((out, bias), residual)
+    return h, norm(h)
+
+
+def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
+    from ..modules.norm import MiniteNorm
+    from ..ops import handoff
+    from ..strict.backend import resolve
+
+    if not (fused_ops.use_kernels(out) and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
+            and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0
+            and residual.shape == out.shape):
+        return None
+    offer = norm.offer_to
+    if offer is not None:  # the learner's fused producer (rmsnorm_quantize), offering its quantization
+        from ..ops.producers import fused_supported
+
+        backend = backend_for(offer, out.device)
+        if offer.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, offer, backend):
+            return None
+    elif not (norm.invariant_rms and resolve(out.device) == "triton"):
+        return None  # not bi_rmsnorm's arithmetic in the learner
+    from minite_kernels.triton.norm_quantize import add_rmsnorm_quantize
+
+    shape, hdim = out.shape, out.shape[-1]
+    h, y, q = add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
+                                   norm.zero_centered_gamma, with_image=True)
+    if offer is not None:
+        handoff.offer(y, q, handoff.activation_key(offer, backend))
+    return h.view(shape), y.view(shape)
 
 
 class DecodeModel:
@@ -657,10 +719,14 @@ class DecodeModel:
         keys = torch.arange(cache.max_seq, device=tokens.device)
         hidden = (keys.view(1, -1) > positions.view(-1, 1)).view(b, 1, 1, -1)  # True = after the row's position
         rows = torch.arange(b, device=tokens.device)
+        pending = None
         for layer in self.layers:
-            h = layer(h, rope, hidden, rows, positions, cache, fire_hooks)
+            h, pending = layer(h, pending, rope, hidden, rows, positions, cache, fire_hooks)
         if gpt.decoder.final_layernorm is not None:
-            h = gpt.decoder.final_layernorm(h)
+            h = add_then_norm(gpt.decoder.final_layernorm, h, pending, fire_hooks)[1]
+        else:
+            (out, bias), bda = pending
+            h = bda((out, bias), h)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
         logits = gpt._scale_logits(logits)

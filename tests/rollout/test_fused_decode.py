@@ -1,12 +1,14 @@
 """The decode step's fused kernels (``rollout.fused_ops``: q/k norm + RoPE + KV-cache write, MoE
-routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine) inside the engine.
+routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine, the residual add fused
+into the next RMSNorm -> NVFP4) inside the engine.
 
 Pinned here, on the CPU with the kernels forced under the interpreter (``KERNELS_ON_CPU``) and
 the batch-invariant ops on their Triton kernels (``invariant.backend.use_backend("triton")``, what
 a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
 the unfused step on the learner's modules, in default (aligned) and strict mode; and the
 routing reference is the router module's own output. The kernels' own contracts are in
-tests/kernels/triton/test_qk_norm_rope.py, test_moe_route.py and test_triton_producers.py.
+tests/kernels/triton/test_qk_norm_rope.py, test_moe_route.py, test_triton_producers.py and
+test_residual_norm.py.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from minite_megatron.testing import assert_bitwise_equal
 INTERPRETING = __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _tiny(strict: bool, seed: int = 3, backend: str = "reference"):
-    """One MoE layer of the tiny preset in bf16; NVFP4 GEMMs on the reference backend (the
+def _tiny(strict: bool, seed: int = 3, backend: str = "reference", layers: int = 1):
+    """``layers`` MoE layers of the tiny preset in bf16; NVFP4 GEMMs on the reference backend (the
     interpreted Triton GEMMs would take minutes and are tested on their own)."""
     from minite_megatron.recipe import Recipe
     from minite_megatron.training.presets import PRESETS, build_gpt
 
-    preset = dict(PRESETS["tiny"], vocab=64, layers=1)
+    preset = dict(PRESETS["tiny"], vocab=64, layers=layers)
     return build_gpt(preset, Recipe(strict=strict, backend=backend), max_seq=16, device="cpu",
                      dtype=torch.bfloat16, seed=seed).eval()
 
@@ -35,7 +37,9 @@ def _tiny(strict: bool, seed: int = 3, backend: str = "reference"):
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     """Prefill 3 prompts, then two decode steps each way from the same cache: logits and every
-    layer's keys and values bitwise equal (and the fused path really ran its kernels). The data
+    layer's keys and values bitwise equal (and the fused path really ran its kernels: two layers,
+    so the residual add is fused into the second layer's input norm, each pre-MLP norm and the
+    final norm). The data
     are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
     CPU bits on them (tests/kernels/triton/test_moe_route.py compares exactly that)."""
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
@@ -43,14 +47,15 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     from minite_megatron.training.presets import init_single_process
 
     init_single_process(1)
-    model = _tiny(strict)
+    model = _tiny(strict, layers=2)
     runner = DecodeModel(model, invariant_gemm=True)
     prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
     launched = []
     import minite_kernels.triton.moe_route as mr
+    import minite_kernels.triton.norm_quantize as nq
     import minite_kernels.triton.qk_norm_rope as qk
 
-    for mod, name in ((mr, "moe_route"), (qk, "qk_norm_rope_cache")):
+    for mod, name in ((mr, "moe_route"), (qk, "qk_norm_rope_cache"), (nq, "add_rmsnorm_quantize")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: (launched.append(_n), _fn(*a, **k))[1])
     with use_backend("triton"), torch.no_grad():
@@ -68,11 +73,71 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
                 logits.append(runner.step(tokens, positions, cache))
                 tokens, positions = logits[-1].argmax(-1), positions + 1
             outs[fused] = (logits, [t.clone() for t in cache.k + cache.v])
-    assert {"moe_route", "qk_norm_rope_cache"} <= set(launched)
+    assert {"moe_route", "qk_norm_rope_cache", "add_rmsnorm_quantize"} <= set(launched)
+    # per fused step: layer 1's input norm falls back (the reference GEMM backend has no fused
+    # producer to match), the two pre-MLP norms and the final norm fuse
+    assert launched.count("add_rmsnorm_quantize") == 2 * 3, launched
     for i, (a, b) in enumerate(zip(outs[False][0], outs[True][0])):
         assert_bitwise_equal(b, a, f"step {i} logits")
     for i, (a, b) in enumerate(zip(outs[False][1], outs[True][1])):
         assert_bitwise_equal(b, a, f"cache {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("offered", [True, False], ids=["offering norm", "plain aligned norm"])
+def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offered):
+    """``decode_step.add_then_norm`` in one kernel gives bitwise the learner's bias-dropout-add
+    (Megatron's, inference) then its norm: ``h``, ``y`` and, for a norm feeding an NVFP4 linear
+    (Triton backend: the learner's fused RMSNorm -> NVFP4 producer), the quantization it hands
+    over; a bias or ``fire`` (hooks) takes the unfused path."""
+    from types import SimpleNamespace
+
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from minite_megatron.modules.norm import MiniteNorm
+    from minite_megatron.ops import handoff
+    from minite_megatron.ops.linear import backend_for
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.rollout.decode_step import add_then_norm
+    from minite_megatron.strict.backend import use_backend
+    import minite_kernels.triton.norm_quantize as nq
+
+    recipe = Recipe(backend="triton")
+    cfg = SimpleNamespace(normalization="RMSNorm", layernorm_zero_centered_gamma=False, params_dtype=torch.bfloat16,
+                          use_cpu_initialization=True, sequence_parallel=False, tensor_model_parallel_size=1)
+    norm = MiniteNorm(cfg, 256, eps=1e-6, offer_to=recipe if offered else None, aligned=True)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(256, generator=g) + 0.5).to(torch.bfloat16))
+    residual = (torch.randn(2, 3, 256, generator=g) * 4).to(torch.bfloat16)
+    out = torch.randn(2, 3, 256, generator=g).to(torch.bfloat16)
+    fn = get_bias_dropout_add(False, False)
+
+    def bda(out_with_bias, res):  # Megatron's adds in place into ``out`` in eval mode: on copies
+        return fn(tuple(None if t is None else t.clone() for t in out_with_bias), res, 0.0)
+
+    bda.plain = True
+    key = handoff.activation_key(recipe, backend_for(recipe, out.device))
+    launched = []
+    kernel = nq.add_rmsnorm_quantize
+    monkeypatch.setattr(nq, "add_rmsnorm_quantize", lambda *a, **k: (launched.append(1), kernel(*a, **k))[1])
+    monkeypatch.setattr(fused_ops, "KERNELS_ON_CPU", True)
+    with use_backend("triton"), torch.no_grad():
+        h_ref = bda((out, None), residual)
+        y_ref = norm(h_ref)
+        q_ref = handoff.take(y_ref, key)
+        h, y = add_then_norm(norm, residual, ((out, None), bda), False)
+        q = handoff.take(y, key)
+        assert len(launched) == 1
+        add_then_norm(norm, residual, ((out, None), bda), True)
+        add_then_norm(norm, residual, ((out, torch.zeros(256, dtype=torch.bfloat16)), bda), False)
+        assert len(launched) == 1, "fire / a bias must take the unfused path"
+    assert_bitwise_equal(h, h_ref, "h")
+    assert_bitwise_equal(y, y_ref, "y")
+    assert (q is None) == (q_ref is None) == (not offered)
+    if offered:
+        for f in ("codes", "block_scales", "global_decode", "image"):
+            assert_bitwise_equal(getattr(q, f), getattr(q_ref, f), f"handed-over {f}")
 
 
 def test_route_reference_is_the_router_modules_output():
