@@ -589,7 +589,7 @@ def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
 def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
     from ..modules.norm import MiniteNorm
     from ..ops import handoff
-    from ..strict.backend import resolve
+    from ..invariant.backend import resolve
 
     if not (fused_ops.use_kernels(out) and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
             and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0

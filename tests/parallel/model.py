@@ -15,7 +15,7 @@ Specs (``SPECS``):
 * ``exact``: the minite spec with every part in high precision (fp32 GEMMs): the "exact"
   model the 2x rule measures errors against;
 * ``exact_strict``: ``exact`` in strict mode: every fp32 GEMM, the experts' included, is the
-  batch-invariant one (``minite_megatron.strict.matmul``), so expert parallelism (which changes
+  batch-invariant one (``minite_megatron.invariant.matmul``), so expert parallelism (which changes
   how many tokens share an expert's GEMM) cannot change a bit of the forward;
 * ``local``: Megatron's own local spec (with a sequence-parallel-capable norm), fp32.
 

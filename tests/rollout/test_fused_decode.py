@@ -99,7 +99,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     from minite_megatron.ops.linear import backend_for
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.decode_step import add_then_norm
-    from minite_megatron.strict.backend import use_backend
+    from minite_megatron.invariant.backend import use_backend
     import minite_kernels.triton.norm_quantize as nq
 
     recipe = Recipe(backend="triton")
