@@ -4,8 +4,6 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad``), each op equal to its reference:
 
 * ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
-* ``quantize_row_col`` / ``amax_row_col`` (optional ops): :mod:`.quantize_dual`, one read of a
-  ``[T, N]`` matrix for its row-wise and column-wise quantizations, bitwise.
 * ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows
   (``DECODE_MAX_M`` / ``DECODE_MAX_N``, where :func:`decode_ok`) the decode GEMM on packed
   weights (:mod:`.decode_gemm`; in strict mode its batch-invariant configuration, where
@@ -53,7 +51,6 @@ from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
 from .swiglu_quantize import swiglu_quantize
-from .quantize_dual import amax_row_col_forward, quantize_row_col_forward
 
 #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
 #: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
@@ -147,18 +144,6 @@ class TritonBackend:
         if isinstance(x, torch.Tensor):
             self._require(x.device)
         return quantize_forward(x, **kwargs)
-
-    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """``nvfp4.row_col.quantize_row_col`` in one read of ``x`` (:mod:`.quantize_dual`), bit for bit."""
-        if isinstance(x, torch.Tensor):
-            self._require(x.device)
-        return quantize_row_col_forward(x, **kwargs)
-
-    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``nvfp4.row_col.amax_row_col`` in one read-only pass (:mod:`.quantize_dual`)."""
-        if isinstance(x, torch.Tensor):
-            self._require(x.device)
-        return amax_row_col_forward(x, **kwargs)
 
     # ---- fused producers ------------------------------------------------------------------
     def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,

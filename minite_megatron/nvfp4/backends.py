@@ -23,8 +23,13 @@ import torch
 from .gemm import gemm_reference
 from .grouped import decode_grouped_gemm_reference, grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
-from .row_col import amax_row_col, quantize_row_col
 from .tensor import NVFP4Tensor
+
+
+def triton_interpreting() -> bool:
+    """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET`` read with
+    Triton's own rule: 1/true/on/yes)? Read without importing Triton."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 class BackendUnavailable(RuntimeError):
@@ -101,12 +106,6 @@ class ReferenceBackend:
 
     def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
         return quantize_reference(x, **kwargs)
-
-    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        return quantize_row_col(x, **kwargs)
-
-    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return amax_row_col(x, **kwargs)
 
     def gemm(self, a, b, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
         return gemm_reference(a, b, bias, out_dtype)

@@ -207,39 +207,6 @@ def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext
     )
 
 
-#: Quantize dy for dgrad and wgrad in one pass where the backend can. Off: on the H200
-#: (2026-11-30, ``python -m benchmarks.quantize_dual``) the one-pass Triton kernel took
-#: 0.64 ms for dy 16384 x 5120 with SR + RHT against 0.45 ms for the two separate kernels
-#: (it is instruction bound at ~108 instructions per element and 255 registers), and the
-#: Linear fwd+bwd ran 1.556x BF16 with it vs 1.480x without (qkv). Same bits either way.
-ONE_PASS_GRAD_QUANTIZE = False
-
-
-def quantize_grad_both(dy: torch.Tensor, lctx: LinearContext, backend):
-    """dgrad's and wgrad's operands of ``dy`` ``[T, N]`` from one read, where the backend has
-    ``quantize_row_col`` (the Triton backend: one amax pass for both global scales, then one
-    pass writing both), else ``(None, None)``. The same bits as :func:`quantize_dgrad_operand`
-    and :func:`quantize_wgrad_operand_for` (same seeds, in the same order; T a multiple of 16,
-    so the wgrad operand needs no padding)."""
-    fn = getattr(backend, "quantize_row_col", None) if ONE_PASS_GRAD_QUANTIZE else None
-    t, n = dy.shape
-    if fn is None or t % 16 or n % 16 or t == 0 or dy.dtype not in (torch.bfloat16, torch.float16) or not dy.is_contiguous():
-        return None, None
-    recipe = lctx.recipe
-    sr = recipe.grad_stochastic_rounding
-    rht = recipe.wgrad_rht_seed
-    row_seed = next_sr_seed(recipe.seed) if sr else None
-    col_seed = next_sr_seed(recipe.seed) if sr else None
-    return fn(
-        dy,
-        row_scale=recipe.grad_scale, row_rounding=recipe.grad_rounding, row_seed=row_seed,
-        row_amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-        col_scale=recipe.grad_scale, col_rounding=recipe.grad_rounding, col_seed=col_seed, col_rht_seed=rht,
-        col_amax=lctx.amax(dy.t(), recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=rht),
-        with_image=True, nonfinite=recipe.nonfinite,
-    )
-
-
 class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lctx: LinearContext,
@@ -280,11 +247,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dx = dw_out = None
 
         if recipe.full_update:
-            qdy = qdy_t = None
-            if ctx.needs_input_grad[0] and ctx.needs_wgrad:
-                qdy, qdy_t = quantize_grad_both(dy, lctx, backend)
             if ctx.needs_input_grad[0]:
-                qdy = qdy if qdy is not None else quantize_dgrad_operand(dy, lctx, backend)
+                qdy = quantize_dgrad_operand(dy, lctx, backend)
                 dx = dgrad_gemm(backend, qdy, qw, lctx.cache, lambda q: weight_transposed(q, weight, recipe, backend, lctx),
                                 grad_out.dtype, recipe.strict)
                 del qdy
@@ -292,8 +256,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
             if ctx.needs_wgrad:
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
-                if qdy_t is None:
-                    qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
+                qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=wgrad_dtype(weight), batch_invariant=recipe.strict)
                 del qdy_t, qx_t
                 dw_out = add_wgrad(weight, dw, grad_out)
