@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minite_megatron.nvfp4.backends import BackendUnavailable
+from minite_megatron.nvfp4.backends import Backend, BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
@@ -108,7 +108,11 @@ def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
                     lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
 
 
-class TritonBackend:
+#: The fused producers' operand limits: width multiple (RMSNorm H; SwiGLU 2F, so F % 16 == 0).
+_PRODUCER_WIDTH = {"rmsnorm_quantize": BLOCK, "swiglu_quantize": 2 * BLOCK}
+
+
+class TritonBackend(Backend):
     """NVFP4 contract on Triton kernels (see the module docstring)."""
 
     name = "triton"
@@ -130,8 +134,21 @@ class TritonBackend:
             return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (tests); use the reference backend"
         return f"unsupported device type {device.type!r}"
 
-    def available(self, device: torch.device | str | None = None) -> bool:
-        return self.why_not(device) is None
+    def supports(self, op: str, **shape) -> str | None:
+        """The base check, then the kernels' limits: the fused producers write per-token
+        (``global_scale="row"``) bf16/fp16 operands of a width multiple of 16 (SwiGLU: 2F of 32);
+        the ``*_nt`` GEMMs read 16x16-tile weights transposed."""
+        reason = super().supports(op, **shape)
+        if reason is None and op in _PRODUCER_WIDTH:
+            if shape.get("global_scale", "row") != "row":
+                reason = f"the fused {op} kernel writes per-token scales, not {shape['global_scale']!r}"
+            elif shape.get("dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16):
+                reason = f"the fused {op} kernel reads bf16 / fp16, not {shape['dtype']}"
+            elif shape.get("width", 0) % _PRODUCER_WIDTH[op]:
+                reason = f"the fused {op} kernel needs a width multiple of {_PRODUCER_WIDTH[op]}, got {shape['width']}"
+        if reason is None and op in ("gemm_nt", "grouped_gemm_nt") and tuple(shape.get("tile", (BLOCK, BLOCK))) != (BLOCK, BLOCK):
+            reason = f"{op} reads a weight of 16x16 tiles transposed; this one has {tuple(shape['tile'])} blocks"
+        return reason
 
     def _require(self, device: torch.device) -> None:
         reason = self.why_not(device)

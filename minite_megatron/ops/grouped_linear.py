@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes
+from ..nvfp4.grouped import padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache, keep_images
 from .linear import (
@@ -90,13 +90,6 @@ def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lc
             w, global_scale="group", tile=(16, 16), amax=amax, with_image=with_image, nonfinite=recipe.nonfinite
         )
     raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
-
-
-def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
-    fn = getattr(backend, "grouped_wgrad_gemm", None)
-    if fn is None:  # a backend without its own: the contract's, on the backend's device
-        return grouped_wgrad_gemm_reference(a, b, padded, out_dtype)
-    return fn(a, b, padded, out_dtype, strict)
 
 
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
@@ -164,7 +157,8 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
                 codes, scales, gdec = rest
                 qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
-                dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]), recipe.strict)
+                dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]),
+                                                recipe.strict)
                 del qdy_t, qx_t
                 dws = add_wgrads(weights, dw, grad_out)
         else:

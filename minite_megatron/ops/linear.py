@@ -92,17 +92,15 @@ def dgrad_gemm(backend, qdy: NVFP4Tensor, qw: NVFP4Tensor, cache: QuantizedWeigh
     """``dx = dy @ W`` (dense) or per expert ``dx_g = dy_g @ W_g`` (``group_sizes``).
 
     With 16x16 tiles the quantization of ``W^T`` is a relayout of ``W``'s (same codes, scales and
-    global scale per element), so a backend with ``gemm_nt`` / ``grouped_gemm_nt`` (the Triton
-    one: the image of ``W`` read transposed) needs no transposed copy; other backends get the
-    relayout, made once per weight version (``make_transposed``) and released with the entry.
+    global scale per element), so a backend that supports ``gemm_nt`` / ``grouped_gemm_nt`` (the
+    Triton one: the image of ``W`` read transposed) needs no transposed copy; other backends get
+    the relayout, made once per weight version (``make_transposed``) and released with the entry.
     Same bits either way.
     """
-    if qw.tile == (16, 16):
-        fn = getattr(backend, "gemm_nt" if group_sizes is None else "grouped_gemm_nt", None)
-        if fn is not None:
-            if group_sizes is None:
-                return fn(qdy, qw, None, out_dtype, batch_invariant)
-            return fn(qdy, qw, group_sizes, None, out_dtype, batch_invariant)
+    if backend.supports("gemm_nt" if group_sizes is None else "grouped_gemm_nt", tile=qw.tile) is None:
+        if group_sizes is None:
+            return backend.gemm_nt(qdy, qw, None, out_dtype, batch_invariant)
+        return backend.grouped_gemm_nt(qdy, qw, group_sizes, None, out_dtype, batch_invariant)
     qwt = cache.transposed(make_transposed)
     if group_sizes is None:
         return backend.gemm(qdy, qwt, None, out_dtype=out_dtype, batch_invariant=batch_invariant)
@@ -183,13 +181,12 @@ def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext
     rht = recipe.wgrad_rht_seed
     stochastic = gradient and recipe.grad_stochastic_rounding
     rows_sharded = lctx.column if gradient else lctx.row
-    padded_in_place = getattr(backend, "quantize_wgrad_operand", None)
     needs_padding = any(int(s) % 16 for s in group_sizes)
-    if needs_padding and padded_in_place is not None and not needs_sync(
+    if needs_padding and backend.supports("quantize_wgrad_operand") is None and not needs_sync(
         recipe.grad_scale, lctx.tp_group, rows_sharded=rows_sharded, k_sharded=False
     ):
         # the backend pads each group's tokens through a gather (no padded copy); same bits
-        return padded_in_place(
+        return backend.quantize_wgrad_operand(
             t, [int(s) for s in group_sizes], global_scale=recipe.grad_scale,
             rounding=recipe.grad_rounding if gradient else "nearest",
             seed=next_sr_seed(recipe.seed) if stochastic else None, rht_seed=rht, nonfinite=recipe.nonfinite,
