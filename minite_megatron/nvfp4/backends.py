@@ -14,6 +14,7 @@ package imports only torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Sequence
@@ -202,6 +203,21 @@ def _load(name: str) -> Backend:
 def register_backend(backend: Backend) -> None:
     """Add or replace a backend (e.g. a user's own kernels)."""
     _REGISTRY[backend.name] = backend
+
+
+@contextlib.contextmanager
+def registered(backend: Backend):
+    """``backend`` registered under its name for the ``with`` block, the previous entry put back
+    after (benchmarks and tests that compare a backend's options)."""
+    previous = _REGISTRY.get(backend.name)
+    _REGISTRY[backend.name] = backend
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            _REGISTRY.pop(backend.name, None)
+        else:
+            _REGISTRY[backend.name] = previous
 
 
 def get_backend(name: str | None = None, device: torch.device | str | None = None) -> Backend:

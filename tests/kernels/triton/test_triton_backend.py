@@ -62,3 +62,19 @@ def test_dispatcher_by_name_runs_the_kernels():
 @pytest.mark.skipif(not (INTERPRETING and not HAS_CUDA), reason="CPU dispatcher default")
 def test_cpu_default_stays_the_reference():
     assert nvfp4.get_backend(None, "cpu").name == "reference"
+
+
+def test_kernel_switches_are_backend_options_not_module_globals():
+    """Benchmarks compared settings by flipping module globals with setattr (issue 11); now each
+    setting is a backend object, registered for a block with ``nvfp4.backends.registered``."""
+    from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
+
+    cpu = torch.device("cpu")
+    assert BACKEND.options == TritonOptions()
+    off = TritonBackend(TritonOptions(decode_kernels=False))
+    assert not off.decode_ok(cpu) and not off.strict_decode_ok(64, cpu)
+    no_strict = TritonBackend(TritonOptions(strict_decode=False))
+    assert no_strict.decode_ok(cpu) and not no_strict.strict_decode_ok(64, cpu)
+    with nvfp4.backends.registered(off):
+        assert nvfp4.get_backend("triton", DEVICE) is off
+    assert nvfp4.backends._load("triton") is BACKEND
