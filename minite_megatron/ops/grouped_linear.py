@@ -32,8 +32,10 @@ import torch
 from ..nvfp4.grouped import padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache, keep_images
+from .roles import gemm_role
 from .linear import (
     LinearContext,
+    _quantize,
     add_wgrad,
     backend_for,
     dgrad_gemm,
@@ -83,13 +85,10 @@ def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lc
                             with_image: bool = True, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert (the
     amax of each whole expert weight under expert tensor parallelism)."""
-    w = stacked_weights(weights, stacked)
-    if recipe.weight_tile == "2d":
-        amax = None if lctx is None else lctx.amax(w, "group", rows_sharded=lctx.column, k_sharded=lctx.row)
-        return backend.quantize(
-            w, global_scale="group", tile=(16, 16), amax=amax, with_image=with_image, nonfinite=recipe.nonfinite
-        )
-    raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
+    if recipe.weight_tile != "2d":
+        raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
+    role = gemm_role(recipe, "fprop", "weight", grouped=True)
+    return _quantize(role, stacked_weights(weights, stacked), recipe, lctx, backend, with_image=with_image)
 
 
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,

@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import nvfp4
-from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
 from . import handoff
-from .amax_sync import needs_sync, synced_amax
+from .amax_sync import needs_sync
+from .roles import gemm_role, quantize_role
 from .seeds import next_sr_seed
 from .weight_cache import QuantizedWeightCache, keep_images
 
@@ -51,13 +51,6 @@ class LinearContext:
     tp_group: object = None
     parallel_mode: str | None = None
 
-    def amax(self, t, global_scale, *, rows_sharded, k_sharded, rht_seed=None):
-        return synced_amax(t, global_scale, self.tp_group, rows_sharded=rows_sharded, k_sharded=k_sharded, rht_seed=rht_seed)
-
-    @property
-    def column(self) -> bool:
-        return self.parallel_mode == "column"
-
     @property
     def row(self) -> bool:
         return self.parallel_mode == "row"
@@ -69,13 +62,9 @@ def backend_for(recipe: Recipe, device: torch.device):
 
 def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None,
                     with_image: bool = True) -> NVFP4Tensor:
-    """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale
-    (the amax of the whole, unsharded weight under tensor parallelism)."""
-    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
-    return backend.quantize(
-        weight, global_scale="tensor", tile=recipe.weight_tile_shape, amax=amax, with_image=with_image,
-        nonfinite=recipe.nonfinite,
-    )
+    """The forward weight operand ``[N, K]`` (:func:`~.roles.gemm_role` fprop / weight: 16x16
+    tiles or 1x16, one tensor scale: the amax of the whole, unsharded weight under TP)."""
+    return _quantize(gemm_role(recipe, "fprop", "weight"), weight, recipe, lctx, backend, with_image=with_image)
 
 
 def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None) -> NVFP4Tensor:
@@ -118,10 +107,13 @@ def wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
     """The dgrad operand ``W^T`` ``[K, N]``: an exact relayout for 16x16 tiles, else re-quantized."""
-    if q.tile == (16, 16):
-        return q.transpose()
-    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
-    return backend.quantize(weight.t(), global_scale="tensor", amax=amax, with_image=True, nonfinite=recipe.nonfinite)
+    return _quantize(gemm_role(recipe, "dgrad", "weight"), weight, recipe, lctx, backend, fprop_weight=q)
+
+
+def _quantize(role, t, recipe: Recipe, lctx: "LinearContext | None", backend, **kwargs) -> NVFP4Tensor:
+    """:func:`~.roles.quantize_role` with the linear's TP group and parallel mode (none without ``lctx``)."""
+    tp = {} if lctx is None else dict(tp_group=lctx.tp_group, parallel_mode=lctx.parallel_mode)
+    return quantize_role(role, t, recipe, backend, **tp, **kwargs)
 
 
 def _trace(ctx: LinearContext, point: str, tensor: torch.Tensor) -> None:
@@ -142,18 +134,16 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
     return dw.to(weight.dtype)
 
 
-# ---- the operands of the three GEMMs (shared with the grouped linear) --------------------------
+# ---- the operands of the three GEMMs (shared with the grouped linear; the rule: .roles) --------
 def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism.
     Taken from a fused producer's handoff (:mod:`.handoff`) when it quantized this very tensor."""
     recipe = lctx.recipe
-    amax = lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row)
     qx = None
-    if amax is None and recipe.activation_scale == "row":  # a fused producer's output (ops.producers)
-        qx = handoff.take(x2, handoff.activation_key(recipe, backend))
+    if recipe.activation_scale == "row" and not needs_sync("row", lctx.tp_group, rows_sharded=False, k_sharded=lctx.row):
+        qx = handoff.take(x2, handoff.activation_key(recipe, backend))  # a fused producer's output (ops.producers)
     if qx is None:
-        qx = backend.quantize(x2, global_scale=recipe.activation_scale, amax=amax, with_image=True,
-                              nonfinite=recipe.nonfinite)
+        qx = _quantize(gemm_role(recipe, "fprop", "input"), x2, recipe, lctx, backend)
     _trace(lctx, "input_codes", qx.codes)
     _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
     return qx
@@ -161,47 +151,15 @@ def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4
 
 def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """dgrad's gradient ``[M, N]`` along N (split under column parallelism), SR if the recipe says."""
-    recipe = lctx.recipe
-    return backend.quantize(
-        dy,
-        global_scale=recipe.grad_scale,
-        rounding=recipe.grad_rounding,
-        seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-        amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-        with_image=True,
-        nonfinite=recipe.nonfinite,
-    )
+    return _quantize(gemm_role(lctx.recipe, "dgrad", "grad"), dy, lctx.recipe, lctx, backend)
 
 
 def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool) -> NVFP4Tensor:
     """A wgrad operand along tokens: ``dy`` (``gradient``: SR) or ``x``, both with the RHT, each
     group's tokens zero-padded to a multiple of 16 (dW unchanged). Its rows (features) are split
     under column (dy) or row (x) parallelism."""
-    recipe = lctx.recipe
-    rht = recipe.wgrad_rht_seed
-    stochastic = gradient and recipe.grad_stochastic_rounding
-    rows_sharded = lctx.column if gradient else lctx.row
-    needs_padding = any(int(s) % 16 for s in group_sizes)
-    if needs_padding and backend.supports("quantize_wgrad_operand") is None and not needs_sync(
-        recipe.grad_scale, lctx.tp_group, rows_sharded=rows_sharded, k_sharded=False
-    ):
-        # the backend pads each group's tokens through a gather (no padded copy); same bits
-        return backend.quantize_wgrad_operand(
-            t, [int(s) for s in group_sizes], global_scale=recipe.grad_scale,
-            rounding=recipe.grad_rounding if gradient else "nearest",
-            seed=next_sr_seed(recipe.seed) if stochastic else None, rht_seed=rht, nonfinite=recipe.nonfinite,
-        )
-    return quantize_wgrad_operand(
-        t,
-        group_sizes,
-        global_scale=recipe.grad_scale,
-        rounding=recipe.grad_rounding if gradient else "nearest",
-        seed=next_sr_seed(recipe.seed) if stochastic else None,
-        rht_seed=rht,
-        nonfinite=recipe.nonfinite,
-        quantize=backend.quantize,
-        amax_fn=lambda tt: lctx.amax(tt, recipe.grad_scale, rows_sharded=rows_sharded, k_sharded=False, rht_seed=rht),
-    )
+    role = gemm_role(lctx.recipe, "wgrad", "grad" if gradient else "input")
+    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes)
 
 
 class NVFP4LinearFunction(torch.autograd.Function):
