@@ -127,8 +127,8 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x, tokens_per_expert, lctx, backend, gradient=False)
-            ctx.qx_t_meta = replace(qx_t, image=None)
-            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+            tensors, ctx.qx_t_meta = replace(qx_t, image=None).prepare_for_saving()
+            saved += tensors
         elif ctx.needs_wgrad:
             saved.append(x)
         ctx.save_for_backward(*saved)
@@ -153,8 +153,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
             ctx.cache.release_after_backward()
             del qw
             if ctx.needs_wgrad:
-                codes, scales, gdec = rest
-                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
+                qx_t = ctx.qx_t_meta.restore_from_saved(rest)
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
                 dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]),
                                                 recipe.strict)

@@ -181,8 +181,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x2, [x2.shape[0]], lctx, backend, gradient=False)
-            ctx.qx_t_meta = replace(qx_t, image=None)  # codes and scales only
-            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+            tensors, ctx.qx_t_meta = replace(qx_t, image=None).prepare_for_saving()  # codes and scales only
+            saved += tensors
         elif ctx.needs_wgrad:
             saved.append(x2)
         ctx.save_for_backward(*saved)
@@ -209,8 +209,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
                 del qdy
             lctx.cache.release_after_backward()
             if ctx.needs_wgrad:
-                codes, scales, gdec = rest
-                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
+                qx_t = ctx.qx_t_meta.restore_from_saved(rest)
                 qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=wgrad_dtype(weight), batch_invariant=recipe.strict)
                 del qdy_t, qx_t

@@ -144,10 +144,21 @@ class MiniteTETensor(QuantizedTensorStorage):
         return None if self.col is None else self.col.linear_scales()
 
     def prepare_for_saving(self):
-        return [], self
+        """TE's protocol: the forms' tensors for ``save_for_backward``, and self without them."""
+        tensors, self._saved = [], []
+        for q in (self.row, self.col):
+            t, meta = q.prepare_for_saving() if q is not None else ([], None)
+            tensors += t
+            self._saved.append((meta, len(t)))
+        self.row = self.col = None
+        return tensors, self
 
     def restore_from_saved(self, tensors):
-        return tensors
+        """Put back what :meth:`prepare_for_saving` took; returns the tensors left over."""
+        (row_meta, n_row), (col_meta, n_col) = self._saved
+        self.row = None if row_meta is None else row_meta.restore_from_saved(tensors[:n_row])
+        self.col = None if col_meta is None else col_meta.restore_from_saved(tensors[n_row:n_row + n_col])
+        return tensors[n_row + n_col:]
 
     def update_usage(self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None):
         if columnwise_usage and self.col is None:

@@ -76,6 +76,19 @@ def test_factory_takes_every_operand_from_the_role_table():
             assert roles.gemm_role(recipe, gemm, operand).gemm == gemm, kind
 
 
+def test_te_tensor_saves_its_forms_as_tensors():
+    """TE saves custom tensors through ``prepare_for_saving``; it used to return no tensors (the
+    forms stayed plain attributes, out of reach of saved-tensor hooks)."""
+    x = torch.randn(32, 48)
+    row, col = qf.quantize_operand(x, "input", Recipe(grad_stochastic_rounding=False), True, True)
+    t = qf.MiniteTETensor(row=row, col=col, dtype=x.dtype, device=x.device, original_shape=(32, 48))
+    tensors, same = t.prepare_for_saving()
+    assert same is t and t.row is None and t.col is None and len(tensors) == 7  # row image + 3 + 3
+    assert t.restore_from_saved([*tensors, "rest"]) == ["rest"]
+    assert_nvfp4_equal(t.row, row)
+    assert_nvfp4_equal(t.col, col)
+
+
 @pytest.mark.skipif(TE_REASON is None, reason="Transformer Engine is importable here")
 def test_te_path_without_te_fails_fast_naming_the_flag():
     with pytest.raises(qf.TransformerEngineUnavailable, match="--fp4-recipe custom"):
