@@ -552,7 +552,7 @@ def refusal(backend_name: str, device: str) -> str | None:
         backend = nvfp4.get_backend(backend_name, device)
     except Exception as e:
         return str(e).splitlines()[0]
-    reason = backend.why_not(torch.device(device)) if hasattr(backend, "why_not") else None
+    reason = backend.why_not(torch.device(device))
     return reason
 
 

@@ -76,8 +76,10 @@ def main(argv=None) -> int:
     fused_ops.KERNELS_ON_CPU = not args.unfused
     verified = {"verified": (True, True), "unverified": (False, False),
                 "as-verified": (decode_gemm.DECODE_GPU_VERIFIED, decode_gemm.STRICT_DECODE_VERIFIED)}[args.gpu_decode]
-    triton_backend.decode_ok = lambda device: verified[0]
-    triton_backend.strict_decode_ok = lambda k, device: verified[0] and verified[1]
+    from minite_megatron.nvfp4 import register_backend
+
+    register_backend(triton_backend.TritonBackend(triton_backend.TritonOptions(decode_kernels=verified[0],
+                                                                               strict_decode=verified[1])))
     counts: collections.Counter = collections.Counter()
     depth = [0]
 

@@ -45,14 +45,12 @@ for s in $STEPS; do
     kernels)  # BENCHMARKS.md: the kernel benchmark (quantize, linear, grouped sections)
       step kernels python3 -m benchmarks.nvfp4_kernels --sections ceilings,quantize,linear,grouped --tokens 16384 \
         --out "$OUT" ;;
-    fused)  # the fused producers (norm/SwiGLU -> quantize) and the one-pass row + column quantize
-      step producers python3 -m benchmarks.producers --out "$OUT"
-      step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
+    fused)  # the fused producers (norm/SwiGLU -> quantize)
+      step producers python3 -m benchmarks.producers --out "$OUT" ;;
     producers) step producers python3 -m benchmarks.producers --out "$OUT" ;;
-    dual) step quantize_dual python3 -m benchmarks.quantize_dual --out "$OUT" ;;
     profile)  # Nsight Compute counters of single kernels (benchmarks/profile_kernels.py), reports kept
-      for c in decode_qkv_m1 decode_fc2_m1 cols_dy_sr_rht dual_dy; do
-        step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|row_col|amax' --launch-skip 4 \
+      for c in decode_qkv_m1 decode_fc2_m1 cols_dy_sr_rht; do
+        step "ncu_$c" ncu --clock-control none --kernel-name regex:'decode|quantize|amax' --launch-skip 4 \
           --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           --section WarpStateStats --section LaunchStats --section SchedulerStats \
           python3 -m benchmarks.profile_kernels "$c" --reps 6

@@ -39,7 +39,7 @@ def _skewed_sizes(g: torch.Generator) -> list[int]:
 
 
 def sec_tile_quantize(res: dict) -> None:
-    from minite_kernels.triton import quantize, quantize_rows
+    from minite_kernels.triton import quantize_rows
     from minite_kernels.triton.quantize import quantize_forward
 
     rows = []
@@ -47,17 +47,12 @@ def sec_tile_quantize(res: dict) -> None:
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         nbytes = 2 * w.numel() * 2 + w.numel() // 2 + w.numel() // 16
         base = (quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS)
-        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), None]:
+        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:
             try:
-                if cfg is None:
-                    quantize.FAST_PATHS = False
-                else:
-                    quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = cfg
+                quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = cfg
                 ms = bench(lambda: quantize_forward(w, global_scale="group", tile=(16, 16)))
-                rows.append({"weights": name, "config": "generic kernel" if cfg is None else f"nb={cfg[0]} warps={cfg[1]}",
-                             "ms": ms, "GBps": nbytes / ms / 1e6})
+                rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6})
             finally:
-                quantize.FAST_PATHS = True
                 quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = base
         del w
     res["tile_quantize"] = rows

@@ -298,35 +298,11 @@ def ops_linear_step():
     return step
 
 
-def _with_setting(module, name: str, value, fn):
-    """``fn`` run with ``module.<name> = value``, the setting put back afterwards."""
-    def run():
-        saved = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(module, name, saved)
-    return run
-
-
-def _one_pass(fn, on: bool):
-    """``fn`` with ``ops.linear``'s one-pass dy quantization on or off."""
-    from minite_megatron.ops import linear as ops_linear
-
-    return _with_setting(ops_linear, "ONE_PASS_GRAD_QUANTIZE", on, fn)
-
-
 def linear_floor_bytes(t, k, n):
     """The fewest HBM bytes the quantize passes of the default recipe's step can move with
     image GEMMs: x read twice (the x.t() RHT amax, then one pass writing row codes + scales +
     image and column codes + scales), dy likewise (amax, then both operands with images)."""
     return t * k * (2 + 2 + 2.5625 + 0.5625) + t * n * (2 + 2 + 2 * 2.5625)
-
-
-def _generic(fn):
-    """``fn`` with the previous version's kernels (``quantize.FAST_PATHS = False``)."""
-    return _with_setting(tq, "FAST_PATHS", False, fn)
 
 
 def naive_linear_fwd_bwd(x, w, dy):
@@ -350,20 +326,15 @@ def sec_linear(res, tokens):
             fp4 = lambda: nvfp4_linear_fwd_bwd(x, w, dy)  # noqa: E731
             rec = lambda: recipe_linear_fwd_bwd(x, w, dy)  # noqa: E731
             # GPU time (graph replays) first; eager (host overhead included) as the earlier runs
-            t_bf16, t_fp4, t_old = timed_graph(bf16), timed_graph(fp4), timed_graph(_generic(fp4))
-            t_rec, t_rec_old = timed_graph(rec), timed_graph(_generic(rec))
+            t_bf16, t_fp4, t_rec = timed_graph(bf16), timed_graph(fp4), timed_graph(rec)
             row = {"shape": name, "T": t_tok, "bf16_ms": t_bf16, "nvfp4_ms": t_fp4, "nvfp4_over_bf16": t_fp4 / t_bf16,
-                   "old_ms": t_old, "old_over_bf16": t_old / t_bf16, "recipe_ms": t_rec,
-                   "recipe_over_bf16": t_rec / t_bf16, "recipe_old_ms": t_rec_old,
-                   "recipe_old_over_bf16": t_rec_old / t_bf16}
+                   "recipe_ms": t_rec, "recipe_over_bf16": t_rec / t_bf16}
             xg = x.detach().clone().requires_grad_(True)
             wg = torch.nn.Parameter(w.detach().clone())
             op = ops_linear_step()
-            t_ops = timed_graph(_one_pass(lambda: op(xg, wg, dy), True))
-            t_ops_two = timed_graph(_one_pass(lambda: op(xg, wg, dy), False))
+            t_ops = timed_graph(lambda: op(xg, wg, dy))
             copy = res.get("ceilings", {}).get("copy_GBps", float("nan"))
-            row.update({"ops_ms": t_ops, "ops_over_bf16": t_ops / t_bf16, "ops_two_pass_ms": t_ops_two,
-                        "ops_two_pass_over_bf16": t_ops_two / t_bf16,
+            row.update({"ops_ms": t_ops, "ops_over_bf16": t_ops / t_bf16,
                         "quantize_floor_ms": linear_floor_bytes(t_tok, k, n) / copy / 1e6})
             e_bf16, e_fp4, e_rec = timed(bf16), timed(fp4), timed(rec)
             row.update({"eager_bf16_ms": e_bf16, "eager_nvfp4_over_bf16": e_fp4 / e_bf16,
@@ -399,16 +370,16 @@ def sec_linear(res, tokens):
                 row["floor_over_bf16"] = (row["gemms_only_ms"] + row["quantize_floor_ms"]) / t_bf16
             rows.append(row)
     res["linear"] = rows
-    print_table("Linear fwd+bwd, GPU time (graph replays; old = previous kernels; weight + 4 activation quantizations "
-                "+ 3 GEMMs)", rows, ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16", "old_ms", "old_over_bf16",
+    print_table("Linear fwd+bwd, GPU time (graph replays; weight + 4 activation quantizations "
+                "+ 3 GEMMs)", rows, ["shape", "T", "bf16_ms", "nvfp4_ms", "nvfp4_over_bf16",
                                      "gemms_only_ms", "eager_bf16_ms", "eager_nvfp4_over_bf16", "naive_ms",
                                      "speedup_vs_naive"])
     print_table("Linear fwd+bwd, the default recipe (dy tensor+SR, wgrad operands RHT), GPU time", rows,
-                ["shape", "T", "bf16_ms", "recipe_ms", "recipe_over_bf16", "recipe_old_ms", "recipe_old_over_bf16",
+                ["shape", "T", "bf16_ms", "recipe_ms", "recipe_over_bf16",
                  "eager_recipe_over_bf16"])
     print_table("Linear fwd+bwd through the real op (ops.linear, default recipe, autograd, weight cached), GPU time; "
-                "one-pass dy quantize vs two passes; floor = 3 GEMMs + the quantize bytes at copy bandwidth", rows,
-                ["shape", "T", "bf16_ms", "ops_ms", "ops_over_bf16", "ops_two_pass_ms", "ops_two_pass_over_bf16",
+                "floor = 3 GEMMs + the quantize bytes at copy bandwidth", rows,
+                ["shape", "T", "bf16_ms", "ops_ms", "ops_over_bf16",
                  "quantize_floor_ms", "floor_over_bf16"])
     print_table("Linear: the quantize passes and the 3 GEMMs alone (ms, graph replays)", [r for r in rows if "q_x" in r],
                 ["shape", "T", "q_x", "q_xt", "q_dy", "q_dyt_sr", "q_w", "q_xt_rht", "q_dy_tensor_sr", "q_dyt_sr_rht",
@@ -485,18 +456,15 @@ def sec_grouped(res, tokens_list):
                 t_g = None
             t_l = timed(bf16_loop)
             t_f = timed(fp4_grouped)
-            row["nvfp4_old_ms"] = timed(_generic(fp4_grouped))
-            row["t_wgrad_all_old"] = timed(_generic(lambda: grouped_wgrad_forward(dy, x, sizes, grad_rounding="stochastic",
-                                                                                 grad_seed=3)))
             row.update({"bf16_loop_ms": t_l, "nvfp4_ms": t_f, "nvfp4_TFLOPs": flops / t_f / 1e9,
                         "throughput_vs_grouped_mm": (t_g / t_f) if t_g else None, "speedup_vs_loop": t_l / t_f})
             rows.append(row)
     res["grouped"] = rows
     print_table("MoE grouped fwd+bwd (NVFP4 includes every quantization)", rows,
-                ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms", "nvfp4_old_ms",
+                ["shape", "routed", "max_group", "empty", "bf16_grouped_ms", "bf16_loop_ms", "nvfp4_ms",
                  "throughput_vs_grouped_mm", "speedup_vs_loop", "nvfp4_TFLOPs"])
     print_table("MoE grouped: where the NVFP4 time goes (ms)", rows,
-                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_rht", "t_wgrad_all_old"])
+                ["shape", "t_wquant", "t_xquant", "t_fprop", "t_dgrad", "t_wgrad_all", "t_wgrad_all_rht"])
 
 
 # ---- memory ---------------------------------------------------------------------------------------

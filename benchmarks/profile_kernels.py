@@ -49,22 +49,12 @@ def _rows(k, n):
     return lambda: quantize_forward(x, with_image=True)
 
 
-def _dual(k, n):
-    from minite_kernels.triton.quantize_dual import quantize_row_col_forward
-
-    dy = _rnd(k, n)
-    return lambda: quantize_row_col_forward(dy, row_scale="tensor", row_rounding="stochastic", row_seed=2,
-                                            col_scale="tensor", col_rounding="stochastic", col_seed=1, col_rht_seed=0,
-                                            with_image=True)
-
-
 CASES = {
     "decode_qkv_m1": lambda: _decode(1, 2048, 5120),
     "decode_qkv_m16": lambda: _decode(16, 2048, 5120),
     "decode_fc2_m1": lambda: _decode(1, 6144, 2048),
     "rows_x": lambda: _rows(T, 2048),
     "cols_dy_sr_rht": lambda: _cols_sr_rht(T, 5120),
-    "dual_dy": lambda: _dual(T, 5120),
 }
 
 

@@ -1,13 +1,12 @@
-"""NVFP4 quantize kernels on one GPU: the fast paths against the generic kernels, one run.
+"""NVFP4 quantize kernels on one GPU: every dispatch path of the quantizer, one run.
 
     python -m benchmarks.quantize_kernels                  # cases + sweeps, table + JSON
     python -m benchmarks.quantize_kernels --warm-only      # compile every variant, time nothing
     TRITON_INTERPRET=1 python -m benchmarks.quantize_kernels --smoke   # the script itself, on a CPU
 
-Every case runs twice in the same process: the dispatch of :mod:`minite_kernels.triton.quantize`
-(row kernel, column kernel with the RHT fused, flat amax pass) and, with
-``quantize.FAST_PATHS = False``, the generic kernels the previous version used for everything
-(``old_us``). Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
+Every case runs the dispatch of :mod:`minite_kernels.triton.quantize` (row kernel, column
+kernel with the RHT fused, flat amax pass); the generic kernels it replaced (``old_us`` in
+the earlier records of the JSON file, BENCHMARKS.md runs 5-6) were deleted. Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
 counts the minimum bytes: input read once, codes + scales + image + global scales written
 once; cases with a tensor scale also pay an amax read (at most 4.56 / 6.56 = 70% of copy).
 
@@ -94,8 +93,8 @@ def source(shape, seed=0):
 
 def sec_cases(res, copy_gbps):
     rows = []
-    cols = ["case", "rows", "K", "new_us", "old_us", "speedup", "GBps", "pct_copy"]
-    print("case | rows | K | new_us | old_us | speedup | GBps | pct_copy", flush=True)
+    cols = ["case", "rows", "K", "new_us", "GBps", "pct_copy"]
+    print("case | rows | K | new_us | GBps | pct_copy", flush=True)
 
     def done(row):
         rows.append(row)
@@ -108,14 +107,9 @@ def sec_cases(res, copy_gbps):
         rr, kk = xin.shape
         row = {"case": name, "rows": rr, "K": kk}
         try:
-            for label, fast in (("new", True), ("old", False)):
-                tq.FAST_PATHS = fast
-                try:
-                    row[f"{label}_us"] = 1e3 * timed(lambda: quantize_forward(xin, **kw))
-                finally:
-                    tq.FAST_PATHS = True
+            row["new_us"] = 1e3 * timed(lambda: quantize_forward(xin, **kw))
             gbs = qbytes(rr, kk, kw.get("with_image", False)) / row["new_us"] / 1e3
-            row.update({"speedup": row["old_us"] / row["new_us"], "GBps": gbs,
+            row.update({"GBps": gbs,
                         "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None})
         except Exception as e:  # report, keep going
             row["case"] = f"{name} FAILED {type(e).__name__}: {str(e)[:80]}"

@@ -421,62 +421,54 @@ def gemm_order_checks(model) -> dict:
     ``learner_default`` / ``learner_strict``: the learner's GEMM over 4096 rows (grouped: 64 rows
     per expert) without / with ``batch_invariant``; the decode kernels on 8 of those rows: the
     split-K default, the invariant path as the backend dispatches it, and the decode kernels'
-    strict configuration (``decode_gemm.STRICT_DECODE_VERIFIED`` forced on for the check)."""
-    import minite_kernels.triton.decode_gemm as dg
+    strict configuration (a backend with ``TritonOptions(strict_decode=True)`` for the check)."""
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
 
-    out = {}
     layer = model.decoder.layers[0]
-    flag = dg.STRICT_DECODE_VERIFIED
+    unverified = TritonBackend(TritonOptions(strict_decode=False))
+    verified = TritonBackend(TritonOptions(strict_decode=True))
     with torch.no_grad():
-        return _gemm_order_checks(layer, dg, flag, out)
+        return _gemm_order_checks(layer, unverified, verified, {})
 
 
-def _gemm_order_checks(layer, dg, flag, out):
-    from minite_megatron.ops.linear import backend_for
+def _gemm_order_checks(layer, unverified, verified, out):
     from minite_megatron.rollout.decode_step import _gather_rows
 
-    try:
-        for name in ("linear_qkv", "linear_proj"):
-            lin = getattr(layer.self_attention, name)
-            backend = backend_for(lin.recipe, lin.weight.device)
-            qw = lin.quantized_weight()
-            x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
-            qx = backend.quantize(x, global_scale="row", with_image=True)
-            small = backend.quantize(x[:8], global_scale="row", with_image=True)
-            ld = backend.gemm(qx, qw, None, torch.bfloat16, False)[:8]
-            ls = backend.gemm(qx, qw, None, torch.bfloat16, True)[:8]
-            dg.STRICT_DECODE_VERIFIED = False
-            inv = backend.gemm(small, qw, None, torch.bfloat16, True)
-            fast = backend.gemm(small, qw, None, torch.bfloat16, False)
-            dg.STRICT_DECODE_VERIFIED = True
-            strict_kernel = backend.gemm(small, qw, None, torch.bfloat16, True)
-            out[name] = {"learner_default_equals_strict": bool(torch.equal(ld, ls)),
-                         "image_invariant_equals_learner": bool(torch.equal(inv, ls)),
-                         "decode_splitk_equals_learner": bool(torch.equal(fast, ld)),
-                         "decode_strict_kernel_equals_learner": bool(torch.equal(strict_kernel, ls))}
-            dg.STRICT_DECODE_VERIFIED = flag
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and hasattr(experts, "linear_fc1"):
-            fc1 = experts.linear_fc1
-            backend = backend_for(fc1.recipe, fc1.weight0.device)
-            qw = fc1.quantized_weight()
-            e = qw.shape[0]
-            x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
-            qx = backend.quantize(x, global_scale="row", with_image=True)
-            ld = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, False)
-            ls = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, True)
-            rows = torch.arange(0, 64 * e, 64 * e // 16, device="cuda")
-            ids = (rows // 64).to(torch.int32)
-            qr = _gather_rows(qx, rows)
-            res = {"learner_default_equals_strict": bool(torch.equal(ld, ls))}
-            for label, inv, verified in (("decode_fast", False, False), ("decode_invariant_fallback", True, False),
-                                         ("decode_strict_kernel", True, True)):
-                dg.STRICT_DECODE_VERIFIED = verified
-                got = backend.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
-                res[f"{label}_equals_learner"] = bool(torch.equal(got, (ls if inv else ld)[rows]))
-            out["experts_fc1"] = res
-    finally:
-        dg.STRICT_DECODE_VERIFIED = flag
+    for name in ("linear_qkv", "linear_proj"):
+        lin = getattr(layer.self_attention, name)
+        backend = unverified
+        qw = lin.quantized_weight()
+        x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
+        qx = backend.quantize(x, global_scale="row", with_image=True)
+        small = backend.quantize(x[:8], global_scale="row", with_image=True)
+        ld = backend.gemm(qx, qw, None, torch.bfloat16, False)[:8]
+        ls = backend.gemm(qx, qw, None, torch.bfloat16, True)[:8]
+        inv = backend.gemm(small, qw, None, torch.bfloat16, True)
+        fast = backend.gemm(small, qw, None, torch.bfloat16, False)
+        strict_kernel = verified.gemm(small, qw, None, torch.bfloat16, True)
+        out[name] = {"learner_default_equals_strict": bool(torch.equal(ld, ls)),
+                     "image_invariant_equals_learner": bool(torch.equal(inv, ls)),
+                     "decode_splitk_equals_learner": bool(torch.equal(fast, ld)),
+                     "decode_strict_kernel_equals_learner": bool(torch.equal(strict_kernel, ls))}
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is not None and hasattr(experts, "linear_fc1"):
+        fc1 = experts.linear_fc1
+        backend = unverified
+        qw = fc1.quantized_weight()
+        e = qw.shape[0]
+        x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
+        qx = backend.quantize(x, global_scale="row", with_image=True)
+        ld = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, False)
+        ls = backend.grouped_gemm(qx, qw, [64] * e, None, torch.bfloat16, True)
+        rows = torch.arange(0, 64 * e, 64 * e // 16, device="cuda")
+        ids = (rows // 64).to(torch.int32)
+        qr = _gather_rows(qx, rows)
+        res = {"learner_default_equals_strict": bool(torch.equal(ld, ls))}
+        for label, inv, b in (("decode_fast", False, unverified), ("decode_invariant_fallback", True, unverified),
+                              ("decode_strict_kernel", True, verified)):
+            got = b.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
+            res[f"{label}_equals_learner"] = bool(torch.equal(got, (ls if inv else ld)[rows]))
+        out["experts_fc1"] = res
     return out
 
 
@@ -567,9 +559,10 @@ def main(argv=None):
                 results["gemm_order"] = checks
                 print("gemm_order:", checks, flush=True)
                 if args.trust_verified and strict_kernels_verified(checks):
-                    import minite_kernels.triton.decode_gemm as dg
+                    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+                    from minite_megatron.nvfp4 import register_backend
 
-                    dg.STRICT_DECODE_VERIFIED = True
+                    register_backend(TritonBackend(TritonOptions(strict_decode=True)))
                     results["strict_decode_verified_in_run"] = True
         names = [n for n in args.engines.split(",") if n]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from minite_megatron.nvfp4 import NVFP4Tensor, ReferenceBackend, padded_group_sizes, quantize_wgrad_operand
+from minite_megatron.nvfp4.backends import Backend
 
 from . import _host
 
@@ -37,13 +38,11 @@ def _fallback_backend(device: torch.device | None):
     return triton_backend if triton_backend.available(device) else ReferenceBackend()
 
 
-class BlackwellBackend:
-    """NVFP4 on Blackwell FP4 tensor cores (see the module docstring)."""
+class BlackwellBackend(Backend):
+    """NVFP4 on Blackwell FP4 tensor cores (see the module docstring); the ops it does not list
+    (decode, fused producers, ``*_nt``) raise :class:`~minite_megatron.nvfp4.OpNotSupported`."""
 
     name = "blackwell"
-
-    def available(self, device: torch.device | None = None) -> bool:
-        return _host.why_not(device) is None
 
     def why_not(self, device: torch.device | None = None) -> str | None:
         return _host.why_not(device)

@@ -7,9 +7,9 @@ reference in :mod:`minite_megatron.nvfp4`: :mod:`.quantize`, :mod:`.amax`, :mod:
 object the dispatcher loads is :data:`.backend.BACKEND`.
 """
 
-import os as _os
+from minite_megatron.nvfp4.backends import triton_interpreting as _interpreting
 
-if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+if _interpreting():
     from ._interpreter_compat import install as _install
 
     _install()

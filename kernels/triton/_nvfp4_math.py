@@ -14,10 +14,10 @@ bitwise: fp32 ``0x7FC00000``, bf16 ``0x7FC0``, E4M3 ``0x7F``.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from minite_megatron.nvfp4.backends import triton_interpreting as interpreting  # noqa: F401 (re-exported)
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # RN_fp32(1/6), the contract's 1/6 (exactly representable)
@@ -26,11 +26,6 @@ NAN_BF16_BITS = tl.constexpr(0x7FC0)
 
 #: Launch options of every kernel that rounds (see the module docstring).
 EXACT_LAUNCH = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
-
-
-def interpreting() -> bool:
-    """True under ``TRITON_INTERPRET=1`` (CPU tensors; ``tl.dot`` on bf16 is broken there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def exact_launch() -> dict:

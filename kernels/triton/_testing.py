@@ -11,9 +11,11 @@ import os
 
 import torch
 
+from minite_megatron.nvfp4.backends import triton_interpreting as interpreting
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETING = interpreting()
 
 
 def kernels_runnable() -> bool:

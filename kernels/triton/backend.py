@@ -4,26 +4,24 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad``), each op equal to its reference:
 
 * ``quantize``: :mod:`.quantize`, bitwise (codes, scales, global scales, image), every kwarg.
-* ``quantize_row_col`` / ``amax_row_col`` (optional ops): :mod:`.quantize_dual`, one read of a
-  ``[T, N]`` matrix for its row-wise and column-wise quantizations, bitwise.
 * ``gemm``: the bf16 image GEMM (:mod:`.gemm`, wgmma on Hopper), or for few rows
-  (``DECODE_MAX_M`` / ``DECODE_MAX_N``, where :func:`decode_ok`) the decode GEMM on packed
-  weights (:mod:`.decode_gemm`; in strict mode its batch-invariant configuration, where
-  :func:`strict_decode_ok`). Operands
+  (``options.decode_max_m`` / ``decode_max_n``, where :meth:`~TritonBackend.decode_ok`) the decode
+  GEMM on packed weights (:mod:`.decode_gemm`; in strict mode its batch-invariant configuration,
+  where :meth:`~TritonBackend.strict_decode_ok`). Operands
   quantized without an image get one from :mod:`.image`.
 * ``decode_grouped_gemm``: MoE decode on unsorted rows routed to experts, packed expert weights
   (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); where the decode kernels
-  (:func:`decode_ok`) or their strict configuration (:func:`strict_decode_ok`) are not verified
+  (``decode_ok``) or their strict configuration (``strict_decode_ok``) are not verified
   on this device, the learner's grouped GEMM on rows sorted on the device.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
   through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
 
 ``batch_invariant=True`` (strict mode) takes the image GEMM with its one fixed config
-(``STRICT_CONFIG``; with :data:`STRICT_CANONICAL` the contract's own accumulation order, so
+(``STRICT_CONFIG``; with ``options.strict_canonical`` the contract's own accumulation order, so
 strict results are also bitwise equal to the reference), or the decode kernel's strict
 configuration, which runs the same chain of tensor-core steps (no split-K) and is used only
-where it is known to give the same bits (:func:`strict_decode_ok`).
+where it is known to give the same bits (``strict_decode_ok``).
 
 Where it runs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores; TMA paths need
 9.0 and fall back to pointer loads below), or CPU tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -33,10 +31,11 @@ Elsewhere every op raises :class:`BackendUnavailable` with :meth:`why_not`'s rea
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from minite_megatron.nvfp4.backends import BackendUnavailable
+from minite_megatron.nvfp4.backends import Backend, BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
@@ -53,34 +52,34 @@ from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
 from .swiglu_quantize import swiglu_quantize
-from .quantize_dual import amax_row_col_forward, quantize_row_col_forward
 
-#: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
-#: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
-#: the default wgmma GEMM is already batch invariant (fixed config) -- measured bitwise equal
-#: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
-#: on adversarial data (BENCHMARKS.md).
-STRICT_CANONICAL = False
-#: The decode kernel (packed weights) takes GEMMs with at most this many rows and at most
-#: DECODE_MAX_N outputs (None: any N).
-DECODE_MAX_M = 16
-DECODE_MAX_N: int | None = None
+@dataclass(frozen=True)
+class TritonOptions:
+    """The Triton backend's kernel switches (same bits under every setting except where noted).
 
+    A benchmark or test that compares settings builds its own backend,
+    ``TritonBackend(TritonOptions(...))``, and calls it (or registers it for the block:
+    :func:`minite_megatron.nvfp4.backends.registered`), never a module global.
+    """
 
-def decode_ok(device: torch.device) -> bool:
-    """May the backend dispatch to the decode kernels? Under the interpreter always (CI tests
-    them); on a GPU once ``decode_gemm.DECODE_GPU_VERIFIED`` is set."""
-    return device.type == "cpu" or _decode.DECODE_GPU_VERIFIED
-
-
-def strict_decode_ok(k: int, device: torch.device) -> bool:
-    """May strict mode use the decode kernels' strict configuration for this K? Under the
-    interpreter it is the contract's order, as the learner's strict GEMM there; on a GPU only
-    once ``decode_gemm.STRICT_DECODE_VERIFIED`` records that its bits equal the learner's, and
-    for K a whole number of its K steps (the learner's zero-padded tail steps are not mimicked)."""
-    if device.type == "cpu":
-        return interpreting()
-    return decode_ok(device) and _decode.STRICT_DECODE_VERIFIED and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
+    #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
+    #: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
+    #: the default wgmma GEMM is already batch invariant (fixed config) -- measured bitwise equal
+    #: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
+    #: on adversarial data (BENCHMARKS.md). Changes strict results' bits.
+    strict_canonical: bool = False
+    #: The decode kernel (packed weights) takes GEMMs with at most this many rows and at most
+    #: ``decode_max_n`` outputs (None: any N).
+    decode_max_m: int = 16
+    decode_max_n: int | None = None
+    #: Dispatch to the decode kernels: None = under the interpreter always (CI tests them), on a
+    #: GPU as ``decode_gemm.DECODE_GPU_VERIFIED`` records; True / False force it.
+    decode_kernels: bool | None = None
+    #: Strict mode on the decode kernels' strict configuration: None = under the interpreter
+    #: always (the contract's order there), on a GPU as ``decode_gemm.STRICT_DECODE_VERIFIED``
+    #: records (its bits equal the learner's); True / False force it. On a GPU K must also be a
+    #: whole number of its K steps (the learner's zero-padded tail steps are not mimicked).
+    strict_decode: bool | None = None
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -111,10 +110,32 @@ def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
                     lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
 
 
-class TritonBackend:
+#: The fused producers' operand limits: width multiple (RMSNorm H; SwiGLU 2F, so F % 16 == 0).
+_PRODUCER_WIDTH = {"rmsnorm_quantize": BLOCK, "swiglu_quantize": 2 * BLOCK}
+
+
+class TritonBackend(Backend):
     """NVFP4 contract on Triton kernels (see the module docstring)."""
 
     name = "triton"
+
+    def __init__(self, options: TritonOptions | None = None):
+        self.options = options if options is not None else TritonOptions()
+
+    def decode_ok(self, device: torch.device) -> bool:
+        """May small-M GEMMs dispatch to the decode kernels (``options.decode_kernels``)?"""
+        forced = self.options.decode_kernels
+        return (device.type == "cpu" or _decode.DECODE_GPU_VERIFIED) if forced is None else forced
+
+    def strict_decode_ok(self, k: int, device: torch.device) -> bool:
+        """May strict mode use the decode kernels' strict configuration for this K (``options.strict_decode``)?"""
+        if not self.decode_ok(device):
+            return False
+        forced = self.options.strict_decode
+        if device.type == "cpu":
+            return interpreting() if forced is None else forced
+        verified = _decode.STRICT_DECODE_VERIFIED if forced is None else forced
+        return verified and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
     def why_not(self, device: torch.device | str | None = None) -> str | None:
         if device is None:
@@ -133,8 +154,21 @@ class TritonBackend:
             return "CPU tensors run the Triton kernels only under TRITON_INTERPRET=1 (tests); use the reference backend"
         return f"unsupported device type {device.type!r}"
 
-    def available(self, device: torch.device | str | None = None) -> bool:
-        return self.why_not(device) is None
+    def supports(self, op: str, **shape) -> str | None:
+        """The base check, then the kernels' limits: the fused producers write per-token
+        (``global_scale="row"``) bf16/fp16 operands of a width multiple of 16 (SwiGLU: 2F of 32);
+        the ``*_nt`` GEMMs read 16x16-tile weights transposed."""
+        reason = super().supports(op, **shape)
+        if reason is None and op in _PRODUCER_WIDTH:
+            if shape.get("global_scale", "row") != "row":
+                reason = f"the fused {op} kernel writes per-token scales, not {shape['global_scale']!r}"
+            elif shape.get("dtype", torch.bfloat16) not in (torch.bfloat16, torch.float16):
+                reason = f"the fused {op} kernel reads bf16 / fp16, not {shape['dtype']}"
+            elif shape.get("width", 0) % _PRODUCER_WIDTH[op]:
+                reason = f"the fused {op} kernel needs a width multiple of {_PRODUCER_WIDTH[op]}, got {shape['width']}"
+        if reason is None and op in ("gemm_nt", "grouped_gemm_nt") and tuple(shape.get("tile", (BLOCK, BLOCK))) != (BLOCK, BLOCK):
+            reason = f"{op} reads a weight of 16x16 tiles transposed; this one has {tuple(shape['tile'])} blocks"
+        return reason
 
     def _require(self, device: torch.device) -> None:
         reason = self.why_not(device)
@@ -147,18 +181,6 @@ class TritonBackend:
         if isinstance(x, torch.Tensor):
             self._require(x.device)
         return quantize_forward(x, **kwargs)
-
-    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        """``nvfp4.row_col.quantize_row_col`` in one read of ``x`` (:mod:`.quantize_dual`), bit for bit."""
-        if isinstance(x, torch.Tensor):
-            self._require(x.device)
-        return quantize_row_col_forward(x, **kwargs)
-
-    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``nvfp4.row_col.amax_row_col`` in one read-only pass (:mod:`.quantize_dual`)."""
-        if isinstance(x, torch.Tensor):
-            self._require(x.device)
-        return amax_row_col_forward(x, **kwargs)
 
     # ---- fused producers ------------------------------------------------------------------
     def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
@@ -194,13 +216,14 @@ class TritonBackend:
             raise ValueError(f"nvfp4.gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
         a_img = image_2d(a)
         a_scale, b_scale = _global_decode(a), _global_decode(bm)
-        if (0 < a.rows <= DECODE_MAX_M and decode_ok(a.device) and (DECODE_MAX_N is None or n <= DECODE_MAX_N) and bm.layout == "linear"
-                and (not batch_invariant or strict_decode_ok(a.k, a.device))):
+        o = self.options
+        if (0 < a.rows <= o.decode_max_m and self.decode_ok(a.device) and (o.decode_max_n is None or n <= o.decode_max_n)
+                and bm.layout == "linear" and (not batch_invariant or self.strict_decode_ok(a.k, a.device))):
             out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
                                       bias, out_dtype, batch_invariant)
         else:
             out = gemm_forward(a_img, image_2d(bm), a_scale, b_scale, bias, out_dtype, batch_invariant,
-                               canonical=batch_invariant and STRICT_CANONICAL)
+                               canonical=batch_invariant and self.options.strict_canonical)
         return out.reshape(*a.shape[:-1], n)
 
     def gemm_nt(
@@ -220,13 +243,14 @@ class TritonBackend:
             raise ValueError(f"gemm_nt: a has K={a.k}, b has {b.shape[0]} rows")
         self._require(a.device)
         n_out = b.shape[1]
-        if not batch_invariant and 0 < a.rows <= DECODE_MAX_M and (DECODE_MAX_N is None or n_out <= DECODE_MAX_N):
+        o = self.options
+        if not batch_invariant and 0 < a.rows <= o.decode_max_m and (o.decode_max_n is None or n_out <= o.decode_max_n):
             return self.gemm(a, b.transpose(), bias, out_dtype, batch_invariant)  # the decode kernel reads codes
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         bm = b.linear()
         out = gemm_forward(image_2d(a), image_2d(bm).t(), _global_decode(a), _global_decode(bm), bias, out_dtype,
-                           batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+                           batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
         return out.reshape(*a.shape[:-1], n_out)
 
     # ---- grouped (MoE) GEMMs --------------------------------------------------------------
@@ -249,7 +273,7 @@ class TritonBackend:
         self._require(a.device)
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b), group_sizes, _global_decode(am), b.global_decode,
-                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and STRICT_CANONICAL)
+                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
 
     def decode_grouped_gemm(
         self,
@@ -276,7 +300,7 @@ class TritonBackend:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             check_expert_ids_in_range(expert_ids, e)
-        if not decode_ok(a.device) or (batch_invariant and not strict_decode_ok(k, a.device)):
+        if not self.decode_ok(a.device) or (batch_invariant and not self.strict_decode_ok(k, a.device)):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
                                                group_offsets)
         w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
@@ -310,10 +334,10 @@ class TritonBackend:
                                  f"{group_offsets.dtype} {tuple(group_offsets.shape)}")
             return grouped_gemm_op(a_img.contiguous(), w_img, group_offsets, a_scale.float().reshape(-1),
                                    w_scale.float().reshape(-1), None, out_dtype, batch_invariant,
-                                   batch_invariant and STRICT_CANONICAL)
+                                   batch_invariant and self.options.strict_canonical)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
-                                          canonical=batch_invariant and STRICT_CANONICAL)
+                                          canonical=batch_invariant and self.options.strict_canonical)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
@@ -340,7 +364,7 @@ class TritonBackend:
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b).transpose(1, 2), group_sizes, _global_decode(am),
                                     b.global_decode, bias, out_dtype, batch_invariant,
-                                    canonical=batch_invariant and STRICT_CANONICAL)
+                                    canonical=batch_invariant and self.options.strict_canonical)
 
     def grouped_wgrad(
         self,
@@ -385,7 +409,7 @@ class TritonBackend:
         poffs = group_offsets(sizes, a.device)
         a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
         return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
-                                batch_invariant and STRICT_CANONICAL)
+                                batch_invariant and self.options.strict_canonical)
 
 
 BACKEND = TritonBackend()

@@ -18,15 +18,11 @@ even. Under the interpreter the kernels therefore store fp32 and the wrapper rou
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from minite_megatron.nvfp4.backends import triton_interpreting as interpreting
 
 
 def kernel_out_dtype(dtype: torch.dtype) -> torch.dtype:

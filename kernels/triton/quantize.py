@@ -255,11 +255,6 @@ def _quantize_t_kernel(
                  mask=hmask[None, :] & tmask[:, None])
 
 
-FAST_PATHS = True
-"""Dispatch bf16/fp16 rows to :mod:`.quantize_rows` and transposed sources to
-:mod:`.quantize_cols` (RHT fused). False: the generic kernels below for everything (the
-benchmark times both in one run; results are bitwise the same)."""
-
 GPU_QUANTIZE_TILE = (16, 256)
 """(BLOCK_R, BLOCK_K) of a looping row-major quantize program on the GPU (K > GPU_SINGLE_PASS_K)."""
 GPU_QUANTIZE_WARPS = 8
@@ -371,11 +366,11 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
-    if FAST_PATHS and rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None, amax is not None):
+    if rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None, amax is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
                              cols_padded, tile16)
         return codes, scales, sdec, image
-    if FAST_PATHS and quantize_cols.supported(x2d, tile16):
+    if quantize_cols.supported(x2d, tile16):
         if amax is None:
             amax = quantize_cols.amax_launch(x2d, col_index, 1, rht_mask)
         quantize_cols.launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key,
@@ -465,7 +460,7 @@ def quantize_forward(
     x2d = x.reshape(-1, k) if x.dim() != 2 else x
     tile16 = tuple(tile) == (BLOCK, BLOCK)
     rht = rht_mask_of(rht_seed)
-    if rht >= 0 and not (FAST_PATHS and quantize_cols.supported(x2d, tile16)):  # fused only there
+    if rht >= 0 and not quantize_cols.supported(x2d, tile16):  # fused only there
         x2d = rht16(x2d, _signs_of_mask(rht, torch.device(x.device)))
         rht = -1
     rows = x2d.shape[0]

@@ -24,6 +24,8 @@ import importlib
 import os
 import torch
 
+from ..nvfp4.backends import triton_interpreting
+
 BACKENDS = ("torch", "triton")
 _forced: list[str | None] = [None]  # process-wide (autograd may run on other threads)
 
@@ -54,7 +56,7 @@ def triton_why_not(device: torch.device) -> str | None:
         except Exception as e:  # pragma: no cover - triton ships with torch's CUDA builds
             return f"triton cannot be imported: {e}"
         return None
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type == "cpu" and triton_interpreting():
         return None
     return f"the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
 

@@ -26,7 +26,9 @@ from collections.abc import Sequence
 import torch
 
 from .backends import (
+    Backend,
     BackendUnavailable,
+    OpNotSupported,
     ReferenceBackend,
     available_backends,
     backend_names,
@@ -205,7 +207,9 @@ __all__ = [
     "E4M3_MAX",
     "NVFP4Tensor",
     "NonFiniteError",
+    "Backend",
     "BackendUnavailable",
+    "OpNotSupported",
     "ReferenceBackend",
     "available_backends",
     "backend_names",

@@ -1,8 +1,9 @@
 """Backends that implement the contract, and the dispatcher that picks one.
 
-A backend exposes ``available(device) -> bool``, ``why_not(device) -> str | None`` (the reason
-it cannot run there) and the ops ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` with the reference's
-signatures, and ``decode_grouped_gemm`` (MoE decode on unsorted rows routed to experts).
+A backend subclasses :class:`Backend`: ``available(device) -> bool``, ``why_not(device) -> str |
+None`` (the reason it cannot run there), every op of :data:`OPS` with the reference's signature
+(an op it does not run raises :class:`OpNotSupported` with the reason) and
+``supports(op, **shape) -> str | None``, the question callers ask before a fused path.
 ``get_backend(None, device)`` picks the best available one for the device:
 ``blackwell`` (sm_100a/sm_103a FP4 tensor cores) > ``triton`` (any CUDA GPU) > ``reference``
 (pure torch, always available). ``MINITE_BACKEND=<name>`` overrides the choice.
@@ -13,100 +14,137 @@ package imports only torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from .gemm import gemm_reference
 from .grouped import decode_grouped_gemm_reference, grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
 from .quantize import quantize_reference
-from .row_col import amax_row_col, quantize_row_col
 from .tensor import NVFP4Tensor
+
+
+def triton_interpreting() -> bool:
+    """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET`` read with
+    Triton's own rule: 1/true/on/yes)? Read without importing Triton."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 class BackendUnavailable(RuntimeError):
     """A backend was asked for where it cannot run; the message says why."""
 
 
-class Backend(Protocol):
-    name: str
-
-    def available(self, device: torch.device | None = None) -> bool: ...
-
-    def why_not(self, device: torch.device | None = None) -> str | None: ...
-
-    def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor: ...
-
-    def gemm(
-        self,
-        a: NVFP4Tensor,
-        b: NVFP4Tensor,
-        bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype = torch.bfloat16,
-        batch_invariant: bool = False,
-    ) -> torch.Tensor: ...
-
-    def grouped_gemm(
-        self,
-        a: NVFP4Tensor,
-        b: NVFP4Tensor,
-        group_sizes: Sequence[int],
-        bias: torch.Tensor | None = None,
-        out_dtype: torch.dtype = torch.bfloat16,
-        batch_invariant: bool = False,
-    ) -> torch.Tensor: ...
-
-    def grouped_wgrad(
-        self,
-        grad_out: torch.Tensor,
-        x: torch.Tensor,
-        group_sizes: Sequence[int],
-        **kwargs,
-    ) -> torch.Tensor: ...
-
-    def decode_grouped_gemm(
-        self,
-        a: NVFP4Tensor,
-        w_stacked: NVFP4Tensor,
-        expert_ids: torch.Tensor,
-        out_dtype: torch.dtype = torch.bfloat16,
-        batch_invariant: bool = False,
-        *,
-        num_experts: int | None = None,
-        group_offsets: torch.Tensor | None = None,  # rows already sorted by expert: [E + 1] prefix offsets
-    ) -> torch.Tensor: ...
-
-    # optional: the GEMM half of grouped_wgrad on pre-quantized operands (the reference's is
-    # used on the backend's device when a backend does not provide it)
-    # def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype, batch_invariant) -> Tensor
-    # optional: row-wise + column-wise quantization of one [T, N] matrix in one read, and its
-    # amax pass (:mod:`.row_col`; callers fall back to two ``quantize`` calls without them)
-    # def quantize_row_col(self, x, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]
-    # def amax_row_col(self, x, **kwargs) -> tuple[Tensor, Tensor]
+class OpNotSupported(NotImplementedError):
+    """A backend was asked for an op (or an operand shape) it does not run; the message says why."""
 
 
-class ReferenceBackend:
+#: Every op a backend may run. ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` and
+#: ``grouped_wgrad_gemm`` (the base class runs the contract's on the backend's device) are
+#: always there; the others are fused or relayout-free paths whose callers take the contract's
+#: composition where :meth:`Backend.supports` gives a reason.
+OPS = (
+    "quantize", "gemm", "gemm_nt", "grouped_gemm", "grouped_gemm_nt", "grouped_wgrad", "grouped_wgrad_gemm",
+    "quantize_wgrad_operand", "decode_grouped_gemm", "rmsnorm_quantize", "swiglu_quantize",
+)
+
+
+class Backend:
+    """Base class of the NVFP4 backends: every op with the reference's signature.
+
+    A subclass overrides the ops it runs; the others raise :class:`OpNotSupported`
+    ("<backend> does not support <op>: <why>"). :meth:`supports` answers, without running
+    anything, whether an op runs for given operand facts (``supports(op, **shape) -> None`` or
+    the reason), so callers choose a fused path by asking, never by ``hasattr``.
+    """
+
+    name = "backend"
+
+    def why_not(self, device: torch.device | str | None = None) -> str | None:
+        """None if the backend runs on ``device``, else the reason."""
+        return None
+
+    def available(self, device: torch.device | str | None = None) -> bool:
+        return self.why_not(device) is None
+
+    def supports(self, op: str, **shape) -> str | None:
+        """None if ``op`` runs here for operands described by ``shape`` (``tile=``, ``dtype=``,
+        ``width=``, ``global_scale=``, as the op's callers pass them), else why not. Raises
+        ValueError for an unknown op name. Subclasses add their own limits after this check."""
+        if op not in OPS:
+            raise ValueError(f"unknown NVFP4 backend op {op!r}; known: {', '.join(OPS)}")
+        if getattr(type(self), op) is getattr(Backend, op) and op != "grouped_wgrad_gemm":
+            return f"the {self.name} backend has no {op} kernel"
+        return None
+
+    def _refuse(self, op: str, why: str | None = None):
+        raise OpNotSupported(f"{self.name} does not support {op}: {why or self.supports(op)}")
+
+    def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
+        """:func:`~.quantize.quantize_reference`'s signature and bits."""
+        self._refuse("quantize")
+
+    def gemm(self, a: NVFP4Tensor, b: NVFP4Tensor, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> torch.Tensor:
+        """``a @ b.T``: :func:`~.gemm.gemm_reference`."""
+        self._refuse("gemm")
+
+    def gemm_nt(self, a: NVFP4Tensor, b: NVFP4Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> torch.Tensor:
+        """``a @ b`` for ``b`` ``[N, K]`` with 16x16 tiles: ``gemm(a, b.transpose())`` bit for bit."""
+        self._refuse("gemm_nt")
+
+    def grouped_gemm(self, a: NVFP4Tensor, b: NVFP4Tensor, group_sizes: Sequence[int], bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> torch.Tensor:
+        """MoE fprop/dgrad: :func:`~.grouped.grouped_gemm_reference`."""
+        self._refuse("grouped_gemm")
+
+    def grouped_gemm_nt(self, a: NVFP4Tensor, b: NVFP4Tensor, group_sizes: Sequence[int],
+                        bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                        batch_invariant: bool = False) -> torch.Tensor:
+        """``grouped_gemm(a, b.transpose())`` bit for bit, ``b`` ``[G, N, K]`` with 16x16 tiles."""
+        self._refuse("grouped_gemm_nt")
+
+    def grouped_wgrad(self, grad_out: torch.Tensor, x: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> torch.Tensor:
+        """MoE wgrad: :func:`~.grouped.grouped_wgrad_reference`."""
+        self._refuse("grouped_wgrad")
+
+    def grouped_wgrad_gemm(self, a: NVFP4Tensor, b: NVFP4Tensor, padded_group_sizes: Sequence[int],
+                           out_dtype: torch.dtype = torch.float32, batch_invariant: bool = False) -> torch.Tensor:
+        """The GEMM half of the MoE wgrad on operands quantized along padded tokens; by default
+        the contract's (:func:`~.grouped.grouped_wgrad_gemm_reference`) on the operands' device."""
+        return grouped_wgrad_gemm_reference(a, b, padded_group_sizes, out_dtype)
+
+    def quantize_wgrad_operand(self, t: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> NVFP4Tensor:
+        """:func:`~.grouped.quantize_wgrad_operand` read in place (no padded copy)."""
+        self._refuse("quantize_wgrad_operand")
+
+    def decode_grouped_gemm(self, a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert_ids: torch.Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False, *,
+                            num_experts: int | None = None, group_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE decode on unsorted rows: :func:`~.grouped.decode_grouped_gemm_reference`
+        (``group_offsets``: rows already sorted by expert, ``[E + 1]`` prefix offsets)."""
+        self._refuse("decode_grouped_gemm")
+
+    def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+                         zero_centered_gamma: bool = False, **kwargs) -> tuple[torch.Tensor, NVFP4Tensor]:
+        """RMSNorm and the per-token NVFP4 of its output: :func:`~.producers.rmsnorm_quantize_reference`."""
+        self._refuse("rmsnorm_quantize")
+
+    def swiglu_quantize(self, h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, NVFP4Tensor]:
+        """SwiGLU and the per-token NVFP4 of it: :func:`~.producers.swiglu_quantize_reference`."""
+        self._refuse("swiglu_quantize")
+
+
+class ReferenceBackend(Backend):
     """The contract itself: pure torch, any device, exact and batch invariant (slow)."""
 
     name = "reference"
 
-    def available(self, device: torch.device | None = None) -> bool:
-        return True
-
-    def why_not(self, device: torch.device | None = None) -> str | None:
-        return None
-
     def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
         return quantize_reference(x, **kwargs)
-
-    def quantize_row_col(self, x: torch.Tensor, **kwargs) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-        return quantize_row_col(x, **kwargs)
-
-    def amax_row_col(self, x: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        return amax_row_col(x, **kwargs)
 
     def gemm(self, a, b, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
         return gemm_reference(a, b, bias, out_dtype)
@@ -123,9 +161,6 @@ class ReferenceBackend:
         return decode_grouped_gemm_reference(a, w_stacked, expert_ids, out_dtype, batch_invariant,
                                              num_experts=num_experts)
 
-    def grouped_wgrad_gemm(self, a, b, padded_group_sizes, out_dtype=torch.float32, batch_invariant=False):
-        return grouped_wgrad_gemm_reference(a, b, padded_group_sizes, out_dtype)
-
 
 # name -> "module:attribute" of a lazily imported backend object
 _LAZY = {
@@ -136,15 +171,12 @@ _REGISTRY: dict[str, Backend] = {"reference": ReferenceBackend()}
 _PREFERENCE = ("blackwell", "triton", "reference")
 
 
-class _Missing:
+class _Missing(Backend):
     """Stand-in for a backend whose module cannot be imported here."""
 
     def __init__(self, name: str, error: Exception):
         self.name = name
         self._error = error
-
-    def available(self, device=None) -> bool:
-        return False
 
     def why_not(self, device=None) -> str:
         return f"backend {self.name!r} cannot be imported: {type(self._error).__name__}: {self._error}"
@@ -171,6 +203,21 @@ def _load(name: str) -> Backend:
 def register_backend(backend: Backend) -> None:
     """Add or replace a backend (e.g. a user's own kernels)."""
     _REGISTRY[backend.name] = backend
+
+
+@contextlib.contextmanager
+def registered(backend: Backend):
+    """``backend`` registered under its name for the ``with`` block, the previous entry put back
+    after (benchmarks and tests that compare a backend's options)."""
+    previous = _REGISTRY.get(backend.name)
+    _REGISTRY[backend.name] = backend
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            _REGISTRY.pop(backend.name, None)
+        else:
+            _REGISTRY[backend.name] = previous
 
 
 def get_backend(name: str | None = None, device: torch.device | str | None = None) -> Backend:

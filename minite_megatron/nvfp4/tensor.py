@@ -174,6 +174,20 @@ class NVFP4Tensor:
             lin, codes=codes, block_scales=scales, shape=torch.Size([*lead, k, n]), image=image
         )
 
+    # ---- autograd saving (tensors only through save_for_backward, so saved-tensor hooks see them)
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor], "NVFP4Tensor"]:
+        """``(tensors, meta)``: the tensors (codes, block scales, global decode, the image if any)
+        for ``ctx.save_for_backward`` and a tensor-free copy holding the rest, for ``ctx``."""
+        tensors = [self.codes, self.block_scales, self.global_decode] + ([self.image] if self.image is not None else [])
+        empty = torch.empty(0)
+        return tensors, replace(self, codes=empty, block_scales=empty, global_decode=empty,
+                                image=empty if self.image is not None else None)
+
+    def restore_from_saved(self, tensors) -> "NVFP4Tensor":
+        """The tensor :meth:`prepare_for_saving` flattened, from this meta and its saved tensors."""
+        codes, scales, gdec, *image = tensors
+        return replace(self, codes=codes, block_scales=scales, global_decode=gdec, image=image[0] if image else None)
+
     def __repr__(self) -> str:
         return (
             f"NVFP4Tensor(shape={tuple(self.shape)}, global_scale={self.global_scale!r}, "

@@ -29,11 +29,13 @@ from dataclasses import replace
 
 import torch
 
-from ..nvfp4.grouped import grouped_wgrad_gemm_reference, padded_group_sizes
+from ..nvfp4.grouped import padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache, keep_images
+from .roles import gemm_role
 from .linear import (
     LinearContext,
+    _quantize,
     add_wgrad,
     backend_for,
     dgrad_gemm,
@@ -83,20 +85,10 @@ def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lc
                             with_image: bool = True, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """``[G, N, K]`` NVFP4 of the stacked expert weights, one global scale per expert (the
     amax of each whole expert weight under expert tensor parallelism)."""
-    w = stacked_weights(weights, stacked)
-    if recipe.weight_tile == "2d":
-        amax = None if lctx is None else lctx.amax(w, "group", rows_sharded=lctx.column, k_sharded=lctx.row)
-        return backend.quantize(
-            w, global_scale="group", tile=(16, 16), amax=amax, with_image=with_image, nonfinite=recipe.nonfinite
-        )
-    raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
-
-
-def _wgrad_gemm(backend, a, b, padded, out_dtype, strict):
-    fn = getattr(backend, "grouped_wgrad_gemm", None)
-    if fn is None:  # a backend without its own: the contract's, on the backend's device
-        return grouped_wgrad_gemm_reference(a, b, padded, out_dtype)
-    return fn(a, b, padded, out_dtype, strict)
+    if recipe.weight_tile != "2d":
+        raise ValueError("grouped expert linears need 16x16 weight tiles (--minite-weight-tile 2d)")
+    role = gemm_role(recipe, "fprop", "weight", grouped=True)
+    return _quantize(role, stacked_weights(weights, stacked), recipe, lctx, backend, with_image=with_image)
 
 
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
@@ -135,8 +127,8 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x, tokens_per_expert, lctx, backend, gradient=False)
-            ctx.qx_t_meta = replace(qx_t, image=None)
-            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+            tensors, ctx.qx_t_meta = replace(qx_t, image=None).prepare_for_saving()
+            saved += tensors
         elif ctx.needs_wgrad:
             saved.append(x)
         ctx.save_for_backward(*saved)
@@ -161,10 +153,10 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
             ctx.cache.release_after_backward()
             del qw
             if ctx.needs_wgrad:
-                codes, scales, gdec = rest
-                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
+                qx_t = ctx.qx_t_meta.restore_from_saved(rest)
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
-                dw = _wgrad_gemm(backend, qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]), recipe.strict)
+                dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]),
+                                                recipe.strict)
                 del qdy_t, qx_t
                 dws = add_wgrads(weights, dw, grad_out)
         else:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import nvfp4
-from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
 from . import handoff
-from .amax_sync import needs_sync, synced_amax
+from .amax_sync import needs_sync
+from .roles import gemm_role, quantize_role
 from .seeds import next_sr_seed
 from .trace_hook import capture
 from .weight_cache import QuantizedWeightCache, keep_images
@@ -52,13 +52,6 @@ class LinearContext:
     tp_group: object = None
     parallel_mode: str | None = None
 
-    def amax(self, t, global_scale, *, rows_sharded, k_sharded, rht_seed=None):
-        return synced_amax(t, global_scale, self.tp_group, rows_sharded=rows_sharded, k_sharded=k_sharded, rht_seed=rht_seed)
-
-    @property
-    def column(self) -> bool:
-        return self.parallel_mode == "column"
-
     @property
     def row(self) -> bool:
         return self.parallel_mode == "row"
@@ -70,13 +63,9 @@ def backend_for(recipe: Recipe, device: torch.device):
 
 def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None,
                     with_image: bool = True) -> NVFP4Tensor:
-    """The forward weight operand ``[N, K]``: 16x16 tiles (or 1x16) and one tensor scale
-    (the amax of the whole, unsharded weight under tensor parallelism)."""
-    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
-    return backend.quantize(
-        weight, global_scale="tensor", tile=recipe.weight_tile_shape, amax=amax, with_image=with_image,
-        nonfinite=recipe.nonfinite,
-    )
+    """The forward weight operand ``[N, K]`` (:func:`~.roles.gemm_role` fprop / weight: 16x16
+    tiles or 1x16, one tensor scale: the amax of the whole, unsharded weight under TP)."""
+    return _quantize(gemm_role(recipe, "fprop", "weight"), weight, recipe, lctx, backend, with_image=with_image)
 
 
 def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None) -> NVFP4Tensor:
@@ -93,17 +82,15 @@ def dgrad_gemm(backend, qdy: NVFP4Tensor, qw: NVFP4Tensor, cache: QuantizedWeigh
     """``dx = dy @ W`` (dense) or per expert ``dx_g = dy_g @ W_g`` (``group_sizes``).
 
     With 16x16 tiles the quantization of ``W^T`` is a relayout of ``W``'s (same codes, scales and
-    global scale per element), so a backend with ``gemm_nt`` / ``grouped_gemm_nt`` (the Triton
-    one: the image of ``W`` read transposed) needs no transposed copy; other backends get the
-    relayout, made once per weight version (``make_transposed``) and released with the entry.
+    global scale per element), so a backend that supports ``gemm_nt`` / ``grouped_gemm_nt`` (the
+    Triton one: the image of ``W`` read transposed) needs no transposed copy; other backends get
+    the relayout, made once per weight version (``make_transposed``) and released with the entry.
     Same bits either way.
     """
-    if qw.tile == (16, 16):
-        fn = getattr(backend, "gemm_nt" if group_sizes is None else "grouped_gemm_nt", None)
-        if fn is not None:
-            if group_sizes is None:
-                return fn(qdy, qw, None, out_dtype, batch_invariant)
-            return fn(qdy, qw, group_sizes, None, out_dtype, batch_invariant)
+    if backend.supports("gemm_nt" if group_sizes is None else "grouped_gemm_nt", tile=qw.tile) is None:
+        if group_sizes is None:
+            return backend.gemm_nt(qdy, qw, None, out_dtype, batch_invariant)
+        return backend.grouped_gemm_nt(qdy, qw, group_sizes, None, out_dtype, batch_invariant)
     qwt = cache.transposed(make_transposed)
     if group_sizes is None:
         return backend.gemm(qdy, qwt, None, out_dtype=out_dtype, batch_invariant=batch_invariant)
@@ -121,10 +108,13 @@ def wgrad_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def weight_transposed(q: NVFP4Tensor, weight: torch.Tensor, recipe: Recipe, backend, lctx: "LinearContext | None" = None) -> NVFP4Tensor:
     """The dgrad operand ``W^T`` ``[K, N]``: an exact relayout for 16x16 tiles, else re-quantized."""
-    if q.tile == (16, 16):
-        return q.transpose()
-    amax = None if lctx is None else lctx.amax(weight, "tensor", rows_sharded=lctx.column, k_sharded=lctx.row)
-    return backend.quantize(weight.t(), global_scale="tensor", amax=amax, with_image=True, nonfinite=recipe.nonfinite)
+    return _quantize(gemm_role(recipe, "dgrad", "weight"), weight, recipe, lctx, backend, fprop_weight=q)
+
+
+def _quantize(role, t, recipe: Recipe, lctx: "LinearContext | None", backend, **kwargs) -> NVFP4Tensor:
+    """:func:`~.roles.quantize_role` with the linear's TP group and parallel mode (none without ``lctx``)."""
+    tp = {} if lctx is None else dict(tp_group=lctx.tp_group, parallel_mode=lctx.parallel_mode)
+    return quantize_role(role, t, recipe, backend, **tp, **kwargs)
 
 
 def _trace(ctx: LinearContext, point: str, tensor: torch.Tensor) -> None:
@@ -143,18 +133,16 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
     return dw.to(weight.dtype)
 
 
-# ---- the operands of the three GEMMs (shared with the grouped linear) --------------------------
+# ---- the operands of the three GEMMs (shared with the grouped linear; the rule: .roles) --------
 def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism.
     Taken from a fused producer's handoff (:mod:`.handoff`) when it quantized this very tensor."""
     recipe = lctx.recipe
-    amax = lctx.amax(x2, recipe.activation_scale, rows_sharded=False, k_sharded=lctx.row)
     qx = None
-    if amax is None and recipe.activation_scale == "row":  # a fused producer's output (ops.producers)
-        qx = handoff.take(x2, handoff.activation_key(recipe, backend))
+    if recipe.activation_scale == "row" and not needs_sync("row", lctx.tp_group, rows_sharded=False, k_sharded=lctx.row):
+        qx = handoff.take(x2, handoff.activation_key(recipe, backend))  # a fused producer's output (ops.producers)
     if qx is None:
-        qx = backend.quantize(x2, global_scale=recipe.activation_scale, amax=amax, with_image=True,
-                              nonfinite=recipe.nonfinite)
+        qx = _quantize(gemm_role(recipe, "fprop", "input"), x2, recipe, lctx, backend)
     _trace(lctx, "input_codes", qx.codes)
     _trace(lctx, "input_scales", qx.block_scales.view(torch.uint8))
     return qx
@@ -162,81 +150,15 @@ def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4
 
 def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """dgrad's gradient ``[M, N]`` along N (split under column parallelism), SR if the recipe says."""
-    recipe = lctx.recipe
-    return backend.quantize(
-        dy,
-        global_scale=recipe.grad_scale,
-        rounding=recipe.grad_rounding,
-        seed=next_sr_seed(recipe.seed) if recipe.grad_stochastic_rounding else None,
-        amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-        with_image=True,
-        nonfinite=recipe.nonfinite,
-    )
+    return _quantize(gemm_role(lctx.recipe, "dgrad", "grad"), dy, lctx.recipe, lctx, backend)
 
 
 def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool) -> NVFP4Tensor:
     """A wgrad operand along tokens: ``dy`` (``gradient``: SR) or ``x``, both with the RHT, each
     group's tokens zero-padded to a multiple of 16 (dW unchanged). Its rows (features) are split
     under column (dy) or row (x) parallelism."""
-    recipe = lctx.recipe
-    rht = recipe.wgrad_rht_seed
-    stochastic = gradient and recipe.grad_stochastic_rounding
-    rows_sharded = lctx.column if gradient else lctx.row
-    padded_in_place = getattr(backend, "quantize_wgrad_operand", None)
-    needs_padding = any(int(s) % 16 for s in group_sizes)
-    if needs_padding and padded_in_place is not None and not needs_sync(
-        recipe.grad_scale, lctx.tp_group, rows_sharded=rows_sharded, k_sharded=False
-    ):
-        # the backend pads each group's tokens through a gather (no padded copy); same bits
-        return padded_in_place(
-            t, [int(s) for s in group_sizes], global_scale=recipe.grad_scale,
-            rounding=recipe.grad_rounding if gradient else "nearest",
-            seed=next_sr_seed(recipe.seed) if stochastic else None, rht_seed=rht, nonfinite=recipe.nonfinite,
-        )
-    return quantize_wgrad_operand(
-        t,
-        group_sizes,
-        global_scale=recipe.grad_scale,
-        rounding=recipe.grad_rounding if gradient else "nearest",
-        seed=next_sr_seed(recipe.seed) if stochastic else None,
-        rht_seed=rht,
-        nonfinite=recipe.nonfinite,
-        quantize=backend.quantize,
-        amax_fn=lambda tt: lctx.amax(tt, recipe.grad_scale, rows_sharded=rows_sharded, k_sharded=False, rht_seed=rht),
-    )
-
-
-#: Quantize dy for dgrad and wgrad in one pass where the backend can. Off: on the H200
-#: (2026-11-30, ``python -m benchmarks.quantize_dual``) the one-pass Triton kernel took
-#: 0.64 ms for dy 16384 x 5120 with SR + RHT against 0.45 ms for the two separate kernels
-#: (it is instruction bound at ~108 instructions per element and 255 registers), and the
-#: Linear fwd+bwd ran 1.556x BF16 with it vs 1.480x without (qkv). Same bits either way.
-ONE_PASS_GRAD_QUANTIZE = False
-
-
-def quantize_grad_both(dy: torch.Tensor, lctx: LinearContext, backend):
-    """dgrad's and wgrad's operands of ``dy`` ``[T, N]`` from one read, where the backend has
-    ``quantize_row_col`` (the Triton backend: one amax pass for both global scales, then one
-    pass writing both), else ``(None, None)``. The same bits as :func:`quantize_dgrad_operand`
-    and :func:`quantize_wgrad_operand_for` (same seeds, in the same order; T a multiple of 16,
-    so the wgrad operand needs no padding)."""
-    fn = getattr(backend, "quantize_row_col", None) if ONE_PASS_GRAD_QUANTIZE else None
-    t, n = dy.shape
-    if fn is None or t % 16 or n % 16 or t == 0 or dy.dtype not in (torch.bfloat16, torch.float16) or not dy.is_contiguous():
-        return None, None
-    recipe = lctx.recipe
-    sr = recipe.grad_stochastic_rounding
-    rht = recipe.wgrad_rht_seed
-    row_seed = next_sr_seed(recipe.seed) if sr else None
-    col_seed = next_sr_seed(recipe.seed) if sr else None
-    return fn(
-        dy,
-        row_scale=recipe.grad_scale, row_rounding=recipe.grad_rounding, row_seed=row_seed,
-        row_amax=lctx.amax(dy, recipe.grad_scale, rows_sharded=False, k_sharded=lctx.column),
-        col_scale=recipe.grad_scale, col_rounding=recipe.grad_rounding, col_seed=col_seed, col_rht_seed=rht,
-        col_amax=lctx.amax(dy.t(), recipe.grad_scale, rows_sharded=lctx.column, k_sharded=False, rht_seed=rht),
-        with_image=True, nonfinite=recipe.nonfinite,
-    )
+    role = gemm_role(lctx.recipe, "wgrad", "grad" if gradient else "input")
+    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes)
 
 
 class NVFP4LinearFunction(torch.autograd.Function):
@@ -258,8 +180,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
         ctx.needs_wgrad = ctx.needs_input_grad[1]
         if ctx.needs_wgrad and recipe.full_update:
             qx_t = quantize_wgrad_operand_for(x2, [x2.shape[0]], lctx, backend, gradient=False)
-            ctx.qx_t_meta = replace(qx_t, image=None)  # codes and scales only
-            saved += [qx_t.codes, qx_t.block_scales, qx_t.global_decode]
+            tensors, ctx.qx_t_meta = replace(qx_t, image=None).prepare_for_saving()  # codes and scales only
+            saved += tensors
         elif ctx.needs_wgrad:
             saved.append(x2)
         ctx.save_for_backward(*saved)
@@ -279,20 +201,15 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dx = dw_out = None
 
         if recipe.full_update:
-            qdy = qdy_t = None
-            if ctx.needs_input_grad[0] and ctx.needs_wgrad:
-                qdy, qdy_t = quantize_grad_both(dy, lctx, backend)
             if ctx.needs_input_grad[0]:
-                qdy = qdy if qdy is not None else quantize_dgrad_operand(dy, lctx, backend)
+                qdy = quantize_dgrad_operand(dy, lctx, backend)
                 dx = dgrad_gemm(backend, qdy, qw, lctx.cache, lambda q: weight_transposed(q, weight, recipe, backend, lctx),
                                 grad_out.dtype, recipe.strict)
                 del qdy
             lctx.cache.release_after_backward()
             if ctx.needs_wgrad:
-                codes, scales, gdec = rest
-                qx_t = replace(ctx.qx_t_meta, codes=codes, block_scales=scales, global_decode=gdec)
-                if qdy_t is None:
-                    qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
+                qx_t = ctx.qx_t_meta.restore_from_saved(rest)
+                qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=wgrad_dtype(weight), batch_invariant=recipe.strict)
                 del qdy_t, qx_t
                 dw_out = add_wgrad(weight, dw, grad_out)

@@ -4,7 +4,8 @@
 RMSNorm of ``x`` and offers the per-token NVFP4 quantization of that output to the linear that
 consumes it (:mod:`.handoff`), so the linear does not read the activation again:
 
-* on a backend with a fused kernel (``backend.rmsnorm_quantize``: Triton), one read of ``x``
+* on a backend that supports the fused kernel (``backend.supports("rmsnorm_quantize", ...)``:
+  Triton), one read of ``x``
   writes the norm output and the quantization (codes, scales, per-token global scale, image).
   The kernel's norm is the batch-invariant formulation (:mod:`minite_kernels.triton.bi_rmsnorm`'s
   arithmetic, bitwise), so strict mode takes it too;
@@ -28,14 +29,9 @@ from . import handoff
 from .linear import backend_for
 
 
-def fused_supported(op: str, t: torch.Tensor, recipe: Recipe, backend, width_multiple: int = 16) -> bool:
+def fused_supported(op: str, t: torch.Tensor, recipe: Recipe, backend) -> bool:
     """Can ``backend.<op>`` (``rmsnorm_quantize`` / ``swiglu_quantize``) produce ``t``'s consumer operand?"""
-    return (
-        hasattr(backend, op)
-        and recipe.activation_scale == "row"
-        and t.dtype in (torch.bfloat16, torch.float16)
-        and t.shape[-1] % width_multiple == 0
-    )
+    return backend.supports(op, dtype=t.dtype, width=t.shape[-1], global_scale=recipe.activation_scale) is None
 
 
 class _FusedRMSNormQuantize(torch.autograd.Function):
@@ -98,7 +94,7 @@ def swiglu_offering(h: torch.Tensor, recipe: Recipe, act_fn) -> torch.Tensor:
     """SwiGLU of ``h`` [..., 2F] (``act_fn(h)`` where no fused kernel runs), offering the
     per-token NVFP4 quantization of the output to the consuming ``linear_fc2``."""
     backend = backend_for(recipe, h.device)
-    if fused_supported("swiglu_quantize", h, recipe, backend, width_multiple=32):  # F = 2F / 2, a multiple of 16
+    if fused_supported("swiglu_quantize", h, recipe, backend):
         two_f = h.shape[-1]
         a = _FusedSwiGLUQuantize.apply(h.reshape(-1, two_f), recipe, backend)
         return a.reshape(*h.shape[:-1], two_f // 2)

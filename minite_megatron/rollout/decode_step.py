@@ -320,7 +320,7 @@ class ExpertsStep:
     def _fused_activation(self, h: torch.Tensor, backend) -> bool:
         """Is the experts' activation Megatron's plain SwiGLU (what ``swiglu_quantize`` computes)?"""
         c = self.owner.config
-        return (fused_ops.use_kernels(h) and hasattr(backend, "swiglu_quantize") and self.recipe.activation_scale == "row"
+        return (fused_ops.use_kernels(h) and backend.supports("swiglu_quantize") is None and self.recipe.activation_scale == "row"
                 and h.dtype in (torch.bfloat16, torch.float16) and h.shape[-1] % 32 == 0
                 and c.gated_linear_unit and c.activation_func is torch.nn.functional.silu
                 and not c.bias_activation_fusion and c.activation_func_clamp_value is None

@@ -21,9 +21,9 @@ interpreter's ``exp`` is numpy's, not torch's).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..nvfp4.backends import triton_interpreting
 
 KERNELS_ON_CPU = False
 """Run the fused kernels on CPU tensors too (under ``TRITON_INTERPRET=1``): tests and the kernel counter."""
@@ -37,7 +37,7 @@ def use_kernels(t: torch.Tensor) -> bool:
         return False
     if t.is_cuda:
         return True
-    return KERNELS_ON_CPU and t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return KERNELS_ON_CPU and t.device.type == "cpu" and triton_interpreting()
 
 
 def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 
 from .. import nvfp4
 from ..nvfp4.tensor import NVFP4Tensor
-from ..ops.seeds import next_sr_seed
+from ..ops.roles import gemm_role, quantize_role
 from ..recipe import Recipe
 
 try:  # TE >= 2.16: custom recipes with role-aware quantizer factories
@@ -82,40 +82,30 @@ def role_kind(role: Any) -> str | None:
     return kind if kind in ("input", "weight", "grad_output") else None
 
 
-def quantize_operand(x: torch.Tensor, kind: str, recipe: Recipe, rowwise: bool, columnwise: bool):
+#: TE's operand kind -> (the role of its rowwise form, the role of its columnwise form)
+TE_ROLES = {
+    "weight": (("fprop", "weight"), ("dgrad", "weight")),
+    "input": (("fprop", "input"), ("wgrad", "input")),
+    "grad_output": (("dgrad", "grad"), ("wgrad", "grad")),
+}
+
+
+def quantize_operand(x: torch.Tensor, kind: str, recipe: Recipe, rowwise: bool, columnwise: bool, *,
+                     tp_group=None, parallel_mode: str | None = None):
     """The rowwise (GEMM K = last dim) and columnwise (K = tokens, for wgrad) NVFP4 forms of an
-    operand of ``kind`` under ``recipe`` -- exactly what the minite modules compute."""
+    operand of ``kind`` under ``recipe``: the roles of :data:`TE_ROLES` in the minite modules'
+    table (:mod:`minite_megatron.ops.roles`: TP amax sync over ``tp_group`` under
+    ``parallel_mode``, tokens padded to 16 for wgrad), so exactly what the minite modules compute."""
     x2 = x.reshape(-1, x.shape[-1])
     backend = nvfp4.get_backend(recipe.backend, x.device)
+    (row_gemm, row_op), (col_gemm, col_op) = TE_ROLES[kind]
+    tp = dict(tp_group=tp_group, parallel_mode=parallel_mode)
     row = col = None
-    if kind == "weight":
-        row = backend.quantize(x2, global_scale="tensor", tile=recipe.weight_tile_shape, with_image=True, nonfinite=recipe.nonfinite)
-        if columnwise:
-            col = row.transpose() if row.tile == (16, 16) else backend.quantize(
-                x2.t(), global_scale="tensor", with_image=True, nonfinite=recipe.nonfinite
-            )
-        return (row if rowwise else None), col
-    grad = kind == "grad_output"
-    rounding = recipe.grad_rounding if grad else "nearest"
-    if rowwise:
-        row = backend.quantize(
-            x2,
-            global_scale=recipe.grad_scale if grad else recipe.activation_scale,
-            rounding=rounding,
-            seed=next_sr_seed(recipe.seed) if rounding == "stochastic" else None,
-            with_image=True,
-            nonfinite=recipe.nonfinite,
-        )
+    if rowwise or kind == "weight":  # the weight's columnwise form is its rowwise one relaid out
+        row = quantize_role(gemm_role(recipe, row_gemm, row_op), x2, recipe, backend, **tp)
     if columnwise:
-        col = backend.quantize(
-            x2.t(),
-            global_scale=recipe.grad_scale,
-            rounding=rounding,
-            seed=next_sr_seed(recipe.seed) if rounding == "stochastic" else None,
-            rht_seed=recipe.wgrad_rht_seed,
-            nonfinite=recipe.nonfinite,
-        )
-    return row, col
+        col = quantize_role(gemm_role(recipe, col_gemm, col_op), x2, recipe, backend, fprop_weight=row, **tp)
+    return (row if rowwise else None), col
 
 
 @dataclasses.dataclass
@@ -154,10 +144,21 @@ class MiniteTETensor(QuantizedTensorStorage):
         return None if self.col is None else self.col.linear_scales()
 
     def prepare_for_saving(self):
-        return [], self
+        """TE's protocol: the forms' tensors for ``save_for_backward``, and self without them."""
+        tensors, self._saved = [], []
+        for q in (self.row, self.col):
+            t, meta = q.prepare_for_saving() if q is not None else ([], None)
+            tensors += t
+            self._saved.append((meta, len(t)))
+        self.row = self.col = None
+        return tensors, self
 
     def restore_from_saved(self, tensors):
-        return tensors
+        """Put back what :meth:`prepare_for_saving` took; returns the tensors left over."""
+        (row_meta, n_row), (col_meta, n_col) = self._saved
+        self.row = None if row_meta is None else row_meta.restore_from_saved(tensors[:n_row])
+        self.col = None if col_meta is None else col_meta.restore_from_saved(tensors[n_row:n_row + n_col])
+        return tensors[n_row + n_col:]
 
     def update_usage(self, rowwise_usage: bool | None = None, columnwise_usage: bool | None = None):
         if columnwise_usage and self.col is None:
@@ -181,19 +182,22 @@ class MiniteTETensor(QuantizedTensorStorage):
 class MiniteTEQuantizer(Quantizer):
     """One TE quantizer per operand role, applying miniTE's recipe and GEMM."""
 
-    def __init__(self, kind: str, recipe: Recipe, rowwise: bool = True, columnwise: bool = True):
+    def __init__(self, kind: str, recipe: Recipe, rowwise: bool = True, columnwise: bool = True, *,
+                 tp_group=None, parallel_mode: str | None = None):
         require_te()
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.internal = True
         self.kind = kind
         self.recipe = recipe
+        self.tp_group, self.parallel_mode = tp_group, parallel_mode
 
     @property
     def custom(self) -> bool:
         return True
 
     def quantize(self, tensor: torch.Tensor, **kwargs) -> MiniteTETensor:
-        row, col = quantize_operand(tensor, self.kind, self.recipe, self.rowwise_usage, self.columnwise_usage)
+        row, col = quantize_operand(tensor, self.kind, self.recipe, self.rowwise_usage, self.columnwise_usage,
+                                    tp_group=self.tp_group, parallel_mode=self.parallel_mode)
         return MiniteTETensor(row=row, col=col, dtype=tensor.dtype, device=tensor.device,
                               original_shape=tuple(tensor.shape), _quantizer=self)
 

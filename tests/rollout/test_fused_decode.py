@@ -169,7 +169,7 @@ def test_route_reference_is_the_router_modules_output():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
-def test_sorted_rows_skip_the_fallbacks_sort(monkeypatch):
+def test_sorted_rows_skip_the_fallbacks_sort():
     """``decode_grouped_gemm(..., group_offsets=)`` on rows already in expert order: the learner's
     grouped-GEMM fallback (a device without verified decode kernels) reads them as they are and
     gives the bits of its sorting path."""
@@ -184,9 +184,9 @@ def test_sorted_rows_skip_the_fallbacks_sort(monkeypatch):
     ids = torch.tensor([0, 0, 2, 3, 3, 3], dtype=torch.int32)
     a = nvfp4.quantize_reference(torch.randn(6, 64, generator=g), global_scale="row", with_image=True)
     offsets = torch.tensor([0, 2, 2, 3, 6], dtype=torch.int32)
-    monkeypatch.setattr(tb, "decode_ok", lambda device: False)
-    sorted_out = tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True, group_offsets=offsets)
-    assert_bitwise_equal(sorted_out, tb.BACKEND.decode_grouped_gemm(a, st, ids, batch_invariant=True), "fallback")
+    fallback = tb.TritonBackend(tb.TritonOptions(decode_kernels=False))
+    sorted_out = fallback.decode_grouped_gemm(a, st, ids, batch_invariant=True, group_offsets=offsets)
+    assert_bitwise_equal(sorted_out, fallback.decode_grouped_gemm(a, st, ids, batch_invariant=True), "fallback")
     assert_bitwise_equal(sorted_out, nvfp4.decode_grouped_gemm_reference(a, st, ids), "reference")
 
 

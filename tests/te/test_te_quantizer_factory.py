@@ -53,6 +53,42 @@ def test_operands_match_the_minite_modules():
     assert_nvfp4_equal(col, nvfp4.quantize(x.reshape(32, 96).t(), "tensor", rht_seed=4))
 
 
+def test_factory_takes_every_operand_from_the_role_table():
+    """The TE factory used to restate the role rule without TP amax sync or token padding (issue
+    11): its columnwise dy of 24 tokens (not a multiple of 16) is now the padded wgrad operand of
+    the table, and each form equals :func:`ops.roles.quantize_role` of the role TE_ROLES names."""
+    from minite_megatron.ops import roles
+
+    recipe = Recipe(grad_stochastic_rounding=True, rht_seed=4, seed=11)
+    dy = torch.randn(24, 32)
+    assert set(qf.TE_ROLES) == {"weight", "input", "grad_output"}
+    torch.manual_seed(5)  # outside megatron.training the SR seeds come from torch's generator
+    row, col = qf.quantize_operand(dy, "grad_output", recipe, True, True)
+    torch.manual_seed(5)
+    ref = nvfp4.get_backend("reference")
+    want_row = roles.quantize_role(roles.gemm_role(recipe, "dgrad", "grad"), dy, recipe, ref)
+    want_col = roles.quantize_role(roles.gemm_role(recipe, "wgrad", "grad"), dy, recipe, ref)
+    assert_nvfp4_equal(row, want_row)
+    assert_nvfp4_equal(col, want_col)
+    assert col.shape == (32, 32)  # 24 tokens padded to 32 along K
+    for kind, pair in qf.TE_ROLES.items():
+        for gemm, operand in pair:
+            assert roles.gemm_role(recipe, gemm, operand).gemm == gemm, kind
+
+
+def test_te_tensor_saves_its_forms_as_tensors():
+    """TE saves custom tensors through ``prepare_for_saving``; it used to return no tensors (the
+    forms stayed plain attributes, out of reach of saved-tensor hooks)."""
+    x = torch.randn(32, 48)
+    row, col = qf.quantize_operand(x, "input", Recipe(grad_stochastic_rounding=False), True, True)
+    t = qf.MiniteTETensor(row=row, col=col, dtype=x.dtype, device=x.device, original_shape=(32, 48))
+    tensors, same = t.prepare_for_saving()
+    assert same is t and t.row is None and t.col is None and len(tensors) == 7  # row image + 3 + 3
+    assert t.restore_from_saved([*tensors, "rest"]) == ["rest"]
+    assert_nvfp4_equal(t.row, row)
+    assert_nvfp4_equal(t.col, col)
+
+
 @pytest.mark.skipif(TE_REASON is None, reason="Transformer Engine is importable here")
 def test_te_path_without_te_fails_fast_naming_the_flag():
     with pytest.raises(qf.TransformerEngineUnavailable, match="--fp4-recipe custom"):

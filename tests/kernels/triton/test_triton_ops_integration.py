@@ -67,20 +67,3 @@ def test_grouped_linear_ops_on_triton_equal_reference():
     got, want = _grouped("triton", x, ws, sizes, dy), _grouped("reference", x, ws, sizes, dy)
     for i, (a, b) in enumerate(zip(got, want)):
         _compare(a, b, f"output {i}")
-
-
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_one_pass_grad_quantize_changes_no_bit(monkeypatch, backend):
-    """``ops.linear.ONE_PASS_GRAD_QUANTIZE`` (dy for dgrad and wgrad from one read: the dual
-    kernel) gives exactly the gradients of the two separate quantizations (bf16, T % 16 == 0)."""
-    from minite_megatron.ops import linear as ops_linear
-
-    g = torch.Generator().manual_seed(3)
-    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((48, 64), (32, 64), (32,)))
-    dy = torch.randn(48, 32, generator=g).bfloat16()
-    monkeypatch.setattr(ops_linear, "ONE_PASS_GRAD_QUANTIZE", True)
-    one = _linear(backend, x, w, b, dy)
-    monkeypatch.setattr(ops_linear, "ONE_PASS_GRAD_QUANTIZE", False)
-    two = _linear(backend, x, w, b, dy)
-    for name, a, c in zip(("y", "dx", "dw", "db"), one, two):
-        assert_bitwise_equal(a.cpu(), c.cpu(), name)

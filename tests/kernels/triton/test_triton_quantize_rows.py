@@ -1,9 +1,8 @@
 """The fast row-major quantize kernel (:mod:`minite_kernels.triton.quantize_rows`) ==
-``nvfp4.quantize_reference``, bit for bit, on bf16 / fp16 rows: fresh random data, every E2M1
-bin edge and its 16-bit neighbours, saturation, zeros, subnormal inputs and scales, non-finite
-input (row / tensor / group domains, amax override), stochastic rounding, swizzled scales,
-strided rows, rows that take one chunk or many (the amax pass + quantize pass), and the
-fallback for inputs it does not take.
+``nvfp4.quantize_reference``, bit for bit, on bf16 / fp16 rows: strided rows, rows that take one
+chunk or many (the amax pass + quantize pass), 16x16 weight tiles, and the fallback for inputs
+it does not take. The standard cases (random, bin edges, saturation, non-finite, SR, swizzled,
+empty) run on this kernel through ``tests/kernels/test_quantize_suite.py`` (path ``rows``).
 
 Runs under TRITON_INTERPRET=1 on CPU-only machines and on the GPU when there is one.
 """
@@ -14,8 +13,6 @@ import pytest
 import torch
 
 from minite_megatron import nvfp4
-from minite_megatron.testing import assert_bitwise_equal
-
 from minite_kernels.triton._testing import DEVICE, assert_quantized_equal, heavy_tailed, kernels_runnable, randn, tie_matrix
 
 pytestmark = pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
@@ -62,13 +59,6 @@ def half_tie_matrix(dtype: torch.dtype, rows: int = 8) -> torch.Tensor:
     return torch.cat([base, extra], dim=1)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("global_scale", ["row", "tensor"])
-def test_random_normal_and_heavy_tailed(dtype, global_scale):
-    check(randn(37, 96, seed=1, scale=3.0, dtype=dtype), global_scale=global_scale)
-    check(heavy_tailed(19, 160, seed=2, dtype=dtype), global_scale=global_scale)
-
-
 @pytest.mark.parametrize("k", [16, 48, 128, 256, 320])
 def test_row_lengths_one_chunk_and_many(k):
     """K = 16 (one block per row), 48 (odd block count: chunks of one block), 128 / 256 (2 / 4
@@ -79,78 +69,6 @@ def test_row_lengths_one_chunk_and_many(k):
     x = randn(21, k, seed=k, scale=2.0, dtype=torch.bfloat16)
     check(x)
     check(x, global_scale="tensor")
-
-
-@pytest.mark.parametrize("dtype", HALF)
-def test_every_bin_edge_neighbour_tie_and_saturation(dtype):
-    """Ties to the even code at every E2M1 edge, the 16-bit neighbours on either side, 6.5 ->
-    6, -0.0 (code 8), subnormal E4M3 scales and a scale that rounds to zero."""
-    x = half_tie_matrix(dtype)
-    check(x)
-    check(x, global_scale="tensor")
-
-
-def test_zeros_subnormal_inputs_and_extrema():
-    x = torch.zeros(6, 64, dtype=torch.bfloat16)
-    x[1, 3] = 1.0
-    x[2] = torch.tensor(9.2e-41).to(torch.bfloat16)  # bf16 subnormals (whole row)
-    x[3, 5] = torch.tensor(-3.3895e38).to(torch.bfloat16)  # bf16 max magnitude
-    x[3, 40] = torch.tensor(1e-38).to(torch.bfloat16)
-    check(x)
-    check(x, global_scale="tensor")
-    h = randn(4, 64, seed=3, dtype=torch.float16)
-    h[0, 0], h[1, 1], h[2, 2] = 65504.0, -65504.0, 6e-8  # fp16 max and a subnormal
-    check(h)
-
-
-def test_amax_override_below_the_data_saturates():
-    x = randn(16, 64, seed=4, dtype=torch.bfloat16)
-    check(x, amax=torch.full((16,), 0.5))
-    check(x, global_scale="tensor", amax=torch.tensor([0.25]))
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_marks_its_scale_domain(dtype, bad):
-    x = randn(6, 160, seed=5, dtype=dtype)
-    x[2, 17] = bad
-    check(x)  # only row 2
-    check(x, global_scale="tensor")  # everything
-    g = randn(3, 4, 32, seed=6, dtype=dtype)
-    g[1, 3, 4] = bad
-    check(g, global_scale="group")  # only group 1
-
-
-def test_nonfinite_with_amax_override_marks_blocks():
-    """Finite amax given, NaN / inf inside: the NaN block gets a NaN scale and zero codes, the
-    inf block saturates (scale 448, code 7), the rest of the row is quantized normally."""
-    x = randn(4, 64, seed=7, dtype=torch.bfloat16)
-    x[1, 20] = float("nan")
-    x[3, 40] = float("-inf")
-    check(x, amax=torch.full((4,), 3.0))
-
-
-@pytest.mark.parametrize("seed", [0, 2**31 + 7, 2**32 - 1])
-@pytest.mark.parametrize("k", [64, 320])
-def test_stochastic_rounding_draws_the_reference_bits(seed, k):
-    x = randn(9, k, seed=8, scale=4.0, dtype=torch.bfloat16)
-    check(x, rounding="stochastic", seed=seed)
-    check(x, rounding="stochastic", seed=seed, global_scale="tensor")
-
-
-def test_stochastic_rounding_hard_cases():
-    """Grid points, saturation and the edges under stochastic rounding (exact fractions)."""
-    x = half_tie_matrix(torch.bfloat16)
-    check(x, rounding="stochastic", seed=3)
-
-
-def test_swizzled_scales():
-    x = randn(130, 80, seed=9, dtype=torch.bfloat16)
-    got = quantize_forward(x.to(DEVICE), scale_layout="swizzled", with_image=True)
-    ref = nvfp4.quantize_reference(x, with_image=True)
-    assert_bitwise_equal(got.block_scales.cpu(), nvfp4.swizzle_scales(ref.block_scales.reshape(130, 5)), "swizzled")
-    assert_bitwise_equal(got.codes.cpu(), ref.codes, "codes")
-    assert_bitwise_equal(got.image.cpu(), ref.image, "image")
 
 
 def test_strided_rows_and_leading_dims():
@@ -171,12 +89,6 @@ def test_inputs_the_row_kernel_does_not_take_fall_back():
     check(odd, fast=False)
     check(randn(5, 32, seed=13), fast=False)
     check(randn(32, 32, seed=14), fast=False, global_scale="tensor", tile=(16, 16))
-
-
-def test_without_image_and_empty():
-    check(randn(5, 32, seed=15, dtype=torch.bfloat16), with_image=False)
-    got = quantize_forward(torch.zeros(0, 32, dtype=torch.bfloat16, device=DEVICE), with_image=True)
-    assert got.codes.shape == (0, 16) and got.image.shape == (0, 32)
 
 
 # ---- 16x16 weight tiles (issue 16: the weights' quantize on the fast kernel) -----------------------
