@@ -15,7 +15,7 @@ Margin (why it means learning): the held-out greedy accuracy on all 998 prompts 
 (``--eval-size 1000``: every pair never trained on) must rise by at least ``MARGIN`` (0.1: 100
 prompts) over the ``STEPS`` RL steps, in default and in strict mode. Greedy decoding of fixed prompts
 is deterministic, so without updates the number does not move at all; with updates in the wrong
-direction it falls (the old example's collapse, and ``--lr 1e-3`` from the same warm-up: 0.61 ->
+direction it falls (the old example's collapse, and ``--lr 1e-3`` from the previous test's warm-up: 0.61 ->
 0.00 in 30 steps). Settings: 32 prompts x 8 samples per step, 2 PPO epochs of 16-prompt
 mini-batches (4 updates per step), lr 1.5e-4 with a cosine decay to 0 over the run.
 
