@@ -70,8 +70,10 @@ class AdditionTask:
         self.tokenizer = CharTokenizer()
         self.eod = CharTokenizer.EOD
         self._max = 10**digits
-        if self._max**2 <= 40 * eval_size:  # few pairs: take every held-out one, in order
+        if self._max**2 <= 40 * eval_size:  # few pairs: every held-out one, evenly spaced when too many
             held = [(a, b) for a in range(self._max) for b in range(self._max) if self.is_held_out(a, b)]
+            if len(held) > eval_size:  # (the first ones in order would all have small first operands)
+                held = [held[i * len(held) // eval_size] for i in range(eval_size)]
         else:
             held = list(dict.fromkeys(ab for ab in self._candidates(40 * eval_size) if self.is_held_out(*ab)))
         if not held:
