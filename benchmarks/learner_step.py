@@ -115,29 +115,9 @@ def build(variant: str, preset: dict, seq: int, device, dtype):
 
 def _build_local(p: dict, seq: int, device, dtype):
     """Megatron's local spec (``SequentialMLP`` experts, unfused attention) on the same config."""
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from minite_megatron.training.presets import build_local_gpt
 
-    config = TransformerConfig(
-        num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
-        kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
-        num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=device.type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        init_method_std=0.02,
-    )
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    spec = get_gpt_layer_local_spec(num_experts=p["experts"], moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=seq,
-                     position_embedding_type="rope", rotary_base=1_000_000)
-    return model.to(device=device)
+    return build_local_gpt(p, max_seq=seq, device=device, dtype=dtype, seed=0)
 
 
 # ---- measuring ------------------------------------------------------------------------------------

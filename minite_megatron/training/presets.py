@@ -45,36 +45,59 @@ def init_single_process(seed: int | None = 1) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0,
-              **config_overrides):
-    """A ``GPTModel`` of ``preset`` on the minite specs under ``recipe``, weights from ``seed``.
-
-    ``config_overrides``: further ``TransformerConfig`` fields (e.g. the parallel layout:
-    ``tensor_model_parallel_size``, ``sequence_parallel``, ``expert_model_parallel_size``)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def preset_config(preset: str | dict, *, device, dtype: torch.dtype = torch.float32, **overrides):
+    """The ``TransformerConfig`` of ``preset`` (bf16 flags from ``dtype``, CPU initialization on a
+    CPU ``device``); ``overrides``: further fields (e.g. the parallel layout)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ..model import finalize_gpt_model
-    from ..specs import get_gpt_decoder_block_minite_spec
-
-    from megatron.core import tensor_parallel
-
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    device = torch.device(device)
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
         kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
         num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
-        use_cpu_initialization=device.type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        init_method_std=0.02, **config_overrides,
+        use_cpu_initialization=torch.device(device).type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        init_method_std=0.02, **overrides,
     )
+
+
+def _gpt(preset, config, spec, *, max_seq: int, device, seed: int):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     torch.manual_seed(seed)  # CPU initialization
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # GPU initialization (Megatron's RNG tracker)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
-                     vocab_size=p["vocab"], max_sequence_length=max_seq, position_embedding_type="rope",
-                     rotary_base=1_000_000)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=max_seq,
+                    position_embedding_type="rope", rotary_base=1_000_000)
+
+
+def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0,
+              **config_overrides):
+    """A ``GPTModel`` of ``preset`` on the minite specs under ``recipe``, weights from ``seed``.
+
+    ``config_overrides``: further ``TransformerConfig`` fields (e.g. the parallel layout:
+    ``tensor_model_parallel_size``, ``sequence_parallel``, ``expert_model_parallel_size``)."""
+    from ..model import finalize_gpt_model
+    from ..specs import get_gpt_decoder_block_minite_spec
+
+    config = preset_config(preset, device=device, dtype=dtype, **config_overrides)
+    model = _gpt(preset, config, get_gpt_decoder_block_minite_spec(config, recipe), max_seq=max_seq, device=device,
+                 seed=seed)
     finalize_gpt_model(model, recipe)
-    return model.to(device=device)
+    return model.to(device=torch.device(device))
+
+
+def build_local_gpt(preset: str | dict, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """The same model on Megatron's local spec (``SequentialMLP`` experts, Megatron's norms and
+    unfused attention; its fusions off: they need apex / TE): the baseline the benchmarks compare."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    config = preset_config(p, device=device, dtype=dtype, masked_softmax_fusion=False, bias_dropout_fusion=False,
+                           apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+    spec = get_gpt_layer_local_spec(num_experts=p["experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    return _gpt(p, config, spec, max_seq=max_seq, device=device, seed=seed).to(device=torch.device(device))
