@@ -121,7 +121,8 @@ class _NVFP4LinearMixin:
 class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` with an NVFP4 GEMM (weights ``[N/tp, K]``)."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", handoff=None, **kwargs):
+    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4",
+                 handoff=None, **kwargs):
         self._init_minite(recipe, precision, handoff)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self._bind_tp("column")
@@ -154,7 +155,8 @@ class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
 class NVFP4RowParallelLinear(_NVFP4LinearMixin, RowParallelLinear):
     """Megatron's ``RowParallelLinear`` with an NVFP4 GEMM (weights ``[N, K/tp]``)."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", handoff=None, **kwargs):
+    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4",
+                 handoff=None, **kwargs):
         self._init_minite(recipe, precision, handoff)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self._bind_tp("row")

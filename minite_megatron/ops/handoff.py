@@ -43,8 +43,7 @@ def _matrix_key(t: torch.Tensor) -> tuple | None:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    # inference-mode tensors keep no version counter (the rollout engine): storage identity only
-    return None if t.is_inference() else t._version
+    return None if t.is_inference() else t._version  # inference mode (rollout): no version counter, storage only
 
 
 class Handoff:
