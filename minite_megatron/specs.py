@@ -45,6 +45,7 @@ from .modules.moe import MiniteMoELayer
 from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
 from .modules.activation import MiniteActivation
 from .modules.norm import MiniteNorm
+from .ops.handoff import Handoff
 from .recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,15 @@ class MiniteSpecProvider(BackendSpecProvider):
     def linear(self):
         return self.column_parallel_linear()
 
-    def column_parallel_linear(self):
-        return partial(NVFP4ColumnParallelLinear, recipe=self.recipe, precision=self.linear_precision)
+    def column_parallel_linear(self, handoff: Handoff | None = None):
+        return partial(NVFP4ColumnParallelLinear, recipe=self.recipe, precision=self.linear_precision, handoff=handoff)
 
-    def row_parallel_linear(self):
-        return partial(NVFP4RowParallelLinear, recipe=self.recipe, precision=self.linear_precision)
+    def row_parallel_linear(self, handoff: Handoff | None = None):
+        return partial(NVFP4RowParallelLinear, recipe=self.recipe, precision=self.linear_precision, handoff=handoff)
+
+    def handoff(self) -> Handoff | None:
+        """A producer -> NVFP4 linear slot for this provider's linears (None in BF16), passed to both."""
+        return Handoff(self.recipe) if self.linear_precision == "nvfp4" else None
 
     def fuse_layernorm_and_linear(self) -> bool:
         return False
@@ -116,11 +121,10 @@ class MiniteSpecProvider(BackendSpecProvider):
         """RMSNorm batch invariant in strict mode, and in default mode with ``recipe.aligned_ops``."""
         return partial(MiniteNorm, batch_invariant=self.recipe.strict, aligned=self.recipe.aligned_ops)
 
-    def input_norm(self):
+    def input_norm(self, offer_to: Handoff | None = None):
         """The norm in front of this provider's column-parallel linear (qkv, dense fc1): it hands
-        an NVFP4 linear its quantized output (fused on the GPU: ``ops.producers``)."""
-        offer = self.recipe if self.linear_precision == "nvfp4" else None
-        return partial(MiniteNorm, batch_invariant=self.recipe.strict, aligned=self.recipe.aligned_ops, offer_to=offer)
+        an NVFP4 linear its quantized output through ``offer_to`` (fused on the GPU: ``ops.producers``)."""
+        return partial(MiniteNorm, batch_invariant=self.recipe.strict, aligned=self.recipe.aligned_ops, offer_to=offer_to)
 
     def core_attention(self):
         """Strict mode: the batch-invariant attention; default mode: the same forward with
@@ -166,17 +170,17 @@ class MiniteSpecProvider(BackendSpecProvider):
 
         return DeterministicMoELayer
 
-    def activation_func(self):
+    def activation_func(self, offer_to: Handoff | None = None):
         """The MLP activation module (used where ``config.use_te_activation_func``): it hands an
-        NVFP4 ``linear_fc2`` its quantized output (fused SwiGLU -> NVFP4 on the GPU)."""
-        offer = self.recipe if self.linear_precision == "nvfp4" else None
-        return partial(MiniteActivation, offer_to=offer)
+        NVFP4 ``linear_fc2`` its quantized output through ``offer_to`` (fused SwiGLU -> NVFP4 on the GPU)."""
+        return partial(MiniteActivation, offer_to=offer_to)
 
 
 def moe_module_spec(experts_backend, shared_backend, moe_grouped_gemm: bool = True):
     """MoE layer from two providers: ``experts_backend`` gives the MoE layer class, the router and
     the experts (grouped, or sequential with ``moe_grouped_gemm=False``); ``shared_backend`` the
     shared experts' linears."""
+    fc2 = shared_backend.handoff()
     return partial(
         experts_backend.moe_layer(),
         submodules=MoESubmodules(
@@ -185,8 +189,8 @@ def moe_module_spec(experts_backend, shared_backend, moe_grouped_gemm: bool = Tr
                 _build_shared_experts,
                 submodules=MLPSubmodules(
                     linear_fc1=shared_backend.column_parallel_linear(),
-                    linear_fc2=shared_backend.row_parallel_linear(),
-                    activation_func=shared_backend.activation_func(),
+                    linear_fc2=shared_backend.row_parallel_linear(fc2),
+                    activation_func=shared_backend.activation_func(fc2),
                 ),
             ),
             router=experts_backend.router(),
@@ -199,23 +203,24 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
     """One GPT layer from providers: ``attn`` (norms, qkv/proj linears, core attention), ``mlp``
     (dense MLP linears) and, for an MoE layer, ``experts`` and ``shared`` (default: ``mlp``)."""
     norm = attn.layer_norm(rms_norm=True)
+    qkv, fc1, fc2 = attn.handoff(), mlp.handoff(), mlp.handoff()
     if num_experts is None:
         mlp_spec = partial(
             MLP.as_mlp_submodule,
-            submodules=MLPSubmodules(linear_fc1=mlp.column_parallel_linear(), linear_fc2=mlp.row_parallel_linear(),
-                                     activation_func=mlp.activation_func()),
+            submodules=MLPSubmodules(linear_fc1=mlp.column_parallel_linear(fc1), linear_fc2=mlp.row_parallel_linear(fc2),
+                                     activation_func=mlp.activation_func(fc2)),
         )
     else:
         mlp_spec = moe_module_spec(experts or mlp, shared or mlp, moe_grouped_gemm)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=attn.input_norm() if hasattr(attn, "input_norm") else norm,
+            input_layernorm=attn.input_norm(qkv),
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=attn.column_parallel_linear(),
+                    linear_qkv=attn.column_parallel_linear(qkv),
                     core_attention=attn.core_attention(),
                     linear_proj=attn.row_parallel_linear(),
                     q_layernorm=norm if qk_layernorm else IdentityOp,
@@ -223,7 +228,7 @@ def build_layer_spec(attn, mlp, num_experts: int | None, qk_layernorm: bool, exp
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=mlp.input_norm() if num_experts is None and hasattr(mlp, "input_norm") else norm,
+            pre_mlp_layernorm=mlp.input_norm(fc1) if num_experts is None else norm,
             mlp=mlp_spec,
             mlp_bda=get_bias_dropout_add,
             # the same checkpoint keys as Megatron's local and TE specs

@@ -7,7 +7,7 @@ otherwise computes the activation inline. It computes what Megatron computes: th
 ``activation_func_clamp_value`` says) for ``gated_linear_unit``, else ``act(x)``; SwiGLU as
 ``silu(gate) * up``, Megatron's ``swiglu``.
 
-An activation that feeds an NVFP4 ``linear_fc2`` (``offer_to=recipe``, set by the spec) hands
+An activation that feeds an NVFP4 ``linear_fc2`` (``offer_to=``: their ``Handoff``, spec) hands
 that linear the per-token quantization of its output (:mod:`minite_megatron.ops.producers`: one
 fused SwiGLU -> NVFP4 kernel on the GPU). Not under tensor parallelism: ``linear_fc2`` is row
 parallel, its per-token amax spans the ranks, so the quantization waits for the all-reduce.

@@ -88,12 +88,12 @@ class _NVFP4LinearMixin:
         self.minite_ctx.tp_group = self.tp_group
         self.minite_ctx.parallel_mode = parallel_mode
 
-    def _init_minite(self, recipe: Recipe | None, precision: str) -> None:
+    def _init_minite(self, recipe: Recipe | None, precision: str, handoff=None) -> None:
         if precision not in ("nvfp4", "bf16"):
             raise ValueError(f"precision must be 'nvfp4' or 'bf16', got {precision!r}")
         self.recipe = recipe if recipe is not None else Recipe()
         self.precision = precision
-        self.minite_ctx = LinearContext(self.recipe, QuantizedWeightCache())
+        self.minite_ctx = LinearContext(self.recipe, QuantizedWeightCache(), handoff=handoff)
 
     @property
     def trace_name(self) -> str | None:
@@ -121,8 +121,9 @@ class _NVFP4LinearMixin:
 class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` with an NVFP4 GEMM (weights ``[N/tp, K]``)."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", **kwargs):
-        self._init_minite(recipe, precision)
+    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4",
+                 handoff=None, **kwargs):
+        self._init_minite(recipe, precision, handoff)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self._bind_tp("column")
         if precision == "nvfp4":
@@ -154,8 +155,9 @@ class NVFP4ColumnParallelLinear(_NVFP4LinearMixin, ColumnParallelLinear):
 class NVFP4RowParallelLinear(_NVFP4LinearMixin, RowParallelLinear):
     """Megatron's ``RowParallelLinear`` with an NVFP4 GEMM (weights ``[N, K/tp]``)."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4", **kwargs):
-        self._init_minite(recipe, precision)
+    def __init__(self, input_size, output_size, *, config, init_method, recipe: Recipe | None = None, precision: str = "nvfp4",
+                 handoff=None, **kwargs):
+        self._init_minite(recipe, precision, handoff)
         super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
         self._bind_tp("row")
         if precision == "nvfp4":

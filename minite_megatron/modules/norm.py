@@ -7,9 +7,9 @@ it does for apex/TE norms. In strict mode RMSNorm uses the batch-invariant formu
 :mod:`minite_megatron.invariant.rmsnorm`; so does default mode with ``aligned`` (the recipe's
 ``aligned_ops``, on by default), so that the rollout engine's decode steps normalize a token
 with the learner's bits (the cost is the same: one kernel per norm forward on the GPU, the
-ordinary gradient formulas backward). A norm that feeds an NVFP4 linear (``offer_to=recipe``,
-set by the spec) hands that linear its quantized output (:mod:`minite_megatron.ops.producers`:
-one fused kernel on the GPU).
+ordinary gradient formulas backward). A norm that feeds an NVFP4 linear (``offer_to=``: the
+:class:`~minite_megatron.ops.handoff.Handoff` the spec gives both) hands that linear its quantized
+output (:mod:`minite_megatron.ops.producers`: one fused kernel on the GPU).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class MiniteNorm(torch.nn.Module):
         sp = bool(getattr(config, "sequence_parallel", False))
         for p in self.parameters():
             setattr(p, "sequence_parallel", sp)
-        # The recipe of the NVFP4 linear this norm feeds (spec): offer it the quantized output
+        # The slot shared with the NVFP4 linear this norm feeds (spec): offer it the quantized output
         # (ops.producers). Not under sequence parallelism, where the linear gathers its input first.
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         self.offer_to = offer_to if self.normalization == "RMSNorm" and not (sp and tp > 1) else None

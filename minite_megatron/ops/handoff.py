@@ -2,7 +2,8 @@
 
 A fused producer (RMSNorm -> quantize: :mod:`.producers`) writes its bf16 output *and* the
 fprop operand of the next linear (per-token NVFP4 codes, scales and image) from one read of its
-input. It offers the pair here; the linear's :func:`~.linear.quantize_activation` takes the
+input. It offers the pair to a :class:`Handoff`, the slot the spec gives one producer (``offer_to=``)
+and its linear (``handoff=``); the linear's :func:`~.linear.quantize_activation` takes the
 quantization instead of reading the activation again, when it is provably the same tensor:
 
 * the same storage, offset, shape (as a 2D ``[M, K]`` matrix), dtype and contiguity, and the
@@ -14,29 +15,19 @@ quantization instead of reading the activation again, when it is provably the sa
   backend) equals the consumer's, and the consumer needs no cross-rank amax (a row-parallel
   linear under tensor parallelism, or a sequence-parallel gather, never matches or is refused).
 
-One slot per thread (the forward pass is sequential): an offer replaces the previous one, and
-taking it clears it, so a stale offer never outlives the next producer.
+An offer replaces the previous one; the consumer's take (and its backward) clears the slot
+whether it matched or not, so a stale offer never outlives the consumer's next call.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from collections import namedtuple
 
 import torch
 
 from ..nvfp4.tensor import NVFP4Tensor
 
-
-@dataclass(frozen=True)
-class _Offer:
-    tensor: torch.Tensor
-    version: int
-    quantized: NVFP4Tensor
-    key: tuple
-
-
-_slot = threading.local()
+_Offer = namedtuple("_Offer", "tensor version quantized key")  # the producer's output, its version, its NVFP4
 
 
 def activation_key(recipe, backend) -> tuple:
@@ -52,32 +43,33 @@ def _matrix_key(t: torch.Tensor) -> tuple | None:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    # inference-mode tensors keep no version counter (the rollout engine): storage identity only
-    return None if t.is_inference() else t._version
+    return None if t.is_inference() else t._version  # inference mode (rollout): no version counter, storage only
 
 
-def offer(tensor: torch.Tensor, quantized: NVFP4Tensor, key: tuple) -> None:
-    """Offer ``quantized`` (the NVFP4 of ``tensor`` as ``[M, K]``) to the next consumer."""
-    if _matrix_key(tensor) is None:
-        _slot.offer = None
-        return
-    _slot.offer = _Offer(tensor, _version(tensor), quantized, key)
+class Handoff:
+    """The slot of one producer -> NVFP4 linear pair; ``recipe`` is the consumer's recipe."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+        self._offer: _Offer | None = None
+
+    def offer(self, tensor: torch.Tensor, quantized: NVFP4Tensor, key: tuple) -> None:
+        """Offer ``quantized`` (the NVFP4 of ``tensor`` as ``[M, K]``) to the consumer."""
+        self._offer = None if _matrix_key(tensor) is None else _Offer(tensor, _version(tensor), quantized, key)
+
+    def take(self, tensor: torch.Tensor, key: tuple) -> NVFP4Tensor | None:
+        """The offered quantization of ``tensor`` (any contiguous view of the offered output with
+        the same ``[M, K]`` matrix), or None. Clears the slot either way."""
+        o, self._offer = self._offer, None
+        same = o is not None and (mk := _matrix_key(tensor)) is not None and mk == _matrix_key(o.tensor)
+        return o.quantized if same and o.key == key and _version(tensor) == o.version else None
+
+    def clear(self) -> None:
+        self._offer = None
 
 
-def take(tensor: torch.Tensor, key: tuple) -> NVFP4Tensor | None:
-    """The offered quantization of ``tensor`` (any contiguous view of the offered output with
-    the same ``[M, K]`` matrix), or None. Clears the slot either way when it matched the storage."""
-    o: _Offer | None = getattr(_slot, "offer", None)
-    if o is None:
-        return None
-    mk = _matrix_key(tensor)
-    if mk is None or mk != _matrix_key(o.tensor):
-        return None
-    _slot.offer = None
-    if o.key != key or _version(tensor) != o.version:
-        return None
-    return o.quantized
-
-
-def clear() -> None:
-    _slot.offer = None
+def clear_all(model: torch.nn.Module) -> None:
+    """Clear every producer's slot in ``model`` (after a CUDA-graph capture: offers in graph memory)."""
+    for m in model.modules():
+        if isinstance(slot := getattr(m, "offer_to", None), Handoff):
+            slot.clear()

@@ -29,7 +29,7 @@ import torch
 from .. import nvfp4
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
-from . import handoff
+from .handoff import Handoff, activation_key
 from .amax_sync import needs_sync
 from .roles import gemm_role, quantize_role
 from .seeds import next_sr_seed
@@ -51,6 +51,7 @@ class LinearContext:
     trace_name: str | None = None
     tp_group: object = None
     parallel_mode: str | None = None
+    handoff: Handoff | None = None  # the slot a producer offers this linear's input in (spec)
 
     @property
     def row(self) -> bool:
@@ -136,11 +137,11 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
 # ---- the operands of the three GEMMs (shared with the grouped linear; the rule: .roles) --------
 def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism.
-    Taken from a fused producer's handoff (:mod:`.handoff`) when it quantized this very tensor."""
-    recipe = lctx.recipe
+    Taken from ``lctx.handoff`` (:mod:`.handoff`) when its producer quantized this very tensor."""
+    recipe, slot = lctx.recipe, lctx.handoff
     qx = None
     if recipe.activation_scale == "row" and not needs_sync("row", lctx.tp_group, rows_sharded=False, k_sharded=lctx.row):
-        qx = handoff.take(x2, handoff.activation_key(recipe, backend))  # a fused producer's output (ops.producers)
+        qx = slot and slot.take(x2, activation_key(recipe, backend))  # a fused producer's output (ops.producers)
     if qx is None:
         qx = _quantize(gemm_role(recipe, "fprop", "input"), x2, recipe, lctx, backend)
     _trace(lctx, "input_codes", qx.codes)
@@ -190,6 +191,8 @@ class NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         lctx: LinearContext = ctx.lctx
+        if lctx.handoff is not None:
+            lctx.handoff.clear()  # an offer of a producer recomputed for this backward (nobody takes it)
         recipe = lctx.recipe
         weight, *rest = ctx.saved_tensors
         backend = backend_for(recipe, grad_out.device)

@@ -22,8 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops import handoff
-
 
 class StepGraphs:
     """Captured decode steps keyed by ``(bucket, key)`` (see the module docstring)."""
@@ -61,7 +59,6 @@ class StepGraphs:
         reset()
         with self.capturing(), torch.cuda.graph(graph, pool=self.pool):
             body()
-        handoff.clear()  # an offer made inside the capture refers to graph memory
         if rng_state is not None:
             self.generator.set_state(rng_state)
         self._graphs[key] = graph

@@ -66,6 +66,7 @@ from megatron.core.utils import GlobalMemoryBuffer
 
 from ..modules.grouped_linear import NVFP4GroupedLinear
 from ..nvfp4.tensor import NVFP4Tensor
+from ..ops.handoff import activation_key, clear_all
 from ..ops.linear import backend_for, quantize_activation
 from ..modules.deterministic_moe import ordered_sum
 from . import fused_ops
@@ -588,19 +589,18 @@ def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
 
 def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
     from ..modules.norm import MiniteNorm
-    from ..ops import handoff
     from ..invariant.backend import resolve
 
     if not (fused_ops.use_kernels(out) and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
             and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0
             and residual.shape == out.shape):
         return None
-    offer = norm.offer_to
-    if offer is not None:  # the learner's fused producer (rmsnorm_quantize), offering its quantization
+    slot = norm.offer_to
+    if slot is not None:  # the learner's fused producer (rmsnorm_quantize), offering its quantization
         from ..ops.producers import fused_supported
 
-        backend = backend_for(offer, out.device)
-        if offer.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, offer, backend):
+        backend = backend_for(slot.recipe, out.device)
+        if slot.recipe.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, slot.recipe, backend):
             return None
     elif not (norm.invariant_rms and resolve(out.device) == "triton"):
         return None  # not bi_rmsnorm's arithmetic in the learner
@@ -609,8 +609,8 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
     shape, hdim = out.shape, out.shape[-1]
     h, y, q = add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
                                    norm.zero_centered_gamma, with_image=True)
-    if offer is not None:
-        handoff.offer(y, q, handoff.activation_key(offer, backend))
+    if slot is not None:
+        slot.offer(y, q, activation_key(slot.recipe, backend))
     return h.view(shape), y.view(shape)
 
 
@@ -667,7 +667,7 @@ class DecodeModel:
         """While warming up and capturing a graph: Megatron's global memory buffer is this runner's
         own, and its CUDA RNG tracker's ``fork`` (which ``DotProductAttention`` enters around its
         attention dropout, an identity at inference) does not read the generator state, which a
-        capture forbids."""
+        capture forbids. After, the producers' handoff slots are cleared (offers in graph memory)."""
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         saved = parallel_state._GLOBAL_MEMORY_BUFFER
@@ -679,6 +679,7 @@ class DecodeModel:
             yield
         finally:
             parallel_state._GLOBAL_MEMORY_BUFFER = saved
+            clear_all(self.gpt)
             if not had_own:
                 del tracker.fork
 

@@ -145,8 +145,8 @@ def test_fused_producer_handoff_on_the_gpu(megatron_gpu, monkeypatch, strict, ac
     from .minite_tiny import build_gpt, causal_mask, lm_batch, tiny_config
 
     taken = []
-    real_take = handoff.take
-    monkeypatch.setattr(handoff, "take", lambda t, key: taken.append(q := real_take(t, key)) or q)
+    real_take = handoff.Handoff.take
+    monkeypatch.setattr(handoff.Handoff, "take", lambda self, t, key: taken.append(q := real_take(self, t, key)) or q)
     cfg = tiny_config(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
                       params_dtype=torch.bfloat16, bf16=True, use_te_activation_func=activation_module)
     recipe = Recipe(strict=strict)

@@ -1,6 +1,6 @@
 """The producer -> linear handoff: the norm's quantized output is taken by the qkv / fc1 linear
-only when it is provably the same tensor and the same quantization, and a model computes the
-same numbers with it as without it."""
+from the slot the spec gave both, only when it is provably the same tensor and the same
+quantization, and a model computes the same numbers with it as without it."""
 
 import pytest
 import torch
@@ -18,25 +18,50 @@ def _q(t):
 
 
 def test_take_matches_the_offered_storage_only():
+    slot, other = handoff.Handoff(Recipe()), handoff.Handoff(Recipe())
     y = torch.randn(4, 8, 32)
     q = _q(y.reshape(-1, 32))
-    handoff.offer(y, q, KEY)
-    assert handoff.take(torch.randn(32, 32), KEY) is None  # another tensor: no match, offer kept
-    assert handoff.take(y.reshape(-1, 32), KEY) is q  # a view of the same [M, K] matrix
-    assert handoff.take(y.reshape(-1, 32), KEY) is None  # taken once
+    slot.offer(y, q, KEY)
+    assert other.take(y.reshape(-1, 32), KEY) is None  # another pair's slot: nothing offered there
+    assert slot.take(y.reshape(-1, 32), KEY) is q  # a view of the same [M, K] matrix
+    assert slot.take(y.reshape(-1, 32), KEY) is None  # taken once
+    slot.offer(y, q, KEY)
+    assert slot.take(torch.randn(32, 32), KEY) is None  # another tensor: no match, and the stale
+    assert slot._offer is None  # offer is dropped (it held the producer's output alive)
 
 
 def test_take_refuses_a_changed_tensor_or_another_quantization():
+    slot = handoff.Handoff(Recipe())
     y = torch.randn(16, 32)
-    handoff.offer(y, _q(y), KEY)
+    slot.offer(y, _q(y), KEY)
     y.mul_(2)  # in-place change after the offer
-    assert handoff.take(y, KEY) is None
-    handoff.offer(y, _q(y), KEY)
-    assert handoff.take(y, ("row", "raise", "reference")) is None
-    handoff.offer(y, _q(y), KEY)
-    assert handoff.take(y[:, :16].contiguous(), KEY) is None
-    assert handoff.take(y.t(), KEY) is None  # not contiguous
-    handoff.clear()
+    assert slot.take(y, KEY) is None
+    slot.offer(y, _q(y), KEY)
+    assert slot.take(y, ("row", "raise", "reference")) is None
+    slot.offer(y, _q(y), KEY)
+    assert slot.take(y[:, :16].contiguous(), KEY) is None
+    slot.offer(y, _q(y), KEY)
+    assert slot.take(y.t(), KEY) is None  # not contiguous
+
+
+def test_the_spec_gives_each_producer_and_its_linear_one_slot():
+    """Each norm / SwiGLU -> NVFP4 linear pair of a layer shares one ``Handoff``, its own (no
+    module-global or thread-local state); BF16 linears get none."""
+    from minite_megatron.specs import get_gpt_layer_minite_spec
+
+    def slots(spec):
+        sub = spec.submodules
+        attn, mlp = sub.self_attention.submodules, sub.mlp.keywords["submodules"]
+        pairs = [(sub.input_layernorm, attn.linear_qkv), (sub.pre_mlp_layernorm, mlp.linear_fc1),
+                 (mlp.activation_func, mlp.linear_fc2)]
+        for producer, consumer in pairs:
+            assert producer.keywords["offer_to"] is consumer.keywords["handoff"]
+        assert attn.linear_proj.keywords["handoff"] is None
+        return [p.keywords["offer_to"] for p, _ in pairs]
+
+    a, b = slots(get_gpt_layer_minite_spec(Recipe())), slots(get_gpt_layer_minite_spec(Recipe()))
+    assert all(isinstance(h, handoff.Handoff) for h in a) and len({id(h) for h in a + b}) == 6
+    assert slots(get_gpt_layer_minite_spec(Recipe(), layer_in_bf16=True)) == [None, None, None]
 
 
 #: a dense tiny model (every MLP feeds NVFP4 linears)
@@ -73,14 +98,14 @@ def test_producers_hand_over_their_quantization_and_nothing_changes(monkeypatch)
     from tests.megatron.minite_tiny import tiny_config
 
     taken = []
-    real_take = handoff.take
+    real_take = handoff.Handoff.take
 
-    def spy(t, key):
-        q = real_take(t, key)
+    def spy(self, t, key):
+        q = real_take(self, t, key)
         taken.append(q is not None)
         return q
 
-    monkeypatch.setattr(handoff, "take", spy)
+    monkeypatch.setattr(handoff.Handoff, "take", spy)
     cfg = tiny_config(use_te_activation_func=True, **DENSE)
     with_handoff = _loss_and_grads(cfg)
     # 2 layers x (input norm -> qkv, pre-MLP norm -> fc1, SwiGLU -> fc2): every one taken
@@ -100,8 +125,8 @@ def test_norm_offers_nothing_under_sequence_parallelism():
     from tests.megatron.minite_tiny import tiny_config
 
     cfg = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
-    assert MiniteNorm(cfg, 64, offer_to=Recipe()).offer_to is None
-    assert MiniteNorm(tiny_config(), 64, offer_to=Recipe()).offer_to is not None
+    assert MiniteNorm(cfg, 64, offer_to=handoff.Handoff(Recipe())).offer_to is None
+    assert MiniteNorm(tiny_config(), 64, offer_to=handoff.Handoff(Recipe())).offer_to is not None
 
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise"])

@@ -105,7 +105,8 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     recipe = Recipe(backend="triton")
     cfg = SimpleNamespace(normalization="RMSNorm", layernorm_zero_centered_gamma=False, params_dtype=torch.bfloat16,
                           use_cpu_initialization=True, sequence_parallel=False, tensor_model_parallel_size=1)
-    norm = MiniteNorm(cfg, 256, eps=1e-6, offer_to=recipe if offered else None, aligned=True)
+    slot = handoff.Handoff(recipe) if offered else None
+    norm = MiniteNorm(cfg, 256, eps=1e-6, offer_to=slot, aligned=True)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         norm.weight.copy_((torch.rand(256, generator=g) + 0.5).to(torch.bfloat16))
@@ -125,9 +126,9 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     with use_backend("triton"), torch.no_grad():
         h_ref = bda((out, None), residual)
         y_ref = norm(h_ref)
-        q_ref = handoff.take(y_ref, key)
+        q_ref = slot and slot.take(y_ref, key)
         h, y = add_then_norm(norm, residual, ((out, None), bda), False)
-        q = handoff.take(y, key)
+        q = slot and slot.take(y, key)
         assert len(launched) == 1
         add_then_norm(norm, residual, ((out, None), bda), True)
         add_then_norm(norm, residual, ((out, torch.zeros(256, dtype=torch.bfloat16)), bda), False)

@@ -518,14 +518,15 @@ def test_the_ops_producers_on_triton_hand_the_linear_the_fused_quantization(whic
     from minite_megatron.invariant.rmsnorm import rms_norm_backward
 
     recipe = Recipe(backend="triton")
+    slot = handoff.Handoff(recipe)
     backend = get_backend("triton", DEVICE)
     h = randn(3, 8, 64, seed=21).bfloat16().to(DEVICE).requires_grad_()
     w = (1 + 0.1 * randn(64, seed=22)).to(DEVICE)
     if which == "norm":
-        out = producers.rms_norm_offering(h, w, 1e-5, False, recipe, norm_fn=None)  # fused: never calls it
+        out = producers.rms_norm_offering(h, w, 1e-5, False, slot, norm_fn=None)  # fused: never calls it
     else:
-        out = producers.swiglu_offering(h, recipe, act_fn=None)
-    q = handoff.take(out.reshape(-1, out.shape[-1]), handoff.activation_key(recipe, backend))
+        out = producers.swiglu_offering(h, slot, act_fn=None)
+    q = slot.take(out.reshape(-1, out.shape[-1]), handoff.activation_key(recipe, backend))
     assert q is not None
     ref = nvfp4.quantize_reference(out.detach().reshape(-1, out.shape[-1]).cpu(), global_scale="row", with_image=True)
     assert_quantized_equal(_cpu_q(q), ref)
