@@ -78,10 +78,8 @@ class QuantizedWeightCache:
     """Holds one weight's NVFP4 form -- or the stacked form of a list of expert weights -- and,
     for backends that need it, its transpose for dgrad (see the module docstring).
 
-    ``keep_images``: keep the BF16 image in training too (the design before issue 16: 2 more
-    bytes per weight from a layer's forward to its backward). ``keep_codes``: keep the entry
-    after the layer's backward (one quantization per optimizer step instead of per micro-batch;
-    0.56 bytes per weight more at the end of the backward)."""
+    ``keep_images``: keep the BF16 image in training too (2 more bytes per weight until the backward);
+    ``keep_codes``: keep the entry after the layer's backward (0.56 bytes per weight more there)."""
 
     def __init__(self, keep_images: bool = False, keep_codes: bool = False):
         self.keep_images_in_training, self.keep_codes = keep_images, keep_codes
