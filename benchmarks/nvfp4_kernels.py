@@ -35,7 +35,6 @@ from ._timing import Rotating, bench, ensure_minite_kernels, environment, print_
 ensure_minite_kernels()
 
 from minite_megatron import nvfp4  # noqa: E402
-from minite_kernels.triton import quantize as tq  # noqa: E402
 from minite_kernels.triton.backend import TritonBackend, TritonOptions  # noqa: E402
 from minite_kernels.triton.quantize_tiles import QuantizeTiles  # noqa: E402
 from minite_kernels.triton.gemm import gemm_op  # noqa: E402
