@@ -24,7 +24,7 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 
 A variant may carry design switches after a ``+`` (A/B runs of the memory design), e.g.
 ``nvfp4+keep_images`` (the weight caches keep BF16 images in training, the design before
-issue 16) or ``nvfp4+keep_codes`` (``ops.weight_cache.RELEASE_AFTER_BACKWARD = False``: the
+issue 16; recipe field ``keep_weight_images``) or ``nvfp4+keep_codes`` (``keep_weight_codes``: the
 quantized weights stay after the backward, for the next micro-batch).
 
 A step is one forward (``model(tokens, position_ids, None, labels=labels)``, mean token loss)
@@ -86,8 +86,9 @@ def step_flops(p: dict, batch: int, seq: int) -> float:
 
 
 # ---- models -------------------------------------------------------------------------------------
-def build(variant: str, preset: dict, seq: int, device, dtype):
-    """(callable(tokens, labels) -> loss, module) of one variant, weights from seed 0."""
+def build(variant: str, preset: dict, seq: int, device, dtype, changes: dict | None = None):
+    """(callable(tokens, labels) -> loss, module) of one variant, weights from seed 0;
+    ``changes``: recipe fields set on top of the variant's recipe (the ``+switch`` options)."""
     from minite_megatron.recipe import Recipe
     from minite_megatron.training.presets import build_gpt
 
@@ -102,7 +103,7 @@ def build(variant: str, preset: dict, seq: int, device, dtype):
     else:
         unaligned = dict(aligned_ops=False, aligned_attention=False)
         recipe = {"bf16": Recipe(precision="bf16", **unaligned), "nvfp4": Recipe(), "nvfp4_sdpa": Recipe(**unaligned),
-                  "strict": Recipe(strict=True)}[variant]
+                  "strict": Recipe(strict=True)}[variant].replace(**(changes or {}))
         model = build_gpt(preset, recipe, max_seq=seq, device=device, dtype=dtype)
     model.train()
 
@@ -257,39 +258,27 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
             "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
 
 
-#: ``+switch`` -> (module, attribute, value) set while the variant runs
+#: ``+switch`` -> the recipe fields it sets (the weight caches' options, read where a layer builds its cache)
 SWITCHES = {
-    "keep_images": ("minite_megatron.ops.weight_cache", "KEEP_IMAGES_IN_TRAINING", True),
-    "keep_codes": ("minite_megatron.ops.weight_cache", "RELEASE_AFTER_BACKWARD", False),
+    "keep_images": {"keep_weight_images": True},
+    "keep_codes": {"keep_weight_codes": True},
 }
 
 
 def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> dict:
-    import importlib
-
     base, *switches = variant.split("+")
-    saved = []
-    try:
-        for sw in switches:
-            module, attr, value = SWITCHES[sw]
-            mod = importlib.import_module(module)
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
-        row = _run_variant(base, preset, batch, seq, args, device, dtype, out_dir, variant)
-    finally:
-        for mod, attr, value in saved:
-            setattr(mod, attr, value)
-    return row
+    changes = {k: v for sw in switches for k, v in SWITCHES[sw].items()}
+    return _run_variant(base, preset, batch, seq, args, device, dtype, out_dir, variant, changes)
 
 
-def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, label) -> dict:
+def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, label, changes=None) -> dict:
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    run, model = build(variant, preset, seq, device, dtype)
+    run, model = build(variant, preset, seq, device, dtype, changes)
     build_s = time.perf_counter() - t0
     g = torch.Generator(device="cpu").manual_seed(7)
     tokens = torch.randint(0, preset["vocab"], (batch, seq), generator=g).to(device)
@@ -385,6 +374,8 @@ def main(argv=None):
         base, *switches = v.split("+")
         if base not in VARIANTS + ("local", "nvfp4_sdpa") or any(sw not in SWITCHES for sw in switches):
             sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local', 'nvfp4_sdpa')}, switches {tuple(SWITCHES)})")
+        if switches and base in ("anchor", "local"):
+            sys.exit(f"--variants: {v!r}: the +switches set minite recipe fields; {base!r} has no minite layers")
     records = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         if tokens % args.seq_length:

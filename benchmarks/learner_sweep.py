@@ -5,7 +5,7 @@
 
 * ``tile_quantize``: the 16x16 weight-tile quantize of the experts' stacked weights (fc1
   ``[128 * 1536, 2048]``, fc2 ``[128 * 2048, 768]``, per-expert scales, codes and scales only, the
-  amax pass included) on the row kernel at each ``(GPU_TILE_NB, GPU_TILE_WARPS)``, and the
+  amax pass included) on the row kernel at each ``QuantizeTiles.weight_tile`` (a ``TritonBackend`` per setting), and the
   generic kernel it replaced; GB/s counts the bytes read twice (amax pass + quantize) and the
   codes and scales written once.
 * ``wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
@@ -39,21 +39,17 @@ def _skewed_sizes(g: torch.Generator) -> list[int]:
 
 
 def sec_tile_quantize(res: dict) -> None:
-    from minite_kernels.triton import quantize_rows
-    from minite_kernels.triton.quantize import quantize_forward
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+    from minite_kernels.triton.quantize_tiles import QuantizeTiles
 
     rows = []
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         nbytes = 2 * w.numel() * 2 + w.numel() // 2 + w.numel() // 16
-        base = (quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS)
-        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:
-            try:
-                quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = cfg
-                ms = bench(lambda: quantize_forward(w, global_scale="group", tile=(16, 16)))
-                rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6})
-            finally:
-                quantize_rows.GPU_TILE_NB, quantize_rows.GPU_TILE_WARPS = base
+        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:  # QuantizeTiles.weight_tile: (threads per row, warps)
+            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(weight_tile=cfg)))
+            ms = bench(lambda: be.quantize(w, global_scale="group", tile=(16, 16)))
+            rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6})
         del w
     res["tile_quantize"] = rows
     print_table("16x16 weight-tile quantize (group scales, codes + scales, amax pass included)", rows,

@@ -23,6 +23,7 @@ that the script itself works; its numbers mean nothing).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -34,7 +35,8 @@ from ._timing import Rotating, bench, ensure_minite_kernels, environment, print_
 ensure_minite_kernels()
 
 from minite_megatron import nvfp4  # noqa: E402
-from minite_kernels.triton import quantize as tq  # noqa: E402
+from minite_kernels.triton.backend import TritonBackend, TritonOptions  # noqa: E402
+from minite_kernels.triton.quantize_tiles import QuantizeTiles  # noqa: E402
 from minite_kernels.triton.gemm import gemm_op  # noqa: E402
 from minite_kernels.triton.grouped_gemm import group_offsets, grouped_gemm_op  # noqa: E402
 from minite_kernels.triton.grouped_wgrad import grouped_wgrad_forward  # noqa: E402
@@ -133,23 +135,19 @@ def sec_quantize(res, sweep):
     rows.append({"case": "act row+image, one token (decode)", "rows": 1, "K": 2048, "ms": t})
     if sweep and not SMOKE:
         x = rnd(t_tok, 2048, scale=3.0)
-        base = dict(single=tq.GPU_SINGLE_PASS_ELEMS, tile=tq.GPU_QUANTIZE_TILE, warps=tq.GPU_QUANTIZE_WARPS,
-                    ttile=tq.GPU_TRANSPOSED_TILE, spk=tq.GPU_SINGLE_PASS_K)
-        trials = [("single-pass elems", "GPU_SINGLE_PASS_ELEMS", v, x, {}) for v in (2048, 4096, 16384)]
-        trials += [("loop tile (K=2048)", "GPU_SINGLE_PASS_K", 1024, x, {})]
-        trials += [("t-kernel tile", "GPU_TRANSPOSED_TILE", v, x.t(), dict(global_scale="tensor"))
+        trials = [("single-pass elems", "single_pass_elems", v, x, {}) for v in (2048, 4096, 16384)]
+        trials += [("loop tile (K=2048)", "single_pass_k", 1024, x, {})]
+        trials += [("t-kernel tile", "transposed_tile", v, x.t(), dict(global_scale="tensor"))
                    for v in ((32, 64, 4), (64, 64, 8), (32, 128, 4), (64, 128, 8), (128, 64, 8), (16, 128, 4))]
-        for label, attr, value, xin, kw in trials:
-            setattr(tq, attr, value)
+        for label, field, value, xin, kw in trials:  # a backend per setting (TritonOptions.quantize_tiles)
+            be = TritonBackend(TritonOptions(quantize_tiles=dataclasses.replace(QuantizeTiles(), **{field: value})))
             try:
-                t = timed(lambda: quantize_forward(xin, with_image=True, **kw))
+                t = timed(lambda: be.quantize(xin, with_image=True, **kw))
                 gbs = _qbytes(t_tok, 2048, True) / t / 1e6
                 rows.append({"case": f"sweep {label} = {value}", "rows": xin.shape[0], "K": xin.shape[1], "ms": t,
                              "GBps": gbs, "pct_copy": 100 * gbs / copy if copy else None})
             except Exception as e:  # a config that does not compile: report, keep going
                 rows.append({"case": f"sweep {label} = {value} FAILED {type(e).__name__}: {str(e)[:60]}"})
-            tq.GPU_SINGLE_PASS_ELEMS, tq.GPU_QUANTIZE_TILE = base["single"], base["tile"]
-            tq.GPU_QUANTIZE_WARPS, tq.GPU_TRANSPOSED_TILE, tq.GPU_SINGLE_PASS_K = base["warps"], base["ttile"], base["spk"]
     res["quantize"] = rows
     print_table("quantize (minimum bytes / time)", rows, ["case", "rows", "K", "ms", "GBps", "pct_copy"])
 

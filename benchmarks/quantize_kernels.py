@@ -30,9 +30,10 @@ ensure_minite_kernels()
 
 from minite_kernels.triton import quantize as tq  # noqa: E402
 from minite_kernels.triton import quantize_cols as tc  # noqa: E402
-from minite_kernels.triton import quantize_rows as tr  # noqa: E402
+from minite_kernels.triton.backend import TritonBackend, TritonOptions  # noqa: E402
 from minite_kernels.triton.amax import amax_forward  # noqa: E402
 from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.quantize_tiles import QuantizeTiles  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -61,10 +62,10 @@ CASES = [
 ]
 
 ROWS_SWEEP = [(32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (32, 4, 0), (16, 4, 4), (32, 1, 0)]
-"""(GPU_ROWS_NB, GPU_ROWS_WARPS, MAX_CHUNKS) of the row kernel; the first is the default."""
+"""``QuantizeTiles.rows`` (threads per row, warps, max chunks) of the row kernel; the first is the default."""
 COLS_SWEEP = [((64, 4, 4), 8), ((64, 8, 8), 8), ((32, 16, 4), 8), ((32, 8, 4), 8), ((64, 4, 4), 4),
               ((64, 4, 4), 16), ((64, 2, 2), 8), ((128, 4, 4), 8)]
-"""(GPU_COLS_TILE, GPU_GROUPS_PER_PROG) of the column kernel; the first is the default."""
+"""(``QuantizeTiles.cols_tile``, groups per program) of the column kernel; the first is the default."""
 
 
 def timed(fn) -> float:
@@ -149,45 +150,34 @@ def _same(a, b) -> bool:
 
 
 def sec_sweeps(res, copy_gbps):
+    """Each config is a ``TritonBackend(TritonOptions(quantize_tiles=...))`` of its own."""
     rows = []
-    base_rows = (tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS)
+
+    def sweep(kernel, label, tiles, cases, refs):
+        be = TritonBackend(TritonOptions(quantize_tiles=tiles))
+        try:
+            for (name, x, kw), ref in zip(cases, refs):
+                r, k = x.shape
+                t = timed(lambda: be.quantize(x, **kw))
+                gbs = qbytes(r, k, True) / t / 1e6
+                rows.append({"kernel": kernel, "config": label, "case": f"{name} {r}x{k}", "us": 1e3 * t,
+                             "GBps": gbs, "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None,
+                             "same_bits": _same(be.quantize(x, **kw), ref)})
+        except Exception as e:  # a config that does not compile: report, keep going
+            rows.append({"kernel": kernel, "config": label, "case": f"FAILED {type(e).__name__}: {str(e)[:80]}"})
+
     cases = [("act row+image", source((T, 2048)), IMG), ("act row+image", source((T, 5120), 1), IMG),
              ("dy tensor+image+SR", source((T, 5120), 2), {**IMG, **TENSOR, **SR})]
     refs = [quantize_forward(x, **kw) for _, x, kw in cases]
     for cfg in ROWS_SWEEP:
-        tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS = cfg
-        try:
-            for (name, x, kw), ref in zip(cases, refs):
-                r, k = x.shape
-                t = timed(lambda: quantize_forward(x, **kw))
-                gbs = qbytes(r, k, True) / t / 1e6
-                rows.append({"kernel": "rows", "config": str(cfg), "case": f"{name} {r}x{k}", "us": 1e3 * t,
-                             "GBps": gbs, "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None,
-                             "same_bits": _same(quantize_forward(x, **kw), ref)})
-        except Exception as e:  # a config that does not compile: report, keep going
-            rows.append({"kernel": "rows", "config": str(cfg), "case": f"FAILED {type(e).__name__}: {str(e)[:80]}"})
-        finally:
-            tr.GPU_ROWS_NB, tr.GPU_ROWS_WARPS, tr.MAX_CHUNKS = base_rows
+        sweep("rows", str(cfg), QuantizeTiles(rows=cfg), cases, refs)
     del cases, refs
-    base_cols = (tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG)
     cases = [("x.t() tensor+image", source((T, 2048), 3).t(), {**IMG, **TENSOR}),
              ("dy.t() tensor+image+SR+RHT", source((T, 5120), 4).t(), {**IMG, **TENSOR, **SR, "rht_seed": 0})]
     refs = [quantize_forward(x, **kw) for _, x, kw in cases]
     for tile, per in COLS_SWEEP:
-        tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG = tile, per
-        try:
-            for (name, x, kw), ref in zip(cases, refs):
-                r, k = x.shape
-                t = timed(lambda: quantize_forward(x, **kw))
-                gbs = qbytes(r, k, True) / t / 1e6
-                rows.append({"kernel": "cols", "config": f"{tile} x{per}", "case": f"{name} {r}x{k}", "us": 1e3 * t,
-                             "GBps": gbs, "pct_copy": 100 * gbs / copy_gbps if copy_gbps else None,
-                             "same_bits": _same(quantize_forward(x, **kw), ref)})
-        except Exception as e:
-            rows.append({"kernel": "cols", "config": f"{tile} x{per}",
-                         "case": f"FAILED {type(e).__name__}: {str(e)[:80]}"})
-        finally:
-            tc.GPU_COLS_TILE, tc.GPU_GROUPS_PER_PROG = base_cols
+        sweep("cols", f"{tile} x{per}", QuantizeTiles(cols_tile=tile, cols_grid=(per, QuantizeTiles().cols_grid[1])),
+              cases, refs)
     res["sweeps"] = rows
     print_table("tile sweeps (first config = default; same_bits: equal to the default's output)", rows,
                 ["kernel", "config", "case", "us", "GBps", "pct_copy", "same_bits"])

@@ -102,6 +102,8 @@ class Recipe:
     nonfinite: Literal["propagate", "raise"] = field(
         default="propagate", metadata={"help": "non-finite activations/gradients: propagate NaN or raise"}
     )
+    keep_weight_images: bool = field(default=False, metadata={"help": "weight caches keep BF16 images in training too (before issue 16)"})
+    keep_weight_codes: bool = field(default=False, metadata={"help": "keep quantized weights after the backward (once per optimizer step)"})
 
     def __post_init__(self):
         for f in fields(self):  # types first: "auto" fields are resolved from others below

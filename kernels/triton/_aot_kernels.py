@@ -158,7 +158,7 @@ def all_kernels():
     yield "quantize K=2048 (one pass)", _quantize(*quantize._config(1 << 20, 2048, False, False))
     yield "quantize K=16384 (loop)", _quantize(*quantize._config(1 << 20, 16384, False, False))
     yield "quantize SR K=2048", _quantize(*quantize._config(1 << 20, 2048, False, True), stochastic=True)
-    bt, bh, warps = quantize.GPU_TRANSPOSED_TILE
+    bt, bh, warps = quantize.DEFAULT.transposed_tile
     yield "quantize x.t()", _quantize_t(bt, bh, warps)
     yield "quantize x.t() SR gather", _quantize_t(bt, bh, warps, stochastic=True, col_index=True)
     from . import bi_attention, bi_matmul

@@ -1,7 +1,7 @@
 """The fast quantize kernels as compiled for the H200 (sm_90a), for ahead-of-time checks on a CPU.
 
 Each function compiles one kernel at the configuration its launcher picks on the GPU
-(:func:`.quantize_rows.config`, :func:`.quantize_cols.tile`), with the argument
+(:func:`.quantize_rows.config`, ``QuantizeTiles.cols_tile``), with the argument
 specialisations a real launch sees (16-byte aligned pointers, strides and K divisible by 16).
 Requires a process without ``TRITON_INTERPRET=1`` (see :mod:`._aot`).
 """
@@ -31,7 +31,7 @@ def cols_kernel(stochastic: bool = False, rht: bool = False, col_index: bool = F
     """The column kernel at its GPU tile for a bf16 source (image written)."""
     from . import quantize_cols as qc
 
-    bh, nb, warps = qc.GPU_COLS_TILE
+    bh, nb, warps = qc.DEFAULT.cols_tile
     sig = {"s_ptr": "*bf16", "col_ptr": "*i32", "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8",
            "sdec_ptr": "*fp32", "image_ptr": "*bf16", "R": "i32", "K": "i32", "stride_s": "i32",
            "rows_per_group": "i32", "key": "i32", "rht_mask": "i32", "scale_cols_padded": "i32",

@@ -34,11 +34,6 @@ def exact_launch() -> dict:
 
 
 @triton.jit
-def is_nan(x):
-    return x != x
-
-
-@triton.jit
 def global_scales_from_amax(amax):
     """Contract steps 1-2 on fp32 ``amax``: returns (S_enc, S_dec), NaN for a non-finite amax."""
     s_enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)

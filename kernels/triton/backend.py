@@ -51,6 +51,7 @@ from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgr
 from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
+from .quantize_tiles import DEFAULT as DEFAULT_TILES, QuantizeTiles
 from .swiglu_quantize import swiglu_quantize
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class TritonOptions:
     #: records (its bits equal the learner's); True / False force it. On a GPU K must also be a
     #: whole number of its K steps (the learner's zero-padded tail steps are not mimicked).
     strict_decode: bool | None = None
+    #: The quantize kernels' GPU launch tiles (:mod:`.quantize_tiles`; the same bits under any).
+    quantize_tiles: QuantizeTiles = DEFAULT_TILES
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -180,7 +183,7 @@ class TritonBackend(Backend):
         """:func:`nvfp4.quantize_reference`'s signature and result, bit for bit."""
         if isinstance(x, torch.Tensor):
             self._require(x.device)
-        return quantize_forward(x, **kwargs)
+        return quantize_forward(x, tiles=self.options.quantize_tiles, **kwargs)
 
     # ---- fused producers ------------------------------------------------------------------
     def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,

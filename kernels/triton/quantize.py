@@ -62,6 +62,7 @@ from ._nvfp4_math import (
 )
 from . import quantize_cols, quantize_rows
 from .amax import amax_forward
+from .quantize_tiles import DEFAULT, QuantizeTiles
 from ..custom_op import custom_op
 
 
@@ -255,42 +256,27 @@ def _quantize_t_kernel(
                  mask=hmask[None, :] & tmask[:, None])
 
 
-GPU_QUANTIZE_TILE = (16, 256)
-"""(BLOCK_R, BLOCK_K) of a looping row-major quantize program on the GPU (K > GPU_SINGLE_PASS_K)."""
-GPU_QUANTIZE_WARPS = 8
-GPU_SINGLE_PASS_K = 1024
-"""Rows up to this K (rounded up to a power of two) are quantized in one pass from registers
-(H200, 2026-11-29: at K = 2048 the K-loop ran 0.095 ms, one pass 0.136-0.17 ms)."""
-GPU_SMALL_R = 64
-"""Up to this many rows (decode), rows of K <= 16384 are quantized in one pass (one launch of
-a few programs: the K loop's latency chain dominated, 9.4 us for one row of 2048)."""
-GPU_SINGLE_PASS_ELEMS = 8192
-"""Elements per single-pass program (BLOCK_R = this // next_pow2(K))."""
-GPU_TRANSPOSED_TILE = (16, 128, 4)
-"""(BLOCK_T, BLOCK_H, num_warps) of the transposed-input kernel."""
-
-
-def _config(r: int, k: int, tile16: bool, stochastic: bool) -> tuple[int, int, int, bool]:
+def _config(r: int, k: int, tile16: bool, stochastic: bool, tiles: QuantizeTiles = DEFAULT) -> tuple[int, int, int, bool]:
     """(BLOCK_R, BLOCK_K, num_warps, SINGLE_PASS) of the row-major kernel."""
     if interpreting():
         block_k = min(triton.next_power_of_2(k), 64)
         block_r = 16 if tile16 else max(1, min(16, triton.next_power_of_2(r)))
         return block_r, block_k, 4, block_k >= k
     kp = triton.next_power_of_2(k)
-    if r <= GPU_SMALL_R and kp <= 16384 and not tile16:
+    if r <= tiles.small_r and kp <= 16384 and not tile16:
         block_r = min(triton.next_power_of_2(r), max(1, 8192 // kp))
         return block_r, kp, 4 if block_r * kp <= 4096 else 8, True
-    if kp <= GPU_SINGLE_PASS_K:
-        elems = GPU_SINGLE_PASS_ELEMS // (2 if stochastic else 1)
+    if kp <= tiles.single_pass_k:
+        elems = tiles.single_pass_elems // (2 if stochastic else 1)
         block_r = max(16 if tile16 else 1, min(64, elems // kp))
         warps = 8 if block_r * kp >= 8192 else 4
         return block_r, kp, warps, True
-    tile_r, tile_k = GPU_QUANTIZE_TILE
+    tile_r, tile_k, warps = tiles.loop_tile
     if stochastic:  # the hash RNG needs registers: half the tile keeps the kernel spill-free
         tile_r = max(1, tile_r // 2)
     block_k = min(kp, tile_k)
     block_r = max(16 if tile16 else 1, min(64, tile_r * tile_k // block_k))
-    return block_r, block_k, GPU_QUANTIZE_WARPS, False
+    return block_r, block_k, warps, False
 
 
 def _transposed_source(x2d: torch.Tensor) -> bool:
@@ -340,6 +326,7 @@ def quantize_op(
     with_image: bool,
     swizzled: bool,
     rht_mask: int = -1,
+    tiles: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch on a 2D (possibly strided) ``x2d`` ``[R, K]`` (K = ``col_index`` length if given).
 
@@ -347,13 +334,13 @@ def quantize_op(
     ``[ceil(R / rows_per_group)]`` (of the transformed values when ``rht_mask >= 0``).
     ``rht_mask``: -1, or the RHT sign vector as bits (bit j set: sign j is -1, see
     :func:`rht_mask_of`); the transform runs along K, fused into the column kernel for
-    transposed sources, a separate ``rht16`` pass otherwise. Returns ``(codes [R, K/2] uint8,
-    scales uint8 (linear [R, K/16] or flat swizzled), global decode fp32 [domains], image bf16
-    [R, K] or [0])``.
+    transposed sources, a separate ``rht16`` pass otherwise. ``tiles``: ``QuantizeTiles.as_list()``
+    (None: the defaults). Returns ``(codes [R, K/2] uint8, scales uint8 (linear [R, K/16] or flat
+    swizzled), global decode fp32 [domains], image bf16 [R, K] or [0])``.
     """
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
-    dev = x2d.device
+    dev, t = x2d.device, QuantizeTiles.from_list(tiles) if tiles is not None else DEFAULT
     domains = -(-r // rows_per_group) if r else 0
     codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
     scale_cols = k // BLOCK
@@ -368,13 +355,13 @@ def quantize_op(
     cols_padded = -(-scale_cols // 4) * 4
     if rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None, amax is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
-                             cols_padded, tile16)
+                             cols_padded, tile16, t)
         return codes, scales, sdec, image
     if quantize_cols.supported(x2d, tile16):
         if amax is None:
-            amax = quantize_cols.amax_launch(x2d, col_index, 1, rht_mask)
+            amax = quantize_cols.amax_launch(x2d, col_index, 1, rht_mask, t)
         quantize_cols.launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key,
-                             rht_mask, swizzled, cols_padded)
+                             rht_mask, swizzled, cols_padded, t)
         return codes, scales, sdec, image
     if rht_mask >= 0:  # layouts the column kernel does not take: transform first (exact, fp32)
         if col_index is not None:
@@ -384,7 +371,7 @@ def quantize_op(
     if _transposed_source(x2d) and not tile16:
         if amax is None:
             amax = amax_forward(x2d, 1)
-        bt, bh, warps = (16, 16, 4) if interpreting() else GPU_TRANSPOSED_TILE
+        bt, bh, warps = (16, 16, 4) if interpreting() else t.transposed_tile
         src = x2d.t()
         _quantize_t_kernel[(triton.cdiv(k, bt), triton.cdiv(r, bh))](
             src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image.view(torch.int16),
@@ -393,7 +380,7 @@ def quantize_op(
             BLOCK_T=bt, BLOCK_H=bh, num_warps=warps, **exact_launch(),
         )
         return codes, scales, sdec, image
-    block_r, block_k, warps, single = _config(r, k, tile16, stochastic)
+    block_r, block_k, warps, single = _config(r, k, tile16, stochastic, t)
     _quantize_kernel[(triton.cdiv(r, block_r),)](
         x2d, col_index if col_index is not None else codes, amax if amax is not None else sdec,
         codes, scales, sdec, image.view(torch.int16),
@@ -406,7 +393,7 @@ def quantize_op(
 
 
 @quantize_op.register_fake
-def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled, rht_mask=-1):
+def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled, rht_mask=-1, tiles=None):
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     scale_numel = swizzled_numel(r, k // BLOCK) if swizzled else r * (k // BLOCK)
@@ -431,10 +418,11 @@ def quantize_forward(
     with_image: bool = False,
     nonfinite: str = "propagate",
     scale_layout: str = "linear",
+    tiles: QuantizeTiles = DEFAULT,
 ) -> NVFP4Tensor:
     """Quantize ``x`` [..., K] to NVFP4: the reference's signature and result, bit for bit.
 
-    ``scale_layout="swizzled"`` writes the block scales directly in the 128x4 swizzled layout.
+    ``scale_layout="swizzled"`` writes the block scales in the 128x4 swizzled layout; ``tiles``: the GPU launch tiles.
     See :func:`minite_megatron.nvfp4.quantize` for the arguments and the errors raised.
     """
     validate_input(x, tile, global_scale)
@@ -473,10 +461,11 @@ def quantize_forward(
     if amax is not None:
         amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     elif global_scale != "row" and rows and k:
-        amax = quantize_cols.amax_launch(x2d, None, rpg, rht) if rht >= 0 else _tensor_amax(x2d, rpg)
+        amax = quantize_cols.amax_launch(x2d, None, rpg, rht, tiles) if rht >= 0 else _tensor_amax(x2d, rpg)
     codes, scales, sdec, image = quantize_op(
         x2d, amax, None, rpg, tile16, rounding == "stochastic",
         sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled", rht,
+        None if tiles is DEFAULT else tiles.as_list(),
     )
     q = NVFP4Tensor(
         codes=codes.reshape(*shape[:-1], k // 2),

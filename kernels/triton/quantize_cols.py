@@ -38,24 +38,12 @@ from ._nvfp4_math import (
     global_scales_from_amax,
     interpreting,
 )
-
-
-#: (BLOCK_H, BLOCK_NB, num_warps) of the column kernel on the GPU. H200, 2026-11-30 sweep
-#: (x.t() 2048 x 16384 / dy.t() 5120 x 16384 with SR + RHT, us): (64, 4, 4) 83.7 / 256;
-#: (64, 8, 8) 82.2 / 314; (32, 8, 4) 85.8 / 271; (32, 16, 4) 88.3 / 305; (128, 4, 4) 85.2 / 291.
-GPU_COLS_TILE = (64, 4, 4)
-#: At most this many token-block groups per program, and at least this many programs.
-GPU_GROUPS_PER_PROG = 8
-GPU_MIN_PROGRAMS = 1024
+from .quantize_tiles import DEFAULT, QuantizeTiles
 
 
 def supported(x2d: torch.Tensor, tile16: bool) -> bool:
     """``x2d`` [R, K] is the transpose of a row-major ``[K_src, R]`` matrix (``x.t()``), 1x16 blocks."""
     return not tile16 and x2d.dim() == 2 and x2d.stride(0) == 1 and (x2d.stride(1) >= x2d.shape[0] or x2d.shape[1] == 1)
-
-
-def tile() -> tuple[int, int, int]:
-    return (32, 4, 1) if interpreting() else GPU_COLS_TILE
 
 
 @triton.jit
@@ -290,23 +278,23 @@ def _quantize_cols_kernel(
                          image_ptr, scale_cols_padded, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_H, BLOCK_NB)
 
 
-def _grid(r: int, k: int) -> tuple[tuple[int, int], int, int, int, int]:
+def _grid(r: int, k: int, tiles: QuantizeTiles) -> tuple[tuple[int, int], int, int, int, int]:
     """(grid, groups per program, BLOCK_H, BLOCK_NB, num_warps): enough programs to fill the
     GPU, each walking ``groups`` groups of BLOCK_NB token blocks."""
-    bh, nb, warps = tile()
+    bh, nb, warps = (32, 4, 1) if interpreting() else tiles.cols_tile
     groups = triton.cdiv(k // 16, nb)
     ph = triton.cdiv(r, bh)
-    per = 1 if interpreting() else max(1, min(GPU_GROUPS_PER_PROG, groups * ph // GPU_MIN_PROGRAMS))
+    per = 1 if interpreting() else max(1, min(tiles.cols_grid[0], groups * ph // tiles.cols_grid[1]))
     return (triton.cdiv(groups, per), ph), per, bh, nb, warps
 
 
 def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key, rht_mask,
-           swizzled, cols_padded):
+           swizzled, cols_padded, tiles: QuantizeTiles = DEFAULT):
     """Quantize ``x2d`` [R, K] (``x2d.t()`` row-major; K = ``col_index`` length if given)."""
     src = x2d.t()
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
-    grid, per, bh, nb, warps = _grid(r, k)
+    grid, per, bh, nb, warps = _grid(r, k, tiles)
     _quantize_cols_kernel[grid](
         src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image,
         r, k, src.stride(0), rows_per_group, key, rht_mask, cols_padded, per,
@@ -316,7 +304,7 @@ def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, sto
     )
 
 
-def amax_launch(x2d, col_index, rows_per_group, rht_mask) -> torch.Tensor:
+def amax_launch(x2d, col_index, rows_per_group, rht_mask, tiles: QuantizeTiles = DEFAULT) -> torch.Tensor:
     """fp32 ``[ceil(R / rows_per_group)]`` amax of the (transformed) ``x2d`` [R, K] along the
     same reads as :func:`launch` (NaN wins: bit-pattern max)."""
     src = x2d.t()
@@ -324,7 +312,7 @@ def amax_launch(x2d, col_index, rows_per_group, rht_mask) -> torch.Tensor:
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     out = torch.zeros(-(-r // rows_per_group) if r else 1, dtype=torch.int32, device=x2d.device)
     if r and k:
-        grid, per, bh, nb, warps = _grid(r, k)
+        grid, per, bh, nb, warps = _grid(r, k, tiles)
         _quantize_cols_kernel[grid](
             src, col_index if col_index is not None else out, out, out, out, out, out,
             r, k, src.stride(0), rows_per_group, 0, rht_mask, 0, per,

@@ -19,7 +19,7 @@ bit-level ones of :mod:`._nvfp4_math` (``e2m1_round_nearest``: one magic additio
 is ``r * sf`` with the input's sign bits, assembled as bf16 pairs); NaN is handled per block
 (a NaN block has NaN scale, zero codes and a NaN image).
 
-Per-row scales need the row amax before the first block: rows of at most ``MAX_CHUNKS``
+Per-row scales need the row amax before the first block: rows of at most ``QuantizeTiles.rows[2]``
 chunks stay in registers (one read); longer rows are read twice (an amax pass over the words,
 then the quantize pass, the second read hitting L1/L2). Measured on the H200 (2026-11-30,
 BENCHMARKS.md run 5): 41 us for 16384 x 2048 (87% of the copy bandwidth), 139 us for
@@ -53,21 +53,7 @@ from ._nvfp4_math import (
     interpreting,
     max_propagate_nan,
 )
-
-
-#: num_warps of the row kernel on the GPU (each warp walks rows; one block per thread per chunk).
-#: H200, 2026-11-30 (benchmarks.quantize_kernels sweep, 16384 x 2048 bf16, row scale + image):
-#: 1 warp 41.3 us (87% of copy), 2 warps 49.1, 4 warps 51.8, 8 warps 62.0 -- the register-held
-#: chunks take ~180 registers, so small programs pack more warps per SM.
-GPU_ROWS_WARPS = 1
-#: Threads (blocks per chunk) per row on the GPU: one warp per row.
-GPU_ROWS_NB = 32
-#: Rows of at most this many chunks are held in registers (one read); longer rows are read twice.
-MAX_CHUNKS = 4
-#: 16x16 tiles: (threads per row, num_warps) on the GPU; BLOCK_R = 32 / threads * warps rows
-#: (a multiple of 16), so a warp holds 32 / threads rows of the tile (the 16-row max is warp
-#: shuffles, no shared memory: checked ahead of time, tests/kernels/triton/test_triton_quantize_aot.py).
-GPU_TILE_NB, GPU_TILE_WARPS = 2, 1
+from .quantize_tiles import DEFAULT, QuantizeTiles
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
@@ -85,19 +71,17 @@ def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bo
     )
 
 
-def config(r: int, k: int, tile16: bool = False) -> tuple[int, int, int, int]:
+def config(r: int, k: int, tile16: bool = False, tiles: QuantizeTiles = DEFAULT) -> tuple[int, int, int, int]:
     """(BLOCK_NB, BLOCK_R, num_warps, CHUNKS): BLOCK_NB (threads per row) is the largest power
-    of two <= GPU_ROWS_NB dividing the row's block count, so chunks never straddle a row end;
-    CHUNKS = blocks per row / BLOCK_NB when at most MAX_CHUNKS (one read), else 0 (two reads).
-    16x16 tiles: BLOCK_NB <= GPU_TILE_NB, BLOCK_R a multiple of 16, CHUNKS = 0 (one read: the
-    amax is given)."""
+    of two <= ``tiles.rows[0]`` dividing the row's block count, so chunks never straddle a row end;
+    CHUNKS = blocks per row / BLOCK_NB when at most ``tiles.rows[2]`` (one read), else 0
+    (two reads). 16x16 tiles: BLOCK_NB <= ``tiles.weight_tile[0]``, BLOCK_R a multiple of 16, CHUNKS = 0
+    (one read: the amax is given)."""
     nb = k // 16
     if tile16:
-        warps = 1 if interpreting() else GPU_TILE_WARPS
-        cap = 2 if interpreting() else GPU_TILE_NB
+        cap, warps = (2, 1) if interpreting() else tiles.weight_tile
     else:
-        warps = 1 if interpreting() else GPU_ROWS_WARPS
-        cap = 4 if interpreting() else GPU_ROWS_NB
+        cap, warps = (4, 1) if interpreting() else tiles.rows[:2]
     block_nb = 1
     while block_nb * 2 <= cap and nb % (block_nb * 2) == 0:
         block_nb *= 2
@@ -105,7 +89,7 @@ def config(r: int, k: int, tile16: bool = False) -> tuple[int, int, int, int]:
     if tile16:
         return block_nb, max(16, block_r), warps, 0
     chunks = nb // block_nb
-    return block_nb, block_r, warps, chunks if chunks <= MAX_CHUNKS else 0
+    return block_nb, block_r, warps, chunks if chunks <= tiles.rows[2] else 0
 
 
 @triton.jit
@@ -315,10 +299,10 @@ def _quantize_rows_kernel(
 
 
 def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled, cols_padded,
-           tile16: bool = False):
+           tile16: bool = False, tiles: QuantizeTiles = DEFAULT):
     """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
     r, k = x2d.shape
-    block_nb, block_r, warps, chunks = config(r, k, tile16)
+    block_nb, block_r, warps, chunks = config(r, k, tile16, tiles)
     _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
         x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,

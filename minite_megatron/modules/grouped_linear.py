@@ -123,7 +123,7 @@ class NVFP4GroupedLinear(MegatronModule):
                 setattr(b, "allreduce", not use_expert_pgs)
                 self.register_parameter(f"bias{i}", b)
         self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
-        self._weights_cache = QuantizedWeightCache()
+        self._weights_cache = QuantizedWeightCache(self.recipe.keep_weight_images, self.recipe.keep_weight_codes)
         # the [G, N, K] buffer the weight{i} are slices of, while they still are (not a
         # registered buffer: the parameters are the state)
         self._weight_buffer = buffer.detach()

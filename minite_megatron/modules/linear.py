@@ -93,7 +93,8 @@ class _NVFP4LinearMixin:
             raise ValueError(f"precision must be 'nvfp4' or 'bf16', got {precision!r}")
         self.recipe = recipe if recipe is not None else Recipe()
         self.precision = precision
-        self.minite_ctx = LinearContext(self.recipe, QuantizedWeightCache(), handoff=handoff)
+        cache = QuantizedWeightCache(self.recipe.keep_weight_images, self.recipe.keep_weight_codes)
+        self.minite_ctx = LinearContext(self.recipe, cache, handoff=handoff)
 
     @property
     def trace_name(self) -> str | None:

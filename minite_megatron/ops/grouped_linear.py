@@ -31,7 +31,7 @@ import torch
 
 from ..nvfp4.grouped import padded_group_sizes
 from ..nvfp4.tensor import NVFP4Tensor
-from .weight_cache import QuantizedWeightCache, keep_images
+from .weight_cache import QuantizedWeightCache
 from .roles import gemm_role
 from .linear import (
     LinearContext,
@@ -94,10 +94,10 @@ def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lc
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
                    with_image: bool | None = None, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
     """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per weight version; the
-    BF16 image only where :func:`~.weight_cache.keep_images` says). With ``stacked`` (the
+    BF16 image only where ``cache.keep_images()`` says). With ``stacked`` (the
     experts' one-buffer view) the cache keys on that one tensor: a view shares its base's
     version counter, so any in-place change of an expert is seen."""
-    with_image = keep_images() if with_image is None else with_image
+    with_image = cache.keep_images() if with_image is None else with_image
     key = stacked if stacked is not None else weights
     return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image, stacked),
                      extra=backend.name)
@@ -192,7 +192,7 @@ def nvfp4_grouped_linear(
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
     params = list(weights) + (list(biases) if biases is not None else [])
-    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, keep_images(), stacked, *params)
+    return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, cache.keep_images(), stacked, *params)
 
 
 # ---- the BF16 twin's grouped linear -------------------------------------------------------------

@@ -34,7 +34,7 @@ from .amax_sync import needs_sync
 from .roles import gemm_role, quantize_role
 from .seeds import next_sr_seed
 from .trace_hook import capture
-from .weight_cache import QuantizedWeightCache, keep_images
+from .weight_cache import QuantizedWeightCache
 
 
 @dataclass
@@ -71,10 +71,10 @@ def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "Linear
 
 def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None) -> NVFP4Tensor:
     """The cached NVFP4 weight of a linear (quantized when its version changed); with its BF16
-    image only where :func:`~.weight_cache.keep_images` says (``with_image``: that answer,
-    taken where autograd's grad mode is the caller's)."""
+    image only where the cache's ``keep_images()`` says (``with_image``: that answer, taken
+    where autograd's grad mode is the caller's)."""
     recipe = lctx.recipe
-    with_image = keep_images() if with_image is None else with_image
+    with_image = lctx.cache.keep_images() if with_image is None else with_image
     return lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx, with_image), extra=backend.name)
 
 
@@ -237,4 +237,4 @@ def nvfp4_linear(
     """``x @ weight.T + bias`` in NVFP4 under ``lctx.recipe``; x is ``[..., K]``."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"nvfp4_linear: input has {x.shape[-1]} features, weight expects {weight.shape[1]}")
-    return NVFP4LinearFunction.apply(x, weight, bias, lctx, keep_images())
+    return NVFP4LinearFunction.apply(x, weight, bias, lctx, lctx.cache.keep_images())

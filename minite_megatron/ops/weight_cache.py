@@ -11,13 +11,14 @@ and nothing derived from them in training -- no BF16 image, no transposed copy. 
 the BF16 image of a weight (Hopper's emulation) builds it just in time and drops it after the
 call; the dgrad GEMM reads that image transposed (16x16 tiles), never a relayout. Outside autograd
 (rollout, evaluation: the forward runs under ``torch.no_grad``) the image is quantized with the
-codes and kept, since decode steps reuse it many times. With :data:`RELEASE_AFTER_BACKWARD` (default) a layer's entry
+codes and kept, since decode steps reuse it many times. By default a layer's entry
 is dropped once its backward has used it, so at the end of a backward -- where a training step's
 memory peaks, every gradient allocated -- no layer holds quantized weights (H200, qwen3-moe at
 4096 tokens: peak 10.79 GiB against 12.00 GiB keeping them; the BF16 twin 10.34 GiB). With
 gradient accumulation the next micro-batch then quantizes again (the same bits, one more
-quantize pass per weight and micro-batch); set it False to keep the codes for the next
-micro-batch instead (once per optimizer step).
+quantize pass per weight and micro-batch); ``keep_codes`` keeps them for the next micro-batch
+instead (once per optimizer step). The owner of a cache (the layer) sets both options from its
+recipe (``keep_weight_images``, ``keep_weight_codes``).
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..nvfp4.tensor import NVFP4Tensor
 
 _GENERATION = [0]
-
-#: Keep the BF16 image of a weight in its cache entry during training too (the design before
-#: issue 16: 2 more bytes per weight for every layer from its forward to its backward).
-KEEP_IMAGES_IN_TRAINING = False
-#: Drop a layer's quantized weight once its backward has used it (see the module docstring):
-#: 0.56 bytes per weight less at the end of the backward, one quantization per micro-batch
-#: instead of per optimizer step.
-RELEASE_AFTER_BACKWARD = True
-
 _LIVE: "weakref.WeakSet[QuantizedWeightCache]" = weakref.WeakSet()
 
 
@@ -53,11 +45,6 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_on_optimizer_step)
-
-
-def keep_images() -> bool:
-    """Should a weight quantized now carry (and its entry keep) its BF16 image?"""
-    return KEEP_IMAGES_IN_TRAINING or not torch.is_grad_enabled()
 
 
 def cached_bytes() -> dict[str, int]:
@@ -89,9 +76,13 @@ def cached_bytes() -> dict[str, int]:
 
 class QuantizedWeightCache:
     """Holds one weight's NVFP4 form -- or the stacked form of a list of expert weights -- and,
-    for backends that need it, its transpose for dgrad (see the module docstring)."""
+    for backends that need it, its transpose for dgrad (see the module docstring).
 
-    def __init__(self):
+    ``keep_images``: keep the BF16 image in training too (2 more bytes per weight until the backward);
+    ``keep_codes``: keep the entry after the layer's backward (0.56 bytes per weight more there)."""
+
+    def __init__(self, keep_images: bool = False, keep_codes: bool = False):
+        self.keep_images_in_training, self.keep_codes = keep_images, keep_codes
         self._key = None
         self._q: NVFP4Tensor | None = None
         self._qt: NVFP4Tensor | None = None
@@ -121,9 +112,13 @@ class QuantizedWeightCache:
                 self._qt = make(self._q)
         return self._qt
 
+    def keep_images(self) -> bool:
+        """Should a weight quantized now carry (and its entry keep) its BF16 image?"""
+        return self.keep_images_in_training or not torch.is_grad_enabled()
+
     def release_after_backward(self) -> None:
-        """Called by a layer's backward once it has used the weight (:data:`RELEASE_AFTER_BACKWARD`)."""
-        if RELEASE_AFTER_BACKWARD:
+        """Called by a layer's backward once it has used the weight (unless ``keep_codes``)."""
+        if not self.keep_codes:
             self.clear()
 
     def clear(self) -> None:

@@ -82,14 +82,11 @@ def test_quantization_runs_in_fprop_dgrad_and_wgrad(spy):
     assert any(s == (48, 32) and r[2] == "stochastic" and r[3] == 3 for s, r in zip(shapes, roles)), "wgrad: dy^T SR+RHT"
 
 
-def test_weight_is_quantized_once_per_optimizer_step(spy, monkeypatch):
-    """With the codes kept between micro-batches (``RELEASE_AFTER_BACKWARD = False``)."""
-    from minite_megatron.ops import weight_cache
-
-    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", False)
+def test_weight_is_quantized_once_per_optimizer_step(spy):
+    """With the codes kept between micro-batches (``QuantizedWeightCache(keep_codes=True)``)."""
     recipe = Recipe(backend="spy", grad_stochastic_rounding=False, wgrad_rht=False)
     x, w, _ = make()
-    ctx = LinearContext(recipe, QuantizedWeightCache())
+    ctx = LinearContext(recipe, QuantizedWeightCache(keep_codes=True))
     opt = torch.optim.SGD([w], lr=0.1)
 
     def weight_quantizations():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from minite_megatron import nvfp4
-from minite_megatron.ops import weight_cache
 from minite_megatron.ops.linear import LinearContext, nvfp4_linear
 from minite_megatron.ops.weight_cache import QuantizedWeightCache, cached_bytes
 from minite_megatron.recipe import Recipe
@@ -24,10 +23,9 @@ def _linear(dtype=torch.bfloat16, seed=0):
     return x, w
 
 
-def test_training_cache_holds_codes_only_and_inference_keeps_the_image(monkeypatch):
-    monkeypatch.setattr(weight_cache, "RELEASE_AFTER_BACKWARD", False)
+def test_training_cache_holds_codes_only_and_inference_keeps_the_image():
     x, w = _linear()
-    cache = QuantizedWeightCache()
+    cache = QuantizedWeightCache(keep_codes=True)
     ctx = LinearContext(RECIPE, cache)
     nvfp4_linear(x, w, None, ctx).float().sum().backward()
     assert cache._q is not None and cache._q.image is None and cache._qt is None
@@ -39,9 +37,8 @@ def test_training_cache_holds_codes_only_and_inference_keeps_the_image(monkeypat
 
 
 def test_release_after_backward_leaves_no_quantized_weight():
-    """By default (RELEASE_AFTER_BACKWARD) the entry is gone after the layer's backward, and the
+    """By default (no ``keep_codes``) the entry is gone after the layer's backward, and the
     next micro-batch re-quantizes to the same bits."""
-    assert weight_cache.RELEASE_AFTER_BACKWARD
     x, w = _linear()
     cache = QuantizedWeightCache()
     ctx = LinearContext(RECIPE, cache)
@@ -56,6 +53,39 @@ def test_release_after_backward_leaves_no_quantized_weight():
     y2.float().sum().backward()
     assert_bitwise_equal(y2, y1)
     assert_bitwise_equal(w.grad, g1)
+
+
+def test_keep_images_keeps_the_image_in_training_with_the_same_bits():
+    """``keep_images`` (the design before issue 16) keeps the BF16 image in the training entry;
+    outputs and gradients are the same bits as the default's."""
+    runs = []
+    for cache in (QuantizedWeightCache(), QuantizedWeightCache(keep_images=True, keep_codes=True)):
+        x, w = _linear()
+        y = nvfp4_linear(x, w, None, LinearContext(RECIPE, cache))
+        assert (cache._q.image is not None) == cache.keep_images_in_training
+        y.float().sum().backward()
+        runs.append((y, x.grad, w.grad))
+    assert cache._q is not None and cache._q.image is not None  # keep_codes: kept after the backward
+    for a, b in zip(*runs):
+        assert_bitwise_equal(a, b)
+
+
+def test_layers_build_their_caches_from_the_recipe_options():
+    """The recipe fields ``keep_weight_images`` / ``keep_weight_codes`` (``--minite-keep-weight-*``)
+    reach every weight cache a layer builds (dense linears and grouped experts), not a module global."""
+    from tests.megatron.minite_tiny import build_gpt, init_single_process, tiny_config
+
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    init_single_process()
+    cfg = tiny_config(num_layers=1)
+    for recipe in (Recipe(), Recipe(keep_weight_images=True, keep_weight_codes=True)):
+        model = build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe)
+        caches = [c for m in model.modules() for c in (getattr(getattr(m, "minite_ctx", None), "cache", None),
+                                                      getattr(m, "_weights_cache", None)) if c is not None]
+        assert len(caches) >= 3  # qkv, proj, the experts
+        assert {(c.keep_images_in_training, c.keep_codes) for c in caches} == {(recipe.keep_weight_images,
+                                                                                recipe.keep_weight_codes)}
 
 
 def test_dgrad_on_the_transposed_image_equals_the_relayout():

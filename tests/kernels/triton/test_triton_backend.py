@@ -78,3 +78,34 @@ def test_kernel_switches_are_backend_options_not_module_globals():
     with nvfp4.backends.registered(off):
         assert nvfp4.get_backend("triton", DEVICE) is off
     assert nvfp4.backends._load("triton") is BACKEND
+
+
+def test_quantize_tiles_are_a_backend_option(monkeypatch):
+    """The quantize kernels' GPU launch tiles were module globals that benchmarks flipped (issue 11);
+    now ``TritonOptions.quantize_tiles``: a configured backend hands its record to the launchers
+    (through the custom op as a flat list) and writes the same bits as the default one."""
+    import dataclasses
+
+    from minite_kernels.triton import quantize, quantize_cols, quantize_rows
+    from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
+    from minite_kernels.triton.quantize_tiles import DEFAULT, QuantizeTiles
+
+    tiles = QuantizeTiles(loop_tile=(8, 128, 4), rows=(16, 2, 2), weight_tile=(4, 2), cols_tile=(32, 8, 4),
+                          cols_grid=(4, 64), transposed_tile=(32, 64, 8), single_pass_k=512)
+    assert QuantizeTiles.from_list(tiles.as_list()) == tiles and QuantizeTiles.from_list(DEFAULT.as_list()) == DEFAULT
+    assert BACKEND.options.quantize_tiles is DEFAULT
+    seen = []
+    real_op = quantize.quantize_op
+    monkeypatch.setattr(quantize, "quantize_op", lambda *a: (seen.append(a[-1]), real_op(*a))[1])
+    x = randn(32, 64)
+    be = TritonBackend(TritonOptions(quantize_tiles=tiles))
+    assert_nvfp4_equal(be.quantize(x, with_image=True), BACKEND.quantize(x, with_image=True))
+    assert seen == [tiles.as_list(), None]
+    for mod in (quantize_rows, quantize_cols, quantize):  # the GPU configs the launchers pick from the record
+        monkeypatch.setattr(mod, "interpreting", lambda: False)
+    assert quantize_rows.config(64, 2048, tiles=tiles) == (16, 4, 2, 0)  # 128 blocks: 16 threads, 8 chunks > 2
+    assert quantize_rows.config(64, 2048, True, tiles) == (4, 16, 2, 0)
+    assert quantize_cols._grid(128, 16384, tiles) == ((32, 4), 4, 32, 8, 4)  # 128 groups x 4: 8 per 64 programs, capped at 4
+    assert quantize._config(4096, 2048, False, False, tiles) == (8, 128, 4, False)  # K > 512: the K loop
+    assert quantize._config(4096, 2048, False, False) == (16, 256, 8, False)
+    assert dataclasses.replace(DEFAULT, single_pass_k=4096).single_pass_k == 4096
