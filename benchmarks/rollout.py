@@ -67,6 +67,22 @@ def sync():
         torch.cuda.synchronize()
 
 
+def median_ms(fn, warmup: int = 2, reps: int = 5) -> float:
+    """Median of ``reps`` timed calls of ``fn`` (CUDA events) after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return statistics.median(ts)
+
+
 # ---- models ---------------------------------------------------------------------------------------
 def local_bf16_gpt(preset: dict, max_seq: int, device, dtype, seed: int = 0):
     """Megatron's local spec (SequentialMLP experts, Megatron's norms and attention) in ``dtype``."""
@@ -332,23 +348,9 @@ def combine_cost(model, tokens: int) -> dict:
         out, _ = moe(x)
         out.backward(g)
 
-    def timed():
-        for _ in range(2):
-            once()
-        sync()
-        ts = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            once()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1))
-        return statistics.median(ts)
-
-    det = timed()
+    det = median_ms(once)
     with megatron_combine(model):
-        meg = timed()
+        meg = median_ms(once)
     model.eval()
     model.zero_grad(set_to_none=True)
     return {"tokens": tokens, "deterministic_ms": det, "megatron_ms": meg, "overhead": det / meg - 1}
@@ -368,26 +370,12 @@ def alignment_cost(model, tokens: int) -> dict:
         logits = model(ids, pos, mask)
         logits.float().mean().backward()
 
-    def timed():
-        for _ in range(2):
-            once()
-        sync()
-        ts = []
-        for _ in range(5):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            once()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1))
-        return statistics.median(ts)
-
     try:
-        aligned = timed()
+        aligned = median_ms(once)
         with sdpa_attention(model):
-            sdpa = timed()
+            sdpa = median_ms(once)
             with unaligned_ops(model):
-                round1 = timed()
+                round1 = median_ms(once)
     finally:
         model.eval()
         model.zero_grad(set_to_none=True)
