@@ -29,15 +29,17 @@ from .save import save_hf_checkpoint
 IMPLS = ("minite", "local")
 
 
-def local_block_spec(config):
-    """Megatron's local decoder-block spec (``SequentialMLP`` experts, torch norms). Under sequence
-    parallelism its torch norm refuses to run without apex, so the norms become ``MiniteNorm``
-    (a plain, non-quantizing RMSNorm that marks its weights ``sequence_parallel``)."""
+def local_block_spec(config, *, vp_stage: int | None = None, minite_norms: bool | None = None):
+    """Megatron's local decoder-block spec (``SequentialMLP`` experts, torch norms). With
+    ``minite_norms`` (default: under sequence parallelism, where the torch norm refuses to run
+    without apex) the norms become ``MiniteNorm`` (a plain, non-quantizing RMSNorm that marks its
+    weights ``sequence_parallel``, so ``finalize_model_grads`` all-reduces them as apex/TE norms do)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
-    if not config.sequence_parallel:
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                      vp_stage=vp_stage)
+    if not (config.sequence_parallel if minite_norms is None else minite_norms):
         return spec
     from ..modules.norm import MiniteNorm
 

@@ -47,11 +47,11 @@ def init_single_process(seed: int | None = 1) -> torch.device:
 
 def preset_config(preset: str | dict, *, device, dtype: torch.dtype = torch.float32, **overrides):
     """The ``TransformerConfig`` of ``preset`` (bf16 flags from ``dtype``, CPU initialization on a
-    CPU ``device``); ``overrides``: further fields (e.g. the parallel layout)."""
+    CPU ``device``); ``overrides``: further fields or replaced ones (e.g. the parallel layout)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    return TransformerConfig(
+    fields = dict(
         num_layers=p["layers"], hidden_size=p["hidden"], num_attention_heads=p["heads"], num_query_groups=p["groups"],
         kv_channels=p["head_dim"], ffn_hidden_size=4 * p["hidden"], moe_ffn_hidden_size=p["moe_ffn"],
         num_moe_experts=p["experts"], moe_router_topk=p["topk"], normalization="RMSNorm", qk_layernorm=True,
@@ -59,8 +59,9 @@ def preset_config(preset: str | dict, *, device, dtype: torch.dtype = torch.floa
         hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, bias_activation_fusion=False,
         use_cpu_initialization=torch.device(device).type == "cpu", params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        init_method_std=0.02, **overrides,
+        init_method_std=0.02,
     )
+    return TransformerConfig(**(fields | overrides))
 
 
 def _gpt(preset, config, spec, *, max_seq: int, device, seed: int):

@@ -83,27 +83,11 @@ sizes (``layouts.expectations``)."""
 
 
 def local_spec(config, vp_stage: int | None = None):
-    """Megatron's local decoder-block spec with ``MiniteNorm`` (Megatron's torch fallback norm
-    refuses sequence parallelism without apex; MiniteNorm marks its weights ``sequence_parallel``
-    so ``finalize_model_grads`` all-reduces them, as apex/TE norms do)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.identity_op import IdentityOp
+    """Megatron's local decoder-block spec with ``MiniteNorm`` in every layout (single process
+    included, so every run of the ``local`` spec has the same norm module)."""
+    from minite_megatron.convert.hf import local_block_spec
 
-    from minite_megatron.modules.norm import MiniteNorm
-
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
-    )
-    for layer in spec.layer_specs:
-        sub = layer.submodules
-        sub.input_layernorm = MiniteNorm
-        sub.pre_mlp_layernorm = MiniteNorm
-        attn = sub.self_attention.submodules
-        if attn.q_layernorm is not IdentityOp:
-            attn.q_layernorm = MiniteNorm
-            attn.k_layernorm = MiniteNorm
-    spec.layer_norm = MiniteNorm
-    return spec
+    return local_block_spec(config, vp_stage=vp_stage, minite_norms=True)
 
 
 def transformer_config(layout, *, params_dtype=torch.float32, **overrides):

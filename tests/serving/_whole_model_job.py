@@ -28,27 +28,13 @@ PROMPT_LEN = 20
 
 
 def learner(recipe, seed: int):
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from minite_megatron.training.presets import build_gpt
 
-    from minite_megatron.model import finalize_gpt_model
-    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
-
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=HEAD_DIM,
-        ffn_hidden_size=FFN, moe_ffn_hidden_size=MOE_FFN, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_layer_freq=[0, 1], normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-3, bias_activation_fusion=False, use_cpu_initialization=True,
-        params_dtype=torch.bfloat16, bf16=True, init_method_std=0.05,
-    )
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_minite_spec(cfg, recipe),
-                     vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope", rotary_base=1_000_000)
-    return cfg, finalize_gpt_model(model, recipe).eval()
+    shape = dict(layers=2, hidden=HIDDEN, heads=HEADS, groups=GROUPS, head_dim=HEAD_DIM, experts=EXPERTS, topk=TOPK,
+                 moe_ffn=MOE_FFN, vocab=VOCAB)
+    model = build_gpt(shape, recipe, max_seq=64, device="cpu", dtype=torch.bfloat16, seed=seed, ffn_hidden_size=FFN,
+                      moe_layer_freq=[0, 1], init_method_std=0.05)
+    return model.config, model.eval()
 
 
 def _first(o):
