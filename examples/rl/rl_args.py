@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sft-steps", type=int, default=600, help="at most this many steps (0: no warm-up)")
     s.add_argument("--sft-batch-size", type=int, default=64)
     s.add_argument("--sft-lr", type=float, default=3e-3)
+    s.add_argument("--sft-lr-warmup-steps", type=int, default=0,
+                   help="steps of linear LR warm-up from 0 (large models: Adam's first steps move every weight by "
+                        "about the LR, a loss spike without it)")
     s.add_argument("--sft-target-accuracy", type=float, default=0.5,
                    help="stop the warm-up once the greedy accuracy on training prompts reaches this (0: off)")
     s.add_argument("--sft-eval-interval", type=int, default=20, help="steps between those checks")

@@ -290,7 +290,7 @@ def _sft_loss(mb: dict, logits: torch.Tensor, *, strict: bool, denom: float, sca
 
 
 def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log, engine=None,
-               deadline: float | None = None) -> list[dict]:
+               deadline: float | None = None, scheduler=None) -> list[dict]:
     """Up to ``--sft-steps`` of supervised training on correct answers (cross-entropy on the answer
     tokens, token mean over the global batch) through the same schedule and optimizer machinery.
 
@@ -299,7 +299,9 @@ def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log, e
     warm-up stops once it reaches the target: RL then starts from a policy that is neither hopeless
     nor saturated whatever the seed (a small model escapes addition's loss plateau after a number of
     steps that varies with the seed). ``deadline`` (a ``time.perf_counter()`` value) ends it early
-    too (``--time-budget-s`` gives the warm-up at most half of the budget)."""
+    too (``--time-budget-s`` gives the warm-up at most half of the budget). ``scheduler``: Megatron's
+    ``OptimizerParamScheduler`` (``--sft-lr-warmup-steps``), stepped once per optimizer step. Each
+    record carries the step's wall time (``sft/step_s``, the accuracy check excluded)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank, dp_size, dp_group = dp_info()
@@ -310,6 +312,7 @@ def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log, e
     probe = task.sample_pairs(len(task.eval_pairs), torch.Generator().manual_seed(mix_seed(args.seed, 5))) if target else None
     ddp_model.train()
     for step in range(1, args.sft_steps + 1):
+        t_step = time.perf_counter()
         g = torch.Generator().manual_seed(mix_seed(args.seed, 1, step, dp_rank))
         pairs = task.sample_pairs(per_rank, g)
         tokens, mask = token_grid([task.prompt(a, b) for a, b in pairs], [task.answer(a, b) for a, b in pairs],
@@ -332,9 +335,13 @@ def sft_warmup(ddp_model, optimizer, task, args, *, device, strict: bool, log, e
         forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp_model],
                          num_microbatches=len(micro), seq_length=int(tokens.shape[1]),
                          micro_batch_size=args.micro_batch_size, forward_only=False)
+        lr = optimizer.param_groups[0]["lr"]  # the step's own
         _, grad_norm, _ = optimizer.step()
+        if scheduler is not None:
+            scheduler.step(increment=1)
         (loss,) = all_reduce_sum([sums.total("sft/loss")], dp_group)
-        rec = {"step": step, "phase": "sft", "sft/loss": loss, "sft/grad_norm": float(grad_norm)}
+        rec = {"step": step, "phase": "sft", "sft/loss": loss, "sft/grad_norm": float(grad_norm), "sft/lr": lr,
+               "sft/step_s": time.perf_counter() - t_step}
         stop = False
         if target and (step % args.sft_eval_interval == 0 or step == args.sft_steps):
             rec["sft/train_accuracy"] = evaluate(engine, task, args, pairs=probe)

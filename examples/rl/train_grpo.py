@@ -136,13 +136,17 @@ def main(argv=None) -> dict:
         t_sft = time.perf_counter()
         sft_opt = rl_model.build_optimizer(ddp, lr=args.sft_lr, weight_decay=0.0, clip_grad=args.clip_grad,
                                            beta1=args.adam_beta1, beta2=args.adam_beta2)
+        sft_sched = (rl_model.build_scheduler(sft_opt, lr=args.sft_lr, min_lr=args.sft_lr, warmup=args.sft_lr_warmup_steps,
+                                              total=args.sft_steps, style="constant")
+                     if args.sft_lr_warmup_steps else None)
         try:
             rl_loop.sft_warmup(ddp, sft_opt, task, args, device=device, strict=strict, log=log_record, engine=engine,
+                               scheduler=sft_sched,
                                deadline=t_start + args.time_budget_s / 2 if args.time_budget_s else None)
         except KeyboardInterrupt:  # see the RL loop: finish with what there is, no RL
             interrupted = True
             say("interrupted during the warm-up: no RL steps")
-        del sft_opt
+        del sft_opt, sft_sched
         timings["sft_s"] = time.perf_counter() - t_sft
 
     ref_model = None

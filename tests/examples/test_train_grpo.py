@@ -177,7 +177,8 @@ def test_h200_script_flags_parse(tmp_path):
         "a = rl_args.parse_args(sys.argv[2:])\n"
         "arch = rl_model.model_architecture(a, 16, 10)\n"
         "print('PROBE ' + json.dumps({'arch': arch, 'budget': a.time_budget_s, 'log_dir': a.log_dir,"
-        " 'sft_target': a.sft_target_accuracy, 'updates': a.ppo_epochs * a.rollout_batch_size // a.mini_batch_size}))\n"
+        " 'sft_target': a.sft_target_accuracy, 'updates': a.ppo_epochs * a.rollout_batch_size // a.mini_batch_size,"
+        " 'lr': a.lr, 'sft_lr_warmup': a.sft_lr_warmup_steps, 'decay': a.lr_decay_style}))\n"
     )
     env = dict(os.environ, PYTHON=str(tmp_path / "py"), OUT=str(tmp_path / "out"))
     (tmp_path / "py").write_text(f"#!/bin/sh\nexec {sys.executable} {probe} \"$@\"\n")
@@ -188,5 +189,7 @@ def test_h200_script_flags_parse(tmp_path):
     line = next(l for l in res.stdout.splitlines() if l.startswith("PROBE "))
     got = json.loads(line[len("PROBE "):])
     assert got["arch"]["preset"] == "qwen3-moe" and got["arch"]["layers"] == 4 and got["arch"]["experts"] == 128
-    assert got["log_dir"] == str(tmp_path / "out") and got["budget"] == 100 and got["updates"] == 4
+    assert got["log_dir"] == str(tmp_path / "out") and got["budget"] == 360 and got["updates"] == 4
+    # the settings of the H200 run that learned (examples/rl/README.md, run 3a)
+    assert (got["lr"], got["sft_lr_warmup"], got["decay"]) == (1e-5, 20, "cosine")
     assert (tmp_path / "out" / "console.log").exists()
