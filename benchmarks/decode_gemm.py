@@ -16,6 +16,8 @@ Sections (one JSON line per run in ``benchmarks/results/decode_gemm.jsonl`` and 
 * ``dense``: every Qwen3 shape x M = 1..64: BF16 ``torch.mm`` vs NVFP4 decode (default, strict,
   and default with the activation's quantization), CUDA-graph replays, weights rotated through
   more than 4x the L2 so HBM is measured; effective weight GB/s and % of copy bandwidth.
+* ``grouped_sweep``: the grouped decode kernel's launch parameters (tile, warps, K steps in flight,
+  K steps per program) at the same shapes and routings, each checked against the strict result.
 * ``grouped``: MoE decode, batch 1 / 8 / 64 tokens x top-8 of 128 experts, fc1 and fc2:
   BF16 ``torch._grouped_mm`` on the selected experts (rows already sorted: its permutation is
   not timed) vs NVFP4 ``decode_grouped_gemm`` (unsorted rows, routing included).
@@ -58,6 +60,7 @@ DENSE = list(SHAPES)
 STRICT_MAX_K = 0  # dense table: time strict only where K <= this (0: every K)
 SHARD = (0, 1)
 DEADLINE = float("inf")
+GROUPED_TOKENS = (1, 8, 64)
 DEV = torch.device("cuda")
 
 #: default-configuration sweep: tile, warps, K steps in flight (DEPTH), most steps per program
@@ -499,11 +502,88 @@ def sec_grouped(res):
                  "strict_us", "nvfp4_weight_GBps", "bf16_weight_GBps"])
 
 
-SECTIONS = ("check", "sweep", "dense", "grouped")
+#: grouped decode launch sweep: (BLOCK_N, BLOCK_K, warps, DEPTH, most K steps per program); the K
+#: split follows (``cdiv(steps, most)``). The first is what ``decode_grouped_gemm.select_config``
+#: derived from the dense kernel's entry before this sweep (2 steps per program).
+GROUPED_SWEEP = [(64, 128, 4, 2, 2), (64, 128, 4, 4, 4), (64, 128, 4, 4, 8), (64, 128, 4, 4, 16), (64, 128, 4, 8, 16),
+                 (32, 128, 4, 4, 16), (128, 128, 8, 4, 16), (64, 64, 4, 8, 32), (32, 128, 2, 4, 16)]
+
+
+def grouped_sweep_cfg(entry, r, k, e):
+    bn, bk, warps, depth, most = entry
+    steps = -(-k // bk)
+    nchunk = min(steps, most)
+    slots = max(1, min(r, e))
+    m_pad = max(16, min(32, 1 << max(0, (-(-r // slots) - 1).bit_length())))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=min(depth, nchunk), NCHUNK=nchunk,
+                SPLIT=-(-steps // nchunk), M_PAD=m_pad)
+
+
+def sec_grouped_sweep(res):
+    """The grouped decode kernel's launch parameters at the real MoE shapes (fc1, fc2 of 128
+    experts, top-8; 1 / 8 / 64 tokens), CUDA-graph replays over 8 routings, vs BF16
+    ``torch._grouped_mm`` on the same experts; each configuration's outputs checked against
+    the reference bound."""
+    rows = []
+    for name, (k, n) in (("expert_fc1", SHAPES["expert_fc1"]), ("expert_fc2", SHAPES["expert_fc2"])):
+        e = EXPERTS
+        if SMOKE:
+            k, n, e = 64, 32, 6
+        w = rnd(e, n, k, scale=0.02)
+        wb = w.to(BF16)
+        qw = quantize_forward(w, global_scale="group", tile=(16, 16))
+        wm = qw.matrix()
+        del w
+        for tokens in GROUPED_TOKENS:
+            topk = 2 if SMOKE else TOPK
+            r = tokens * topk
+            routings = [torch.stack([torch.randperm(e, device=DEV)[:topk] for _ in range(tokens)]).reshape(-1).int()
+                        for _ in range(1 if SMOKE else 8)]
+            qa = quantize_forward(rnd(r, k), with_image=True)
+            xb = rnd(r, k).to(BF16)
+            distinct = sum(int(torch.unique(ids).numel()) for ids in routings) / len(routings)
+            sel_bytes = distinct * (n * k // 2 + n * k // 16)
+            offs = [torch.cumsum(torch.bincount(ids.long(), minlength=e), 0).to(torch.int32) for ids in routings]
+            bf16_us = float("nan")
+            if DEV.type == "cuda" and hasattr(torch, "_grouped_mm") and not WARM_ONLY:
+                bf16_us = 1e3 * timed(lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in offs]) / len(offs)
+            want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
+                                                  qa.global_decode, e, torch.float32, True)
+            for entry in ([(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP):  # interpreter: small tiles
+                if not mine():
+                    continue
+                cfg = grouped_sweep_cfg(entry, r, k, e)
+                out = torch.empty(r, n, dtype=BF16, device=DEV)
+                out32 = torch.empty(r, n, dtype=torch.float32, device=DEV)
+
+                w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)
+                a_gs = qa.global_decode.float().reshape(-1)
+
+                def run(ids, o=out):
+                    tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, o, e, cfg)
+                try:
+                    run(routings[0], out32)
+                    err = float("nan") if want is None else float((out32 - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                    us = 1e3 * timed(lambda: [run(ids) for ids in routings]) / len(routings)
+                except Exception as ex:  # a configuration that does not compile here: recorded
+                    print(f"grouped {name} {entry} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    err, us = float("nan"), float("nan")
+                rows.append({"shape": name, "tokens": tokens, "distinct_experts": distinct, "config": str(entry),
+                             "split": cfg["SPLIT"], "programs": max(1, min(r, e)) * -(-n // cfg["BLOCK_N"]) * cfg["SPLIT"],
+                             "nvfp4_us": us, "bf16_grouped_mm_us": bf16_us, "speedup": bf16_us / us,
+                             "nvfp4_weight_GBps": sel_bytes / us / 1e3, "max_rel_err_vs_strict": err})
+        del wb, qw, wm
+    res["grouped_sweep"] = rows
+    print_table("grouped decode launch sweep (top-8 of 128 experts; 8 routings; CUDA-graph replays)", rows,
+                ["shape", "tokens", "distinct_experts", "config", "split", "programs", "nvfp4_us", "bf16_grouped_mm_us",
+                 "speedup", "nvfp4_weight_GBps", "max_rel_err_vs_strict"])
+
+
+SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep")
 
 
 def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K
+    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--m", default="1,2,4,8,16,32,64")
@@ -520,7 +600,9 @@ def main(argv=None):
                    help="dense table: strict decode only where K <= this (the K = 4096 kernel compiles ~1 min)")
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="stop timing (NaN, saved as null) this many seconds after the start")
+    p.add_argument("--grouped-tokens", default="1,8,64", help="decode tokens of the grouped sections")
     args = p.parse_args(argv)
+    GROUPED_TOKENS = tuple(int(t) for t in args.grouped_tokens.split(","))
     SMOKE, WARM_ONLY, ACT_QUANT, IMAGE_GEMM = args.smoke, args.warm_only, not args.no_act_quant, not args.no_image_gemm
     DENSE = args.shapes.split(",")
     STRICT_MAX_K = args.strict_max_k
@@ -558,6 +640,9 @@ def main(argv=None):
         partial()
     if "grouped" in sections:
         sec_grouped(res)
+        partial()
+    if "grouped_sweep" in sections:
+        sec_grouped_sweep(res)
     if not WARM_ONLY and not SMOKE:
         paths = save(res, "decode_gemm", [os.path.join(os.path.dirname(__file__), "results"), args.out])
         print("saved:", ", ".join(paths))
