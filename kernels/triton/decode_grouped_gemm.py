@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
-from .decode_gemm import GPU_DECODE, GPU_STRICT_DECODE, default_config, split_counters, strict_config
+from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
 
@@ -133,9 +133,31 @@ def _decode_grouped_kernel(
                 tl.store(cnt_ptr + slot * num_n + pid_n, 0)  # leave the workspace zeroed
 
 
-def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_invariant: bool) -> dict:
-    """Launch parameters (as :func:`.decode_gemm.select_config`, the grid counting expert slots)."""
+#: GPU launch of the default configuration: tile (BLOCK_N weight rows x BLOCK_K per K step), warps,
+#: K steps in flight (DEPTH) and the most K steps one program runs (MAX_CHUNKS; K is split into
+#: ``cdiv(steps, MAX_CHUNKS)`` ranges). Unlike the dense kernel, the grid already has (expert slots
+#: x N tiles) programs -- 64 x 24 = 1536 for fc1 at 8 tokens, ~12 per SM -- so splitting K only
+#: adds programs, each paying the routing prologue, a partial's round trip and an arrival counter.
+#: Before 2026-12-01 this entry was the dense kernel's (2 steps per program): the decode step's
+#: profile (H200, BENCHMARKS.md run 10) put this kernel at 70% of the step, 240 us per launch.
+#: Chosen by ``benchmarks/decode_gemm.py --sections grouped_sweep`` (run 10).
+GPU_GROUPED_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
+
+
+def grouped_config(r: int, k: int, experts: int, entry: dict) -> dict:
+    """A default-mode launch from a :data:`GPU_GROUPED_DECODE`-style entry: at most
+    ``MAX_CHUNKS`` K steps per program, M padded for the expected rows per expert (>= 16, wgmma)."""
     slots = max(1, min(r, experts))
+    bk = entry["BLOCK_K"]
+    steps = triton.cdiv(k, bk)
+    nchunk = max(1, min(steps, entry["MAX_CHUNKS"]))
+    m_pad = max(16, min(32, triton.next_power_of_2(triton.cdiv(r, slots))))
+    return dict(BLOCK_N=entry["BLOCK_N"], BLOCK_K=bk, num_warps=entry["num_warps"], DEPTH=min(entry["DEPTH"], nchunk),
+                NCHUNK=nchunk, SPLIT=triton.cdiv(steps, nchunk), M_PAD=m_pad)
+
+
+def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_invariant: bool) -> dict:
+    """Launch parameters (as :func:`.decode_gemm.select_config`; the grid counts expert slots)."""
     if interpreting():
         if batch_invariant:
             return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, NCHUNK=triton.cdiv(k, 16), DEPTH=2, num_warps=4)
@@ -145,9 +167,7 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
                     num_warps=4)
     if batch_invariant:
         return strict_config(16, k, dict(GPU_STRICT_DECODE, PAD_ROWS=False))
-    # rows per expert: r / slots on average (top-k routing spreads them); M_PAD >= 16 (wgmma)
-    m_pad = max(16, min(32, triton.next_power_of_2(triton.cdiv(r, slots))))
-    return default_config(m_pad, n * slots, k, sm_count, GPU_DECODE)
+    return grouped_config(r, k, experts, GPU_GROUPED_DECODE)
 
 
 def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts: int, cfg: dict,
