@@ -133,15 +133,19 @@ def _decode_grouped_kernel(
                 tl.store(cnt_ptr + slot * num_n + pid_n, 0)  # leave the workspace zeroed
 
 
-#: GPU launch of the default configuration: tile (BLOCK_N weight rows x BLOCK_K per K step), warps,
-#: K steps in flight (DEPTH) and the most K steps one program runs (MAX_CHUNKS; K is split into
-#: ``cdiv(steps, MAX_CHUNKS)`` ranges). Unlike the dense kernel, the grid already has (expert slots
-#: x N tiles) programs -- 64 x 24 = 1536 for fc1 at 8 tokens, ~12 per SM -- so splitting K only
-#: adds programs, each paying the routing prologue, a partial's round trip and an arrival counter.
-#: Before 2026-12-01 this entry was the dense kernel's (2 steps per program): the decode step's
-#: profile (H200, BENCHMARKS.md run 10) put this kernel at 70% of the step, 240 us per launch.
-#: Chosen by ``benchmarks/decode_gemm.py --sections grouped_sweep`` (run 10).
-GPU_GROUPED_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
+#: GPU launch of the default (split-K) configuration: tile (BLOCK_N weight rows x BLOCK_K per K
+#: step), warps, K steps in flight (DEPTH) and the most K steps one program runs (MAX_CHUNKS; K is
+#: split into ``cdiv(steps, MAX_CHUNKS)`` ranges). Until 2026-12-01 this was the dense kernel's entry
+#: (64 rows, 2 K steps per program: fc1 at 8 tokens split K 8 ways, 12288 programs). Measured on the
+#: H200 (2026-12-01, BENCHMARKS.md run 10, ``benchmarks/decode_gemm.py --sections grouped_sweep
+#: --grouped-tokens 8``; 8 tokens x top-8 of 128 experts, ~51 distinct), us for fc1 (K 2048, N 1536)
+#: + fc2 (K 768, N 2048): this entry (32 rows, whole K, 4 steps in flight) 199.9 + 95.0; the old
+#: one 220.2 + 115.1; 64 rows whole K 385.9 + 90.0; 64 rows x 8 steps 229.2 + 89.9; 128 rows / 8
+#: warps 402.6 + 110.7; BLOCK_K 64 x 32 steps 416.2 + 85.8 (BF16 ``torch._grouped_mm`` 119.1 +
+#: 79.7). The kernel reads 230-545 GB/s in every entry: what bounds it is the work per weight
+#: (dequantization and layout changes), not the launch. The default-mode engine runs the
+#: batch-invariant configuration (``GPU_STRICT_DECODE``: 64 rows, whole K) for its zero gap.
+GPU_GROUPED_DECODE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
 
 
 def grouped_config(r: int, k: int, experts: int, entry: dict) -> dict:
