@@ -458,8 +458,10 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
 
 
 # ---- grouped --------------------------------------------------------------------------------------
-def sec_grouped(res):
-    rows = []
+def grouped_cases():
+    """The MoE decode cases of both grouped sections: per expert shape (fc1, fc2 of 128 experts) and
+    decode tokens (``--grouped-tokens``), the quantized weights, 8 random top-8 routings, a quantized
+    activation, its BF16 twin and the sorted offsets ``torch._grouped_mm`` reads."""
     for name, (k, n) in (("expert_fc1", SHAPES["expert_fc1"]), ("expert_fc2", SHAPES["expert_fc2"])):
         e = EXPERTS
         if SMOKE:
@@ -469,33 +471,42 @@ def sec_grouped(res):
         qw = quantize_forward(w, global_scale="group", tile=(16, 16))
         wm = qw.matrix()
         del w
-        for tokens in (1, 8, 64):
+        for tokens in GROUPED_TOKENS:
             topk = 2 if SMOKE else TOPK
             r = tokens * topk
             routings = [torch.stack([torch.randperm(e, device=DEV)[:topk] for _ in range(tokens)]).reshape(-1).int()
                         for _ in range(1 if SMOKE else 8)]
             qa = quantize_forward(rnd(r, k), with_image=True)
             xb = rnd(r, k).to(BF16)
-            sorted_offs = [torch.cumsum(torch.bincount(ids.long(), minlength=e), 0).to(torch.int32) for ids in routings]
-            row = {"shape": name, "tokens": tokens, "rows": r, "distinct_experts": float(sum(
-                int(torch.unique(ids).numel()) for ids in routings) / len(routings))}
-            if mine() and hasattr(torch, "_grouped_mm") and DEV.type == "cuda":
-                row["bf16_grouped_mm_us"] = 1e3 * timed(
-                    lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in sorted_offs]) / len(routings)
-            for strict in (False, True):
-                if not mine():
-                    continue
-                row["strict_us" if strict else "nvfp4_us"] = 1e3 * timed(
-                    lambda: [tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
-                                                            qa.global_decode, e, BF16, strict)
-                             for ids in routings]) / len(routings)
-            if not WARM_ONLY and "nvfp4_us" in row and "bf16_grouped_mm_us" in row:
-                row["speedup"] = row["bf16_grouped_mm_us"] / row["nvfp4_us"]
-                sel_bytes = row["distinct_experts"] * (n * k // 2 + n * k // 16)
-                row["nvfp4_weight_GBps"] = sel_bytes / row["nvfp4_us"] / 1e3
-                row["bf16_weight_GBps"] = row["distinct_experts"] * n * k * 2 / row["bf16_grouped_mm_us"] / 1e3
-            rows.append(row)
+            offs = [torch.cumsum(torch.bincount(ids.long(), minlength=e), 0).to(torch.int32) for ids in routings]
+            distinct = sum(int(torch.unique(ids).numel()) for ids in routings) / len(routings)
+            yield dict(name=name, k=k, n=n, e=e, wb=wb, qw=qw, wm=wm, tokens=tokens, r=r, routings=routings, qa=qa,
+                       xb=xb, offs=offs, distinct=distinct)
         del wb, qw, wm
+
+
+def sec_grouped(res):
+    rows = []
+    for c in grouped_cases():
+        name, k, n, e, tokens, r = c["name"], c["k"], c["n"], c["e"], c["tokens"], c["r"]
+        wb, qw, wm, qa, xb, routings, sorted_offs = c["wb"], c["qw"], c["wm"], c["qa"], c["xb"], c["routings"], c["offs"]
+        row = {"shape": name, "tokens": tokens, "rows": r, "distinct_experts": float(c["distinct"])}
+        if mine() and hasattr(torch, "_grouped_mm") and DEV.type == "cuda":
+            row["bf16_grouped_mm_us"] = 1e3 * timed(
+                lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in sorted_offs]) / len(routings)
+        for strict in (False, True):
+            if not mine():
+                continue
+            row["strict_us" if strict else "nvfp4_us"] = 1e3 * timed(
+                lambda: [tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
+                                                        qa.global_decode, e, BF16, strict)
+                         for ids in routings]) / len(routings)
+        if not WARM_ONLY and "nvfp4_us" in row and "bf16_grouped_mm_us" in row:
+            row["speedup"] = row["bf16_grouped_mm_us"] / row["nvfp4_us"]
+            sel_bytes = row["distinct_experts"] * (n * k // 2 + n * k // 16)
+            row["nvfp4_weight_GBps"] = sel_bytes / row["nvfp4_us"] / 1e3
+            row["bf16_weight_GBps"] = row["distinct_experts"] * n * k * 2 / row["bf16_grouped_mm_us"] / 1e3
+        rows.append(row)
     res["grouped"] = rows
     print_table("MoE decode (top-8 of 128 experts; 8 routings rotated; CUDA-graph replays)", rows,
                 ["shape", "tokens", "rows", "distinct_experts", "bf16_grouped_mm_us", "nvfp4_us", "speedup",
@@ -521,53 +532,37 @@ def sec_grouped_sweep(res):
     strict fp32 result (max relative error: bf16 rounding, ~2e-3, unless the configuration is
     wrong)."""
     rows = []
-    for name, (k, n) in (("expert_fc1", SHAPES["expert_fc1"]), ("expert_fc2", SHAPES["expert_fc2"])):
-        e = EXPERTS
-        if SMOKE:
-            k, n, e = 64, 32, 6
-        w = rnd(e, n, k, scale=0.02)
-        wb = w.to(BF16)
-        qw = quantize_forward(w, global_scale="group", tile=(16, 16))
-        wm = qw.matrix()
-        del w
-        for tokens in GROUPED_TOKENS:
-            topk = 2 if SMOKE else TOPK
-            r = tokens * topk
-            routings = [torch.stack([torch.randperm(e, device=DEV)[:topk] for _ in range(tokens)]).reshape(-1).int()
-                        for _ in range(1 if SMOKE else 8)]
-            qa = quantize_forward(rnd(r, k), with_image=True)
-            xb = rnd(r, k).to(BF16)
-            distinct = sum(int(torch.unique(ids).numel()) for ids in routings) / len(routings)
-            sel_bytes = distinct * (n * k // 2 + n * k // 16)
-            offs = [torch.cumsum(torch.bincount(ids.long(), minlength=e), 0).to(torch.int32) for ids in routings]
-            bf16_us = float("nan")
-            if DEV.type == "cuda" and hasattr(torch, "_grouped_mm") and not WARM_ONLY:
-                bf16_us = 1e3 * timed(lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in offs]) / len(offs)
-            want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
-                                                  qa.global_decode, e, torch.float32, True)
-            for entry in ([(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP):  # interpreter: small tiles
-                if not mine():
-                    continue
-                cfg = tg.grouped_config(r, k, e, grouped_entry(entry))
-                out = torch.empty(r, n, dtype=BF16, device=DEV)
+    for c in grouped_cases():
+        name, k, n, e, tokens, r, distinct = c["name"], c["k"], c["n"], c["e"], c["tokens"], c["r"], c["distinct"]
+        wb, qw, wm, qa, xb, routings, offs = c["wb"], c["qw"], c["wm"], c["qa"], c["xb"], c["routings"], c["offs"]
+        sel_bytes = distinct * (n * k // 2 + n * k // 16)
+        bf16_us = float("nan")
+        if DEV.type == "cuda" and hasattr(torch, "_grouped_mm") and not WARM_ONLY:
+            bf16_us = 1e3 * timed(lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in offs]) / len(offs)
+        want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
+                                              qa.global_decode, e, torch.float32, True)
+        for entry in ([(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP):  # interpreter: small tiles
+            if not mine():
+                continue
+            cfg = tg.grouped_config(r, k, e, grouped_entry(entry))
+            out = torch.empty(r, n, dtype=BF16, device=DEV)
 
-                w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)
-                a_gs = qa.global_decode.float().reshape(-1)
+            w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)
+            a_gs = qa.global_decode.float().reshape(-1)
 
-                def run(ids, o=out, cfg=cfg):
-                    tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, o, e, cfg)
-                try:
-                    run(routings[0])  # bf16 output vs the strict fp32 result: ~2^-9 relative is the rounding
-                    err = float((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-                    us = 1e3 * timed(lambda: [run(ids) for ids in routings]) / len(routings)
-                except Exception as ex:  # a configuration that does not compile here: recorded
-                    print(f"grouped {name} {entry} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-                    err, us = float("nan"), float("nan")
-                rows.append({"shape": name, "tokens": tokens, "distinct_experts": distinct, "config": str(entry),
-                             "split": cfg["SPLIT"], "programs": max(1, min(r, e)) * -(-n // cfg["BLOCK_N"]) * cfg["SPLIT"],
-                             "nvfp4_us": us, "bf16_grouped_mm_us": bf16_us, "speedup": bf16_us / us,
-                             "nvfp4_weight_GBps": sel_bytes / us / 1e3, "max_rel_err_vs_strict": err})
-        del wb, qw, wm
+            def run(ids, o=out, cfg=cfg):
+                tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, o, e, cfg)
+            try:
+                run(routings[0])  # bf16 output vs the strict fp32 result: ~2^-9 relative is the rounding
+                err = float((out.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                us = 1e3 * timed(lambda: [run(ids) for ids in routings]) / len(routings)
+            except Exception as ex:  # a configuration that does not compile here: recorded
+                print(f"grouped {name} {entry} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                err, us = float("nan"), float("nan")
+            rows.append({"shape": name, "tokens": tokens, "distinct_experts": distinct, "config": str(entry),
+                         "split": cfg["SPLIT"], "programs": max(1, min(r, e)) * -(-n // cfg["BLOCK_N"]) * cfg["SPLIT"],
+                         "nvfp4_us": us, "bf16_grouped_mm_us": bf16_us, "speedup": bf16_us / us,
+                         "nvfp4_weight_GBps": sel_bytes / us / 1e3, "max_rel_err_vs_strict": err})
     res["grouped_sweep"] = rows
     print_table("grouped decode launch sweep (top-8 of 128 experts; 8 routings; CUDA-graph replays)", rows,
                 ["shape", "tokens", "distinct_experts", "config", "split", "programs", "nvfp4_us", "bf16_grouped_mm_us",
