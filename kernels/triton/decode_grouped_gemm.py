@@ -13,10 +13,11 @@ distinct experts exit at once. Its rows are gathered from the ids in chunks of `
 the chunk on the tensor cores (:func:`._decode_common.decode_k_loop`, swap-AB), and the
 outputs are scattered back to the rows' places.
 
-Configurations as :mod:`.decode_gemm`: default splits K (fp32 partials ``[SPLIT, R, N]``,
-added in split order by the last program of a (slot, N tile), an atomic counter); strict
-(``batch_invariant=True``) runs the whole K per program in the learner's strict chain of
-16-wide MMA steps. A row whose expert id is outside ``[0, E)`` gets NaN (the eager entry
+Configurations: default (:data:`GPU_GROUPED_DECODE`) runs at most ``MAX_CHUNKS`` K steps per
+program and splits K beyond that (fp32 partials ``[SPLIT, R, N]``, added in split order by the
+last program of a (slot, N tile), an atomic counter); strict (``batch_invariant=True``, also the
+default-mode engine's choice: ``RolloutEngine(invariant_gemm=True)``) runs the whole K per program
+in the learner's strict chain of 16-wide MMA steps. A row whose expert id is outside ``[0, E)`` gets NaN (the eager entry
 point raises before launching; inside a CUDA graph the NaN rows are the only signal).
 
 Inputs: ``a_img`` bf16 ``[R, K]``; ``w_codes`` uint8 ``[E*N, K/2]``; ``w_scales`` uint8 (E4M3
