@@ -114,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         _fail(parser, "--sft-target-accuracy must lie in [0, 1] and --sft-eval-interval be >= 1")
     if args.sft_steps < 0 or args.save_interval < 0 or args.eval_interval < 0:
         _fail(parser, "--sft-steps, --save-interval and --eval-interval must be >= 0")
+    if args.sft_lr_warmup_steps < 0 or args.lr_warmup_steps < 0:
+        _fail(parser, "--sft-lr-warmup-steps and --lr-warmup-steps must be >= 0")
     if args.rollout_batch_size % args.mini_batch_size:
         _fail(parser, f"--rollout-batch-size {args.rollout_batch_size} is not a multiple of --mini-batch-size "
                       f"{args.mini_batch_size}")

@@ -193,3 +193,23 @@ def test_h200_script_flags_parse(tmp_path):
     # the settings of the H200 run that learned (examples/rl/README.md, run 3a)
     assert (got["lr"], got["sft_lr_warmup"], got["decay"]) == (1e-5, 20, "cosine")
     assert (tmp_path / "out" / "console.log").exists()
+
+
+def test_sft_lr_warmup_is_linear_from_zero(tmp_path):
+    """``--sft-lr-warmup-steps W``: Megatron's scheduler on the warm-up optimizer, the LR of step s
+    is (s - 1) / W of ``--sft-lr`` until W, then flat (the H200 run's loss spike without it:
+    examples/rl/README.md, run 1); each record has the step's wall time."""
+    _main(["--digits", "2", "--no-progress", "--sft-steps", "6", "--sft-lr-warmup-steps", "4", "--sft-lr", "1e-3",
+           "--sft-target-accuracy", "0", "--steps", "0", "--log-dir", tmp_path, "--no-tensorboard", "--no-plot"])
+    sft = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sft = [r for r in sft if r.get("phase") == "sft"]
+    assert [r["sft/lr"] for r in sft] == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3], rel=1e-12, abs=0)
+    assert all(r["sft/step_s"] > 0 for r in sft)
+
+
+def test_negative_warmup_is_refused_with_one_line(capsys):
+    import rl_args
+
+    with pytest.raises(SystemExit):
+        rl_args.parse_args(["--sft-lr-warmup-steps", "-1"])
+    assert "--sft-lr-warmup-steps and --lr-warmup-steps must be >= 0" in capsys.readouterr().err
