@@ -288,8 +288,17 @@ def graph_replay_check() -> dict:
     return {"data": "graph", "strict_config": "capture+replay (3 fresh inputs)", "graph_replay_equal": equal}
 
 
+#: strict grouped decode configurations checked bitwise against the learner (and timed in the
+#: grouped sweep): the unrolled whole-K chain and the rolled one (``GROUP``), which must agree
+STRICT_GROUPED_VARIANTS = {"strict unrolled": dict(td.GPU_STRICT_DECODE, PAD_ROWS=False),
+                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE)}
+
+
 def sec_check_grouped(res):
-    k, n, e = (64, 48, 6) if SMOKE else (1024, 768, EXPERTS)
+    """Each strict grouped configuration vs the learner's strict grouped GEMM, bit for bit, at
+    fc1's K (2048: where the unrolled chain spills), random and adversarial data, 1 / 8 / 64
+    tokens x top-8; and the default configuration's distance from strict."""
+    k, n, e = (64, 48, 6) if SMOKE else (2048, 768, EXPERTS)
     rows = []
     for data_name, data in (("random", rnd), ("adversarial", adversarial)):
         w = data(e, n, k) * 0.02
@@ -302,29 +311,39 @@ def sec_check_grouped(res):
             ids = ids.to(torch.int32)
             qa = quantize_forward(data(r, k), with_image=True)
             wm = qw.matrix()
+            w_sc, w_gs, a_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1), \
+                qa.global_decode.float().reshape(-1)
             got = {}
-            for dt in (torch.float32, BF16):
-                got[dt] = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
-                                                        qa.global_decode, e, dt, batch_invariant=True)
+            for label, entry in STRICT_GROUPED_VARIANTS.items():
+                cfg = td.strict_config(16, k, entry) if not SMOKE else tg.select_config(r, n, k, e, 1, True)
+                if SMOKE and label == "strict rolled":
+                    cfg = dict(cfg, GROUP=2)
+                for dt in (torch.float32, BF16):
+                    out = torch.empty(r, n, dtype=dt, device=DEV)
+                    tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, out, e, cfg)
+                    got[label, dt] = out
             if WARM_ONLY:
                 continue
             order = torch.argsort(ids.long(), stable=True)
             sizes = torch.bincount(ids.long(), minlength=e).to(torch.int32)
-            row = {"data": data_name, "tokens": tokens, "rows": r}
+            row = {"data": data_name, "tokens": tokens, "rows": r, "K": k}
             for dt in (torch.float32, BF16):
                 learner = grouped_gemm_forward(qa.image[order], qw.image, sizes, qa.global_decode[order],
                                                qw.global_decode, None, dt, batch_invariant=True)
                 expect = torch.empty_like(learner)
                 expect[order] = learner
-                row["mismatched_fp32" if dt == torch.float32 else "mismatched_bf16"] = _bits_differ(got[dt], expect)
+                for label in STRICT_GROUPED_VARIANTS:
+                    row[f"{label} mismatched_{'fp32' if dt == torch.float32 else 'bf16'}"] = _bits_differ(got[label, dt],
+                                                                                                        expect)
+            strict32 = got["strict unrolled", torch.float32]
             default = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
                                                      qa.global_decode, e, torch.float32)
-            row["default_vs_strict_max_rel"] = float(((default - got[torch.float32]).abs()
-                                                      / got[torch.float32].abs().clamp_min(1e-30)).max())
+            row["default_vs_strict_max_rel"] = float(((default - strict32).abs() / strict32.abs().clamp_min(1e-30)).max())
             rows.append(row)
     res["check_grouped"] = rows
+    cols = ["data", "tokens", "rows", "K"] + [f"{v} mismatched_{d}" for v in STRICT_GROUPED_VARIANTS for d in ("fp32", "bf16")]
     print_table("strict grouped decode vs the learner's strict grouped GEMM (bits that differ)", rows,
-                ["data", "tokens", "rows", "mismatched_fp32", "mismatched_bf16", "default_vs_strict_max_rel"])
+                cols + ["default_vs_strict_max_rel"])
 
 
 # ---- sweep ----------------------------------------------------------------------------------------
@@ -541,10 +560,13 @@ def sec_grouped_sweep(res):
             bf16_us = 1e3 * timed(lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in offs]) / len(offs)
         want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
                                               qa.global_decode, e, torch.float32, True)
-        for entry in ([(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP):  # interpreter: small tiles
+        entries = [(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP  # interpreter: small tiles
+        strict = {} if SMOKE else STRICT_GROUPED_VARIANTS
+        for entry in list(entries) + list(strict):
             if not mine():
                 continue
-            cfg = tg.grouped_config(r, k, e, grouped_entry(entry))
+            cfg = (td.strict_config(16, k, strict[entry]) if entry in strict
+                   else tg.grouped_config(r, k, e, grouped_entry(entry)))
             out = torch.empty(r, n, dtype=BF16, device=DEV)
 
             w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)

@@ -96,6 +96,10 @@ def main(argv=None):
     ap.add_argument("--grouped-config", default=None, metavar="BN,BK,WARPS,DEPTH,MAX_CHUNKS",
                     help="the grouped decode kernel's default launch entry (decode_grouped_gemm.GPU_GROUPED_DECODE) "
                          "for this run, e.g. a benchmarks/decode_gemm.py grouped_sweep winner")
+    ap.add_argument("--rolled-strict", action="store_true",
+                    help="the strict grouped decode with its K loop rolled (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
+                         "for this run, before ROLLED_STRICT_VERIFIED records a GPU check (the default-mode engine runs "
+                         "the strict configuration too)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -109,6 +113,8 @@ def main(argv=None):
         except ValueError:
             ap.error(f"--grouped-config: five integers BN,BK,WARPS,DEPTH,MAX_CHUNKS, got {args.grouped_config!r}")
         tg.GPU_GROUPED_DECODE = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=depth, MAX_CHUNKS=most)
+    if args.rolled_strict:
+        tg.ROLLED_STRICT_VERIFIED = True
     from minite_megatron.training.presets import PRESETS, init_single_process
 
     preset = PRESETS[args.preset]
@@ -116,7 +122,8 @@ def main(argv=None):
     dtype = torch.bfloat16 if gpu else torch.float32
     os.environ["TEARDOWN_CUPTI"] = "0"  # torch's workaround for CUPTI re-init around CUDA graphs
     results = {"benchmark": "decode_profile", "preset": args.preset, "batch": args.batch, "short": args.short,
-               "long": args.long, "grouped_decode_entry": dict(tg.GPU_GROUPED_DECODE), "engines": [], **environment(), "command": " ".join(sys.argv)}
+               "long": args.long, "grouped_decode_entry": dict(tg.GPU_GROUPED_DECODE),
+               "strict_grouped_entry": tg.strict_grouped_entry(), "engines": [], **environment(), "command": " ".join(sys.argv)}
     max_seq = args.prompt_max + args.long
     for name in [n for n in args.engines.split(",") if n]:
         model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"

@@ -64,8 +64,31 @@ def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split
         "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, MASK_K=False, EVEN_N=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
+              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, GROUP=0)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=1,
+                       divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
+
+
+def _decode_grouped(config: dict, k: int = 2048, r_pow2: int = 64, experts: int = 128):
+    """The MoE decode kernel at one launch configuration (``decode_grouped_gemm.select_config``
+    form: BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, SPLIT, num_warps, optionally GROUP), 8 tokens x
+    top-8 of ``experts`` (``r_pow2`` rows), K = ``k``."""
+    from .decode_gemm import rolled_group
+    from .decode_grouped_gemm import _decode_grouped_kernel
+
+    sig = {
+        "a_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "cnt_ptr": "*i32", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "lut_ptr": "*i32",
+        "R": "i32", "N": "i32", "K": "i32", "E": "i32", "s_cn": "i32", "s_sn": "i32", "s_am": "i32", "s_om": "i32",
+        "SPLIT": "i32",
+    }
+    nchunk = config["NCHUNK"]
+    split = -(-k // (nchunk * config["BLOCK_K"]))
+    ce = dict(SA_ROWS=True, SW_ROWS=False, MASK_K=k % (nchunk * config["BLOCK_K"]) != 0, BLOCK_N=config["BLOCK_N"],
+              BLOCK_K=config["BLOCK_K"], M_PAD=config["M_PAD"], NCHUNK=nchunk, DEPTH=config["DEPTH"],
+              SPLIT_MAX=1 << max(0, (split - 1).bit_length()), R_POW2=r_pow2, E_POW2=experts, ASM=True, DOT_FP32=False,
+              GROUP=rolled_group(nchunk, config.get("GROUP", 0)))
+    return compile_for(_decode_grouped_kernel, sig, ce, num_warps=config["num_warps"], num_stages=1,
                        divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
 
 

@@ -164,9 +164,46 @@ def _load_x(a_rows, m_ok, k0, k_hi, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr)
 
 
 @triton.jit
+def _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSTEPS: tl.constexpr, DEPTH: tl.constexpr,
+                    MASK_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``acc`` plus ``NSTEPS`` K steps of ``BLOCK_K`` from ``k_lo``, unrolled, ``DEPTH`` steps'
+    loads in flight (see :func:`decode_k_loop`)."""
+    # program order of the first DEPTH steps: every step's codes, then activations, then scales,
+    # so no layout conversion (shared-memory store + barrier, which waits for its load) sits
+    # between two steps' weight loads
+    codes = ()
+    xs = ()
+    scales = ()
+    for c in tl.static_range(NSTEPS):
+        if c < DEPTH:
+            codes = codes + (_load_codes(codes_rows, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
+    for c in tl.static_range(NSTEPS):
+        if c < DEPTH:
+            xs = xs + (_load_x(a_rows, m_ok, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
+    for c in tl.static_range(NSTEPS):
+        if c < DEPTH:
+            scales = scales + (_load_scales(scales_rows, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
+    for c in tl.static_range(NSTEPS):
+        w = dequant_tile(codes[c], scales[c], luts, BLOCK_N, BLOCK_K, ASM)
+        x = xs[c]
+        if c + DEPTH < NSTEPS:
+            k1 = k_lo + (c + DEPTH) * BLOCK_K
+            codes = codes + (_load_codes(codes_rows, k1, k_hi, BLOCK_K, MASK_K),)
+            xs = xs + (_load_x(a_rows, m_ok, k1, k_hi, BLOCK_K, MASK_K),)
+            scales = scales + (_load_scales(scales_rows, k1, k_hi, BLOCK_K, MASK_K),)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), x, acc)
+    return acc
+
+
+@triton.jit
 def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr,
-                  DEPTH: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr):
+                  DEPTH: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+                  GROUP: tl.constexpr = 0):
     """fp32 ``[BN, M_PAD]`` = sum over k in [k_lo, k_lo + NCHUNK * BLOCK_K) ∩ [0, k_hi) of
     ``W[n, k] * x[m, k]`` (swap-AB).
 
@@ -177,33 +214,21 @@ def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
     ahead of the one being computed (``DEPTH >= NCHUNK``: every load first). The tensor cores
     add 16-wide K steps in K order onto the running accumulator (the learner's strict GEMM's
     chain); the interpreter adds each BLOCK_K step's exact fp32 product.
+
+    ``GROUP`` (0: off): the K steps run as a rolled loop of ``NCHUNK // GROUP`` iterations of
+    ``GROUP`` unrolled steps (``NCHUNK % GROUP == 0``), ``min(DEPTH, GROUP)`` in flight within an
+    iteration. The chain of MMA steps is the same as unrolled -- the same tiles added onto the same
+    accumulator in the same K order -- so the result is the same bits; only the live ranges
+    change: the whole-K unrolled loop of a strict program at K = 2048 (16 steps) needs 255
+    registers and spills 4 KB per thread on sm_90a (CPU-AOT, BENCHMARKS.md run 10).
     """
     acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-    # program order of the first DEPTH steps: every step's codes, then activations, then scales,
-    # so no layout conversion (shared-memory store + barrier, which waits for its load) sits
-    # between two steps' weight loads
-    codes = ()
-    xs = ()
-    scales = ()
-    for c in tl.static_range(NCHUNK):
-        if c < DEPTH:
-            codes = codes + (_load_codes(codes_rows, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
-    for c in tl.static_range(NCHUNK):
-        if c < DEPTH:
-            xs = xs + (_load_x(a_rows, m_ok, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
-    for c in tl.static_range(NCHUNK):
-        if c < DEPTH:
-            scales = scales + (_load_scales(scales_rows, k_lo + c * BLOCK_K, k_hi, BLOCK_K, MASK_K),)
-    for c in tl.static_range(NCHUNK):
-        w = dequant_tile(codes[c], scales[c], luts, BLOCK_N, BLOCK_K, ASM)
-        x = xs[c]
-        if c + DEPTH < NCHUNK:
-            k1 = k_lo + (c + DEPTH) * BLOCK_K
-            codes = codes + (_load_codes(codes_rows, k1, k_hi, BLOCK_K, MASK_K),)
-            xs = xs + (_load_x(a_rows, m_ok, k1, k_hi, BLOCK_K, MASK_K),)
-            scales = scales + (_load_scales(scales_rows, k1, k_hi, BLOCK_K, MASK_K),)
-        if DOT_FP32:
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w.to(tl.bfloat16), x, acc)
+    if GROUP == 0:
+        acc = _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts, BLOCK_N, BLOCK_K, NCHUNK,
+                              DEPTH, MASK_K, ASM, DOT_FP32)
+    else:
+        tl.static_assert(NCHUNK % GROUP == 0, "decode_k_loop: NCHUNK must be a multiple of GROUP")
+        for g in range(0, NCHUNK // GROUP):
+            acc = _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo + g * (GROUP * BLOCK_K), k_hi, luts,
+                                  BLOCK_N, BLOCK_K, GROUP, DEPTH if DEPTH < GROUP else GROUP, MASK_K, ASM, DOT_FP32)
     return acc

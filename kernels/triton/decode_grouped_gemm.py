@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
-from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
+from .decode_gemm import GPU_STRICT_DECODE, rolled_group, split_counters, strict_config
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
 
@@ -67,6 +67,7 @@ def _decode_grouped_kernel(
     SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP: tl.constexpr = 0,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,7 +100,7 @@ def _decode_grouped_kernel(
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
+                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -122,7 +123,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
+                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -161,6 +162,27 @@ def grouped_config(r: int, k: int, experts: int, entry: dict) -> dict:
                 NCHUNK=nchunk, SPLIT=triton.cdiv(steps, nchunk), M_PAD=m_pad)
 
 
+#: The strict (batch-invariant) launch: ``GPU_STRICT_DECODE``'s tile, the whole K per program in the
+#: learner's chain of MMA steps. Unrolled, that chain needs 255 registers and spills 4048 bytes per
+#: thread at K = 2048 on sm_90a (the grouped kernel's routing state on top of the dense kernel's,
+#: which does not spill), and it is the slowest grouped entry there (386 us for fc1 at 8 tokens,
+#: H200, BENCHMARKS.md run 10) -- the one the default-mode engine runs. ``GROUP`` rolls the K steps
+#: into a loop of 2-step iterations (:func:`._decode_common.decode_k_loop`): the same MMA chain,
+#: 210 registers and no spills (CPU-AOT, 2026-12-01). It replaces the unrolled one once
+#: :data:`ROLLED_STRICT_VERIFIED` records a GPU check.
+GPU_STRICT_GROUPED_DECODE = dict(GPU_STRICT_DECODE, PAD_ROWS=False, GROUP=2)
+#: The rolled strict configuration ran on a GPU, bitwise equal to the learner's strict grouped GEMM
+#: and faster than the unrolled one: not yet (written after the session's device time was spent;
+#: ``benchmarks/decode_gemm.py --sections check,grouped_sweep`` measures both).
+ROLLED_STRICT_VERIFIED = False
+
+
+def strict_grouped_entry() -> dict:
+    """The strict launch entry in use: :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the
+    unrolled ``GPU_STRICT_DECODE``."""
+    return GPU_STRICT_GROUPED_DECODE if ROLLED_STRICT_VERIFIED else dict(GPU_STRICT_DECODE, PAD_ROWS=False)
+
+
 def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_invariant: bool) -> dict:
     """Launch parameters (as :func:`.decode_gemm.select_config`; the grid counts expert slots)."""
     if interpreting():
@@ -171,7 +193,7 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
         return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=split, NCHUNK=triton.cdiv(steps, split), DEPTH=1,
                     num_warps=4)
     if batch_invariant:
-        return strict_config(16, k, dict(GPU_STRICT_DECODE, PAD_ROWS=False))
+        return strict_config(16, k, strict_grouped_entry())
     return grouped_config(r, k, experts, GPU_GROUPED_DECODE)
 
 
@@ -193,7 +215,8 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
         DEPTH=cfg["DEPTH"], SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
         E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
+        num_stages=1, **exact_launch(),
     )
 
 

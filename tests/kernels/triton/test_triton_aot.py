@@ -71,3 +71,31 @@ def test_quantize_divides_exactly_and_never_fuses_or_flushes(compiled):
     assert not [o for o in ops if o.startswith("fma.")], ops
     assert not [o for o in ops if ".ftz" in o], ops
     assert compiled["quantize"]["spill_bytes"] == 0, compiled["quantize"]
+
+
+GROUPED_SCRIPT = r"""
+import json
+from minite_kernels.triton import _aot_kernels as K, decode_gemm as td, decode_grouped_gemm as tg
+from minite_kernels.triton._aot import kernel_opcodes, loop_opcode_counts, ptxas_resources, sass
+out = {}
+for name, entry in (("unrolled", dict(td.GPU_STRICT_DECODE, PAD_ROWS=False)), ("rolled", tg.GPU_STRICT_GROUPED_DECODE)):
+    kern = K._decode_grouped(td.strict_config(16, 2048, entry))
+    text = sass(kern)
+    ops = kernel_opcodes(text)
+    out[name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
+    out[name + "_loop"] = loop_opcode_counts(text)
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_strict_grouped_decode_rolled_k_loop_does_not_spill():
+    """The strict MoE decode at fc1's K (2048: 16 K steps of 128) on sm_90a: unrolled, the chain
+    runs out of registers (255 and spills: why the default-mode engine's grouped GEMM, which runs
+    it, is the slowest configuration, BENCHMARKS.md run 10); rolled into 2-step iterations
+    (``GPU_STRICT_GROUPED_DECODE``) it keeps the same wgmma steps (8 per 128-wide K step) with no
+    spill."""
+    got = run_aot_script(GROUPED_SCRIPT)
+    unrolled, rolled = got["unrolled"], got["rolled"]
+    assert unrolled["HGMMA"] == 16 * 128 // 16 and unrolled["spill_bytes"] > 0, unrolled
+    assert rolled["HMMA"] == 0 and rolled["spill_bytes"] == 0, rolled
+    assert got["rolled_loop"].get("HGMMA") == 2 * 128 // 16, got["rolled_loop"]

@@ -179,6 +179,38 @@ def test_grouped_strict_rows_equal_the_learners_strict_grouped_gemm(experts, ids
         assert_bitwise_equal(out32, nvfp4.decode_grouped_gemm_reference(a, st, ids, torch.float32), "fp32")
 
 
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_grouped_strict_rolled_k_loop_gives_the_same_bits(experts, group):
+    """The strict grouped decode with its K steps rolled into a loop of ``group``-step iterations
+    (``GROUP``; 3 does not divide the 4 steps here: the launch takes 2) equals the unrolled chain
+    bit for bit, fp32 and bf16 outputs: the same MMA steps in the same order."""
+    from minite_kernels.triton import decode_grouped_gemm as tg
+
+    _, qs = experts
+    ids = torch.tensor([4, 0, 4, 2, 4, 0, 5] * 3, dtype=torch.int32)
+    a = q(randn(len(ids), K, seed=77, scale=2.0), with_image=True)
+    st = stack_expert_weights(qs)
+    m = st.matrix()
+    cfg = tg.select_config(len(ids), N, K, E, 1, batch_invariant=True)
+    for dt in (torch.float32, torch.bfloat16):
+        outs = []
+        for g in (0, group):
+            out = torch.empty(len(ids), N, dtype=dt, device=DEVICE)
+            tg.launch_decode_grouped(a.image.to(DEVICE), m.codes.to(DEVICE), m.block_scales.view(torch.uint8).to(DEVICE),
+                                     st.global_decode.float().reshape(-1).to(DEVICE), ids.to(DEVICE),
+                                     a.global_decode.float().reshape(-1).to(DEVICE), out, E, dict(cfg, GROUP=g))
+            outs.append(out.cpu())
+        assert_bitwise_equal(outs[1], outs[0], f"GROUP {group} vs unrolled ({dt})")
+        assert_bitwise_equal(outs[0], grouped(a, st, ids, strict=True, out_dtype=dt), f"unrolled vs the op ({dt})")
+
+
+def test_rolled_group_divides_the_steps():
+    from minite_kernels.triton.decode_gemm import rolled_group
+
+    assert [rolled_group(16, g) for g in (0, 1, 2, 3, 4, 16, 32)] == [0, 1, 2, 2, 4, 0, 0]
+    assert [rolled_group(6, g) for g in (2, 3, 4, 5)] == [2, 3, 3, 3]
+
+
 def test_grouped_learner_group_weights_and_matrix_form(experts):
     """The learner's ``"group"`` [E, N, K] weights (with their image) and the ``[E*N, K]`` matrix
     form with ``num_experts`` give the same bits as the stacked experts."""
