@@ -287,7 +287,6 @@ class sdpa_attention:
         from minite_megatron.modules.attention import MiniteDotProductAttention
 
         for m in self.mods:
-            m.sdpa_scale = m.strict_scale
             m.__class__ = MiniteDotProductAttention
 
     def __exit__(self, *exc):

@@ -36,28 +36,36 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..invariant.attention import effective_mask, sdpa_attention
 
-__all__ = ["MiniteDotProductAttention", "effective_mask", "sdpa_attention", "sdpa_core_attention"]
+__all__ = ["MiniteDotProductAttention", "VanillaCoreAttention", "effective_mask", "sdpa_attention", "sdpa_core_attention"]
 
-class MiniteDotProductAttention(DotProductAttention):
-    """Megatron's ``DotProductAttention`` computed by torch SDPA (see the module docstring)."""
+class VanillaCoreAttention(DotProductAttention):
+    """What minite's core attentions share: Megatron's constructor and builder protocol, the
+    settings they do not compute refused at construction (naming the flag), the net scale of q.k
+    (``net_scale``: Megatron divides by the layer number for fp16 and multiplies back) and whether
+    the mask type is causal. ``what`` names the module in its errors."""
+
+    what = "minite core attention"
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         if config.softmax_type != "vanilla":
             raise NotImplementedError(
-                f"minite core attention supports softmax_type='vanilla' only, got {config.softmax_type!r} (--softmax-type)"
+                f"{self.what} supports softmax_type='vanilla' only, got {config.softmax_type!r} (--softmax-type)"
             )
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise NotImplementedError("minite core attention does not support sliding-window attention (--window-size)")
+            raise NotImplementedError(f"{self.what} does not support sliding-window attention (--window-size)")
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        # the net scale of q.k (Megatron divides by the layer number for fp16 and multiplies back)
-        self.sdpa_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        self.net_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.causal = attn_mask_type == AttnMaskType.causal
+
+
+class MiniteDotProductAttention(VanillaCoreAttention):
+    """Megatron's ``DotProductAttention`` computed by torch SDPA (see the module docstring)."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         """``query`` [sq, b, np, hn], ``key``/``value`` [sk, b, ng, hn] -> [sq, b, np * hn]."""
-        return sdpa_core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params, self.sdpa_scale)
+        return sdpa_core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params, self.net_scale)
 
 
 def sdpa_core_attention(attn: DotProductAttention, query, key, value, attention_mask, attention_bias, packed_seq_params,

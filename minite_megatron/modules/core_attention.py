@@ -1,7 +1,8 @@
 """Megatron core attention for strict mode: the ``core_attention`` submodule of ``SelfAttention``.
 
-:class:`StrictDotProductAttention` subclasses Megatron's ``DotProductAttention`` (same
-constructor and builder protocol, so it drops into any ``SelfAttentionSubmodules``) and computes
+:class:`StrictDotProductAttention` subclasses Megatron's ``DotProductAttention`` (through
+:class:`~minite_megatron.modules.attention.VanillaCoreAttention`; same constructor and builder
+protocol, so it drops into any ``SelfAttentionSubmodules``) and computes
 :func:`minite_megatron.invariant.attention.attention`: a query's output does not depend on the
 batch, on the other queries in the call, or on whether its keys come from the whole sequence
 (training, teacher forcing, prefill) or from Megatron's static KV cache (decode).
@@ -25,32 +26,15 @@ other than ``vanilla``, context parallelism, and attention dropout in training m
 
 from __future__ import annotations
 
-import math
-
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.utils import is_layer_window_attention
-
 from ..invariant.attention import attention as batch_invariant_attention
-from .attention import sdpa_core_attention
+from .attention import VanillaCoreAttention, sdpa_core_attention
 
 
-class StrictDotProductAttention(DotProductAttention):
+class StrictDotProductAttention(VanillaCoreAttention):
     """Batch- and prefill/decode-invariant ``DotProductAttention`` (see the module docstring)."""
 
     minite_strict = True
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"strict attention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise NotImplementedError("strict attention does not support sliding-window attention")
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        # the net scale of q.k (Megatron divides by the layer number for fp16 and multiplies back)
-        self.strict_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
-        self.causal = attn_mask_type == AttnMaskType.causal
+    what = "strict attention"
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         """``query`` [sq, b, np, hn], ``key``/``value`` [sk, b, ng, hn] -> [sq, b, np * hn]."""
@@ -66,7 +50,7 @@ class StrictDotProductAttention(DotProductAttention):
         mask = attention_mask
         if mask is not None and mask.dim() != 4:
             raise ValueError(f"strict attention: attention_mask must be [b|1, 1|np, sq, sk], got {tuple(mask.shape)}")
-        ctx = batch_invariant_attention(q, k, v, scale=self.strict_scale, causal=self.causal, mask=mask)
+        ctx = batch_invariant_attention(q, k, v, scale=self.net_scale, causal=self.causal, mask=mask)
         sq, b = query.shape[0], query.shape[1]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -83,5 +67,5 @@ class AlignedDotProductAttention(StrictDotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if self.training and self.attention_dropout.p > 0:
             return sdpa_core_attention(self, query, key, value, attention_mask, attention_bias, packed_seq_params,
-                                       self.strict_scale)
+                                       self.net_scale)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
