@@ -28,22 +28,33 @@ def rms_norm_torch(x2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_cen
     return (xf * r * w).to(x2d.dtype)
 
 
-class _RMSNorm(torch.autograd.Function):
+class RMSNormFunction(torch.autograd.Function):
+    """An autograd function whose output is the RMSNorm of its first two inputs ``(x2d, weight)``
+    with ``eps`` and ``zero_centered_gamma`` as the next two: the forward computes the norm (and
+    may do more with it) and calls :meth:`save`; the backward is :func:`rms_norm_backward`, no
+    gradient for the other inputs."""
+
+    @staticmethod
+    def save(ctx, x2d, weight, eps, zero_centered_gamma) -> None:
+        ctx.save_for_backward(x2d, weight)
+        ctx.eps, ctx.zc = eps, zero_centered_gamma
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2d, weight = ctx.saved_tensors
+        gx, gw = rms_norm_backward(gy, x2d, weight, ctx.eps, ctx.zc, ctx.needs_input_grad[1])
+        return (gx, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _RMSNorm(RMSNormFunction):
     @staticmethod
     def forward(ctx, x2d, weight, eps, zero_centered_gamma, which):
         if which == "triton":
             y = _backend.kernel("bi_rmsnorm")(x2d, weight, eps, zero_centered_gamma)
         else:
             y = rms_norm_torch(x2d, weight, eps, zero_centered_gamma)
-        ctx.save_for_backward(x2d, weight)
-        ctx.eps, ctx.zc = eps, zero_centered_gamma
+        RMSNormFunction.save(ctx, x2d, weight, eps, zero_centered_gamma)
         return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        x2d, weight = ctx.saved_tensors
-        gx, gw = rms_norm_backward(gy, x2d, weight, ctx.eps, ctx.zc, ctx.needs_input_grad[1])
-        return gx, gw, None, None, None
 
 
 def rms_norm_backward(gy, x2d, weight, eps: float, zero_centered_gamma: bool, weight_grad: bool = True):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import Recipe
-from ..invariant.rmsnorm import rms_norm_backward
+from ..invariant.rmsnorm import RMSNormFunction
 from .handoff import Handoff, activation_key
 from .linear import backend_for
 
@@ -34,21 +34,14 @@ def fused_supported(op: str, t: torch.Tensor, recipe: Recipe, backend) -> bool:
     return backend.supports(op, dtype=t.dtype, width=t.shape[-1], global_scale=recipe.activation_scale) is None
 
 
-class _FusedRMSNormQuantize(torch.autograd.Function):
+class _FusedRMSNormQuantize(RMSNormFunction):
     @staticmethod
     def forward(ctx, x2d, weight, eps, zero_centered_gamma, slot, backend):
         y, q = backend.rmsnorm_quantize(x2d, weight, eps, zero_centered_gamma, with_image=True,
                                         nonfinite=slot.recipe.nonfinite)
         slot.offer(y, q, activation_key(slot.recipe, backend))
-        ctx.save_for_backward(x2d, weight)
-        ctx.eps, ctx.zc = eps, zero_centered_gamma
+        RMSNormFunction.save(ctx, x2d, weight, eps, zero_centered_gamma)
         return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        x2d, weight = ctx.saved_tensors
-        gx, gw = rms_norm_backward(gy, x2d, weight, ctx.eps, ctx.zc, ctx.needs_input_grad[1])
-        return gx, gw, None, None, None, None
 
 
 def rms_norm_offering(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, slot: Handoff,
