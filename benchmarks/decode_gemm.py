@@ -315,9 +315,9 @@ def sec_check_grouped(res):
                 qa.global_decode.float().reshape(-1)
             got = {}
             for label, entry in STRICT_GROUPED_VARIANTS.items():
-                cfg = td.strict_config(16, k, entry) if not SMOKE else tg.select_config(r, n, k, e, 1, True)
-                if SMOKE and label == "strict rolled":
-                    cfg = dict(cfg, GROUP=2)
+                # (the interpreter: its own strict tiles, the variant's K-loop form)
+                cfg = (dict(tg.select_config(r, n, k, e, 1, True), GROUP=entry.get("GROUP", 0)) if SMOKE
+                       else td.strict_config(16, k, entry))
                 for dt in (torch.float32, BF16):
                     out = torch.empty(r, n, dtype=dt, device=DEV)
                     tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, out, e, cfg)

@@ -64,7 +64,7 @@ def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split
         "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, MASK_K=False, EVEN_N=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, GROUP=0)
+              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=1,
                        divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
 
@@ -73,8 +73,7 @@ def _decode_grouped(config: dict, k: int = 2048, r_pow2: int = 64, experts: int 
     """The MoE decode kernel at one launch configuration (``decode_grouped_gemm.select_config``
     form: BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, SPLIT, num_warps, optionally GROUP), 8 tokens x
     top-8 of ``experts`` (``r_pow2`` rows), K = ``k``."""
-    from .decode_gemm import rolled_group
-    from .decode_grouped_gemm import _decode_grouped_kernel
+    from .decode_grouped_gemm import _decode_grouped_kernel, rolled_group
 
     sig = {
         "a_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16",

@@ -55,7 +55,7 @@ def _decode_gemm_kernel(
     M, N, K, s_cn, s_sn, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
-    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr = 0,
+    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -68,7 +68,7 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
-                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
 
     is_last = SPLIT == 1
     out_mask = m_ok & (rn < N)[:, None]
@@ -227,21 +227,8 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
         SPLIT_MAX=triton.next_power_of_2(split), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
-        num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1, **exact_launch(),
     )
-
-
-def rolled_group(nchunk: int, group: int) -> int:
-    """The ``GROUP`` a launch of ``nchunk`` K steps uses for a configuration's ``GROUP`` (0: the
-    K steps unrolled): the largest divisor of ``nchunk`` not above it, 0 where that leaves one
-    iteration (nothing to roll)."""
-    if group <= 0:
-        return 0
-    g = min(group, nchunk)
-    while nchunk % g:
-        g -= 1
-    return 0 if g == nchunk else g
 
 
 @custom_op("minite::decode_gemm", mutates_args=())

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._decode_common import decode_k_loop, dequant_tables, load_tables
 from ._nvfp4_math import exact_launch, interpreting, round_to
-from .decode_gemm import GPU_STRICT_DECODE, rolled_group, split_counters, strict_config
+from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
 
@@ -195,6 +195,18 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
     if batch_invariant:
         return strict_config(16, k, strict_grouped_entry())
     return grouped_config(r, k, experts, GPU_GROUPED_DECODE)
+
+
+def rolled_group(nchunk: int, group: int) -> int:
+    """The ``GROUP`` a launch of ``nchunk`` K steps uses for a configuration's ``GROUP`` (0: the
+    K steps unrolled): the largest divisor of ``nchunk`` not above it, 0 where that leaves one
+    iteration (nothing to roll)."""
+    if group <= 0:
+        return 0
+    g = min(group, nchunk)
+    while nchunk % g:
+        g -= 1
+    return 0 if g == nchunk else g
 
 
 def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, out, experts: int, cfg: dict,

@@ -205,7 +205,7 @@ def test_grouped_strict_rolled_k_loop_gives_the_same_bits(experts, group):
 
 
 def test_rolled_group_divides_the_steps():
-    from minite_kernels.triton.decode_gemm import rolled_group
+    from minite_kernels.triton.decode_grouped_gemm import rolled_group
 
     assert [rolled_group(16, g) for g in (0, 1, 2, 3, 4, 16, 32)] == [0, 1, 2, 2, 4, 0, 0]
     assert [rolled_group(6, g) for g in (2, 3, 4, 5)] == [2, 3, 3, 3]
