@@ -42,6 +42,7 @@ ensure_minite_kernels()
 from minite_megatron import nvfp4  # noqa: E402
 from minite_kernels.triton import decode_gemm as td  # noqa: E402
 from minite_kernels.triton import decode_grouped_gemm as tg  # noqa: E402
+from minite_kernels.triton import decode_grouped_idot as ti  # noqa: E402
 from minite_kernels.triton.gemm import gemm_forward  # noqa: E402
 from minite_kernels.triton.grouped_gemm import grouped_gemm_forward  # noqa: E402
 from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
@@ -591,7 +592,103 @@ def sec_grouped_sweep(res):
                  "speedup", "nvfp4_weight_GBps", "max_rel_err_vs_strict"])
 
 
-SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep")
+#: integer-dot grouped decode entries (``decode_grouped_idot.GPU_IDOT`` form: BLOCK_N, BLOCK_KB,
+#: PAIRS, UNROLL, warps); the first is the module's entry.
+IDOT_SWEEP = [tuple(ti.GPU_IDOT[k] for k in ("BLOCK_N", "BLOCK_KB", "PAIRS", "UNROLL", "num_warps")),
+              (64, 16, False, 2, 4), (32, 16, True, 2, 4), (64, 16, True, 4, 4), (64, 32, True, 1, 4),
+              (64, 8, True, 4, 4), (128, 16, False, 2, 4), (32, 16, True, 4, 2)]
+
+
+def idot_entry(t) -> dict:
+    bn, bkb, pairs, unroll, warps = t
+    return dict(BLOCK_N=bn, BLOCK_KB=bkb, PAIRS=bool(pairs), UNROLL=unroll, num_warps=warps)
+
+
+def sec_idot_sweep(res):
+    """The integer-dot grouped decode kernel (``decode_grouped_idot``) at the real MoE shapes, rows
+    by expert ids (unsorted) and by group offsets (rows sorted, as the fused decode step gives
+    them), side by side with the tensor-core default entry and BF16 ``torch._grouped_mm`` on the
+    same experts; per entry the fp32 output's max error against the strict fp32 result (relative to
+    its largest value: accumulation-order noise, ~1e-6, unless the kernel is wrong), the bf16
+    output's, and whether the sorted and unsorted rows are the same bits (row invariance)."""
+    rows = []
+    for c in grouped_cases():
+        name, k, n, e, tokens, r, distinct = c["name"], c["k"], c["n"], c["e"], c["tokens"], c["r"], c["distinct"]
+        wb, qw, wm, qa, xb, routings, offs = c["wb"], c["qw"], c["wm"], c["qa"], c["xb"], c["routings"], c["offs"]
+        sel_bytes = distinct * (n * k // 2 + n * k // 16)
+        w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)
+        a_gs = qa.global_decode.float().reshape(-1)
+        a_sc = qa.linear_scales().contiguous().view(torch.uint8)
+        bf16_us = tc_us = float("nan")
+        if DEV.type == "cuda" and not WARM_ONLY:
+            if hasattr(torch, "_grouped_mm"):
+                bf16_us = 1e3 * timed(lambda: [torch._grouped_mm(xb, wb.transpose(-2, -1), offs=o) for o in offs]) / len(offs)
+            tc_cfg = tg.grouped_config(r, k, e, tg.GPU_GROUPED_DECODE)
+            tc_out = torch.empty(r, n, dtype=BF16, device=DEV)
+            tc_us = 1e3 * timed(lambda: [tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, tc_out, e, tc_cfg)
+                                         for ids in routings]) / len(routings)
+        # the rows of each routing in expert-major order (what the fused step's routing produces)
+        sorted_inputs = []
+        for ids in routings:
+            order = torch.argsort(ids.long(), stable=True)
+            o1 = torch.zeros(e + 1, dtype=torch.int32, device=DEV)
+            o1[1:] = torch.cumsum(torch.bincount(ids.long(), minlength=e), 0)
+            sorted_inputs.append((order, qa.codes[order].contiguous(), a_sc[order].contiguous(), a_gs[order].contiguous(), o1))
+        want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
+                                              qa.global_decode, e, torch.float32, True)
+        scale = want.abs().max().clamp_min(1e-30)
+        strict_us = {}
+        for label, entry in ({} if SMOKE else STRICT_GROUPED_VARIANTS).items():  # the strict engine's GEMM, for scale
+            if not mine():
+                continue
+            s_cfg = td.strict_config(16, k, entry)
+            s_out = torch.empty(r, n, dtype=BF16, device=DEV)
+            strict_us[label.replace(" ", "_") + "_us"] = 1e3 * timed(
+                lambda: [tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, s_out, e, s_cfg)
+                         for ids in routings]) / len(routings)
+        entries = [(16, 2, True, 1, 4), (16, 2, False, 2, 4)] if SMOKE else IDOT_SWEEP
+        for entry in entries:
+            if not mine():
+                continue
+            cfg = ti.idot_config(k, idot_entry(entry))
+            out_ids = torch.empty(r, n, dtype=BF16, device=DEV)
+            out_sorted = torch.empty(r, n, dtype=BF16, device=DEV)
+
+            def by_ids(ids, o=out_ids, cfg=cfg):
+                ti.launch_decode_grouped_idot(qa.codes, a_sc, a_gs, wm.codes, w_sc, w_gs, e, o, expert_ids=ids, cfg=cfg)
+
+            def by_offsets(si, o=out_sorted, cfg=cfg):
+                _, codes, sc, gs, o1 = si
+                ti.launch_decode_grouped_idot(codes, sc, gs, wm.codes, w_sc, w_gs, e, o, offsets=o1, cfg=cfg)
+            try:
+                out32 = torch.empty(r, n, dtype=torch.float32, device=DEV)
+                ti.launch_decode_grouped_idot(qa.codes, a_sc, a_gs, wm.codes, w_sc, w_gs, e, out32,
+                                              expert_ids=routings[0], cfg=cfg)
+                err32 = float((out32 - want).abs().max() / scale)
+                by_ids(routings[0])
+                err16 = float((out_ids.float() - want).abs().max() / scale)
+                by_offsets(sorted_inputs[0])
+                differ = _bits_differ(out_ids[sorted_inputs[0][0]], out_sorted)
+                us_ids = 1e3 * timed(lambda: [by_ids(ids) for ids in routings]) / len(routings)
+                us_sorted = 1e3 * timed(lambda: [by_offsets(si) for si in sorted_inputs]) / len(sorted_inputs)
+            except Exception as ex:  # a configuration that does not compile here: recorded
+                print(f"idot {name} {entry} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                err32 = err16 = us_ids = us_sorted = float("nan")
+                differ = None
+            rows.append({"shape": name, "tokens": tokens, "distinct_experts": distinct, "config": str(entry),
+                         **strict_us, "idot_ids_us": us_ids, "idot_sorted_us": us_sorted, "tc_default_us": tc_us,
+                         "bf16_grouped_mm_us": bf16_us, "speedup_vs_bf16": bf16_us / us_sorted,
+                         "idot_weight_GBps": sel_bytes / us_sorted / 1e3, "max_err_fp32": err32, "max_err_bf16": err16,
+                         "sorted_vs_ids_bits_differ": differ})
+    res["idot_sweep"] = rows
+    print_table("integer-dot grouped decode (top-8 of 128 experts; 8 routings; CUDA-graph replays)", rows,
+                ["shape", "tokens", "distinct_experts", "config", "idot_ids_us", "idot_sorted_us", "tc_default_us",
+                 "strict_unrolled_us", "strict_rolled_us",
+                 "bf16_grouped_mm_us", "speedup_vs_bf16", "idot_weight_GBps", "max_err_fp32", "max_err_bf16",
+                 "sorted_vs_ids_bits_differ"])
+
+
+SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep")  # (+ "check_grouped": check's grouped part)
 
 
 def main(argv=None):
@@ -644,6 +741,9 @@ def main(argv=None):
     if "check" in sections:
         verified = sec_check(res)
         partial()
+    elif "check_grouped" in sections:  # only the grouped part of the check (strict variants vs the learner)
+        sec_check_grouped(res)
+        partial()
     if "sweep" in sections:
         chosen, chosen_strict = sec_sweep(res, verified)
         partial()
@@ -655,6 +755,9 @@ def main(argv=None):
         partial()
     if "grouped_sweep" in sections:
         sec_grouped_sweep(res)
+        partial()
+    if "idot_sweep" in sections:
+        sec_idot_sweep(res)
     if not WARM_ONLY and not SMOKE:
         paths = save(res, "decode_gemm", [os.path.join(os.path.dirname(__file__), "results"), args.out])
         print("saved:", ", ".join(paths))

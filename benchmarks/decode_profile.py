@@ -5,7 +5,8 @@
     python -m benchmarks.decode_profile --preset tiny --batch 2  # CPU: the code path (no CUDA records)
 
 For each engine (``bf16``: Megatron's local spec with SDPA decode and ``torch._grouped_mm``
-experts; ``nvfp4``: the default recipe; ``strict``) the same prompts are generated twice under
+experts; ``nvfp4``: the default recipe (the engine's default decode GEMMs); ``nvfp4_split``: the same
+with ``RolloutEngine(invariant_gemm=False)``; ``strict``) the same prompts are generated twice under
 torch.profiler, with ``--short`` and ``--long`` new tokens; every CUDA kernel record (those inside
 the CUDA-graph replays included, CUPTI) is summed by kernel name, and the difference of the two
 runs divided by the extra steps is the per-decode-step cost: the prefill, sampling set-up and the
@@ -57,8 +58,9 @@ def profile_engine(name, model, preset, args) -> dict:
     from minite_megatron.rollout.engine import RolloutEngine
 
     max_seq = args.prompt_max + args.long
+    kw = {} if name != "nvfp4_split" else dict(invariant_gemm=False)
     engine = RolloutEngine(model, eod_id=0, max_batch_size=args.batch, max_sequence_length=max_seq,
-                           attention="sdpa" if name == "bf16" else "module")
+                           attention="sdpa" if name == "bf16" else "module", **kw)
     prompts = prompts_for(args.batch, args.prompt_min, args.prompt_max, preset["vocab"])
 
     def gen(n):
@@ -100,6 +102,9 @@ def main(argv=None):
                     help="the strict grouped decode with its K loop rolled (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
                          "for this run, before ROLLED_STRICT_VERIFIED records a GPU check (the default-mode engine runs "
                          "the strict configuration too)")
+    ap.add_argument("--idot", action="store_true",
+                    help="default-mode MoE decode GEMMs on the integer-dot kernel (decode_grouped_idot) for this run, "
+                         "before IDOT_GPU_VERIFIED records a GPU check (engines with split decode GEMMs: nvfp4_split)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -115,6 +120,10 @@ def main(argv=None):
         tg.GPU_GROUPED_DECODE = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=depth, MAX_CHUNKS=most)
     if args.rolled_strict:
         tg.ROLLED_STRICT_VERIFIED = True
+    from minite_kernels.triton import decode_grouped_idot as ti
+
+    if args.idot:
+        ti.IDOT_GPU_VERIFIED = True
     from minite_megatron.training.presets import PRESETS, init_single_process
 
     preset = PRESETS[args.preset]
@@ -123,7 +132,8 @@ def main(argv=None):
     os.environ["TEARDOWN_CUPTI"] = "0"  # torch's workaround for CUPTI re-init around CUDA graphs
     results = {"benchmark": "decode_profile", "preset": args.preset, "batch": args.batch, "short": args.short,
                "long": args.long, "grouped_decode_entry": dict(tg.GPU_GROUPED_DECODE),
-               "strict_grouped_entry": tg.strict_grouped_entry(), "engines": [], **environment(), "command": " ".join(sys.argv)}
+               "strict_grouped_entry": tg.strict_grouped_entry(), "idot": ti.IDOT_GPU_VERIFIED, "idot_entry": dict(ti.GPU_IDOT),
+               "engines": [], **environment(), "command": " ".join(sys.argv)}
     max_seq = args.prompt_max + args.long
     for name in [n for n in args.engines.split(",") if n]:
         model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"

@@ -99,3 +99,87 @@ def run_aot_script(script: str) -> dict:
         pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")][-1][4:])
 
+
+
+# ---- a small interpreter of the PTX the decode kernels' inline asm uses (CPU tests of its logic) ----
+M32 = 0xFFFFFFFF
+
+
+def _prmt(a, b, c):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    d = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = src[sel & 7]
+        if sel & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0x00
+        d |= byte << (8 * i)
+    return d
+
+
+def _lop3(a, b, c, lut):
+    out = 0
+    for i in range(32):
+        idx = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
+        out |= ((lut >> idx) & 1) << i
+    return out
+
+
+def _bf16x2_mul(a, b):
+    def halves(x):
+        return torch.tensor([x & 0xFFFF, x >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    prod = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    return int(prod[0]) | (int(prod[1]) << 16)
+
+
+def _s8(x, i):
+    v = (x >> (8 * i)) & 0xFF
+    return v - 256 if v & 0x80 else v
+
+
+def _dp4a_s32(a, b, c):
+    c = c - (1 << 32) if c & 0x80000000 else c
+    return c + sum(_s8(a, i) * _s8(b, i) for i in range(4))
+
+
+PTX_OPS = {
+    "and.b32": lambda a, b: a & b,
+    "or.b32": lambda a, b: a | b,
+    "xor.b32": lambda a, b: a ^ b,
+    "shr.u32": lambda a, b: a >> b,
+    "shl.b32": lambda a, b: a << b,
+    "sub.u32": lambda a, b: a - b,
+    "prmt.b32": _prmt,
+    "lop3.b32": _lop3,
+    "mul.rn.bf16x2": _bf16x2_mul,
+    "dp4a.s32.s32": _dp4a_s32,
+}
+
+
+def ptx_body(asm) -> str:
+    return asm.value if hasattr(asm, "value") else asm
+
+
+def ptx_opcodes(asm) -> set:
+    """The instructions an asm block uses."""
+    import re
+
+    return {m.group(1) for m in re.finditer(r"^\s*([a-z][\w.]*)\s", ptx_body(asm), re.M)} - {".reg"}
+
+
+def run_ptx(asm, operands: dict) -> dict:
+    """Interpret an inline-asm block (straight-line, the :data:`PTX_OPS` instructions, 32-bit
+    registers): ``operands`` maps ``$i`` to unsigned 32-bit inputs; returns every register."""
+    regs = dict(operands)
+    for line in ptx_body(asm).splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        args = [x.strip() for x in args.split(",")]
+        if op not in PTX_OPS:
+            raise AssertionError(f"the PTX test interpreter does not know {op!r}: teach it (_testing.PTX_OPS)")
+        val = [int(x, 0) if x[0].isdigit() else regs[x] for x in args[1:]]
+        regs[args[0]] = PTX_OPS[op](*val) & M32
+    return regs

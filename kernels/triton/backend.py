@@ -45,6 +45,8 @@ from ._nvfp4_math import interpreting
 from . import decode_gemm as _decode
 from .decode_gemm import decode_gemm_forward
 from .decode_grouped_gemm import decode_grouped_gemm_forward
+from . import decode_grouped_idot as _idot
+from .decode_grouped_idot import decode_grouped_idot_forward
 from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
@@ -81,6 +83,12 @@ class TritonOptions:
     #: records (its bits equal the learner's); True / False force it. On a GPU K must also be a
     #: whole number of its K steps (the learner's zero-padded tail steps are not mimicked).
     strict_decode: bool | None = None
+    #: Default-mode MoE decode GEMMs (``batch_invariant=False``) on the integer-dot kernel
+    #: (:mod:`.decode_grouped_idot`: the packed codes of both operands, dp4a): None = under the
+    #: interpreter always, on a GPU as ``decode_grouped_idot.IDOT_GPU_VERIFIED`` records; True /
+    #: False force it (False: the tensor-core split-K kernel of :mod:`.decode_grouped_gemm`).
+    #: Changes default-mode bits (a different fp32 accumulation, each within the contract's bound).
+    idot_decode: bool | None = None
     #: The quantize kernels' GPU launch tiles (:mod:`.quantize_tiles`; the same bits under any).
     quantize_tiles: QuantizeTiles = DEFAULT_TILES
 
@@ -139,6 +147,13 @@ class TritonBackend(Backend):
             return interpreting() if forced is None else forced
         verified = _decode.STRICT_DECODE_VERIFIED if forced is None else forced
         return verified and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
+
+    def idot_decode_ok(self, device: torch.device) -> bool:
+        """May default-mode MoE decode GEMMs run the integer-dot kernel (``options.idot_decode``)?"""
+        forced = self.options.idot_decode
+        if forced is not None:
+            return forced
+        return interpreting() if device.type == "cpu" else _idot.IDOT_GPU_VERIFIED
 
     def why_not(self, device: torch.device | str | None = None) -> str | None:
         if device is None:
@@ -307,6 +322,11 @@ class TritonBackend(Backend):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
                                                group_offsets)
         w_codes, w_scales, w_scale = _stacked_operands(w_stacked, e, n, k)
+        if not batch_invariant and self.idot_decode_ok(a.device):
+            return decode_grouped_idot_forward(
+                a.codes.reshape(a.rows, k // 2), a.linear_scales().view(torch.uint8), _global_decode(a), w_codes,
+                w_scales.view(torch.uint8), w_scale, e, expert_ids=None if group_offsets is not None else expert_ids,
+                offsets=group_offsets, out_dtype=out_dtype)
         return decode_grouped_gemm_forward(image_2d(a), w_codes, w_scales.view(torch.uint8), w_scale,
                                            expert_ids, _global_decode(a), e, out_dtype, batch_invariant)
 

@@ -12,9 +12,7 @@ they were consecutive along K; on the H200 it gave wrong values for some layouts
 
 from __future__ import annotations
 
-import itertools
 import random
-import re
 
 import pytest
 import torch
@@ -22,68 +20,11 @@ import torch
 pytest.importorskip("triton")
 
 from minite_kernels.triton._decode_common import DEQUANT_TABLES, _DEQUANT_ASM  # noqa: E402
+from minite_kernels.triton._testing import ptx_opcodes, run_ptx  # noqa: E402
 from minite_megatron.nvfp4.formats import e2m1_decode  # noqa: E402
 
-M32 = 0xFFFFFFFF
-
-
-def _prmt(a, b, c):
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    d = 0
-    for i in range(4):
-        sel = (c >> (4 * i)) & 0xF
-        byte = src[sel & 7]
-        if sel & 8:  # sign-replicate mode
-            byte = 0xFF if byte & 0x80 else 0x00
-        d |= byte << (8 * i)
-    return d
-
-
-def _lop3(a, b, c, lut):
-    out = 0
-    for i in range(32):
-        idx = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
-        out |= ((lut >> idx) & 1) << i
-    return out
-
-
-def _bf16x2_mul(a, b):
-    def halves(x):
-        return torch.tensor([x & 0xFFFF, x >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-
-    prod = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
-    return int(prod[0]) | (int(prod[1]) << 16)
-
-
 def run_asm(operands: dict) -> dict:
-    """Interpret the asm block: ``operands`` maps ``$i`` to 32-bit inputs; returns all registers."""
-    regs = dict(operands)
-    body = _DEQUANT_ASM.value if hasattr(_DEQUANT_ASM, "value") else _DEQUANT_ASM
-    for line in body.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        args = [x.strip() for x in args.split(",")]
-        val = [int(x, 0) if x[0].isdigit() else regs[x] for x in args[1:]]
-        if op == "and.b32":
-            r = val[0] & val[1]
-        elif op == "or.b32":
-            r = val[0] | val[1]
-        elif op == "shr.u32":
-            r = val[0] >> val[1]
-        elif op == "shl.b32":
-            r = (val[0] << val[1]) & M32
-        elif op == "prmt.b32":
-            r = _prmt(*val)
-        elif op == "lop3.b32":
-            r = _lop3(*val)
-        elif op == "mul.rn.bf16x2":
-            r = _bf16x2_mul(*val)
-        else:
-            raise AssertionError(f"the test's interpreter does not know {op!r}: teach it")
-        regs[args[0]] = r & M32
-    return regs
+    return run_ptx(_DEQUANT_ASM, operands)
 
 
 def _operands(bytes4, scales4):
@@ -146,6 +87,5 @@ def test_nan_scale_gives_nan_and_negative_zero_code():
 
 
 def test_asm_uses_only_interpreted_instructions():
-    body = _DEQUANT_ASM.value if hasattr(_DEQUANT_ASM, "value") else _DEQUANT_ASM
-    ops = {m.group(1) for m in re.finditer(r"^\s*([a-z][\w.]*)\s", body, re.M)} - {".reg"}
-    assert ops <= {"and.b32", "or.b32", "shr.u32", "shl.b32", "prmt.b32", "lop3.b32", "mul.rn.bf16x2"}, ops
+    assert ptx_opcodes(_DEQUANT_ASM) <= {"and.b32", "or.b32", "shr.u32", "shl.b32", "prmt.b32", "lop3.b32",
+                                         "mul.rn.bf16x2"}, ptx_opcodes(_DEQUANT_ASM)

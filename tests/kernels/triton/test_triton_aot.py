@@ -99,3 +99,33 @@ def test_strict_grouped_decode_rolled_k_loop_does_not_spill():
     assert unrolled["HGMMA"] == 16 * 128 // 16 and unrolled["spill_bytes"] > 0, unrolled
     assert rolled["HMMA"] == 0 and rolled["spill_bytes"] == 0, rolled
     assert got["rolled_loop"].get("HGMMA") == 2 * 128 // 16, got["rolled_loop"]
+
+
+IDOT_SCRIPT = r"""
+import json, re
+from minite_kernels.triton import _aot_kernels as K
+from minite_kernels.triton.decode_grouped_idot import GPU_IDOT
+from minite_kernels.triton._aot import kernel_opcodes, ptxas_resources, sass
+out = {}
+for k in (2048, 768):
+    for sorted_rows in (True, False):
+        kern = K._decode_grouped_idot(dict(GPU_IDOT), k=k, sorted_rows=sorted_rows)
+        text = sass(kern)
+        ops = kernel_opcodes(text)
+        out[f"{k} {sorted_rows}"] = {**ptxas_resources(kern), "IDP": ops.count("IDP"), "HGMMA": ops.count("HGMMA"),
+                                     "HMMA": ops.count("HMMA"), "x_or": len(re.findall(r"LOP3\.LUT R\d+, R\d+, 0x80808080, RZ, 0xfc", text))}
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_integer_dot_decode_runs_dp4a_without_spills_and_shares_the_activation_conversion():
+    """The integer-dot MoE decode (``decode_grouped_idot.GPU_IDOT``) at fc1's and fc2's K, rows by
+    offsets and by ids, on sm_90a: dp4a (``IDP.4A``) and no tensor-core op, no spill; the
+    activation's conversion (4 ``or 0x80808080`` per code word) is shared by a thread's weight rows:
+    at least 4 dp4a per such ``or`` (a thread with one weight row does the conversion once per row:
+    1 per ``or``; what Triton's default layout, 8 K blocks of one row per thread, gave)."""
+    got = run_aot_script(IDOT_SCRIPT)
+    for name, r in got.items():
+        assert r["IDP"] > 0 and r["HGMMA"] == 0 and r["HMMA"] == 0, (name, r)
+        assert r["spill_bytes"] == 0, (name, r)
+        assert r["IDP"] >= 4 * r["x_or"] > 0, (name, r)
