@@ -347,6 +347,43 @@ def sec_check_grouped(res):
                 cols + ["default_vs_strict_max_rel"])
 
 
+def sec_check_dense_strict(res):
+    """The dense strict decode, unrolled (``GPU_STRICT_DECODE``) and rolled
+    (``GPU_STRICT_DECODE_ROLLED``), vs the learner's strict GEMM bit for bit at the real K (qkv
+    2048, o 4096: where the unrolled chain is longest), M = 1 / 8 / 16 / 64 rows taken inside the
+    learner's M = 4096 GEMM, random and adversarial data, fp32 and bf16; and both timed at M = 8."""
+    variants = {"unrolled": td.GPU_STRICT_DECODE, "rolled": td.GPU_STRICT_DECODE_ROLLED}
+    rows = []
+    for shape in ("qkv", "o"):
+        k, n = (64, 48) if SMOKE else SHAPES[shape]
+        big = 96 if SMOKE else 4096
+        for data_name, data in (("random", rnd), ("adversarial", adversarial)):
+            qx = quantize_forward(data(big, k), with_image=True)
+            qw = quantize_forward(data(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
+            full = {dt: gemm_forward(qx.image, qw.image, qx.global_decode, qw.global_decode, None, dt, batch_invariant=True)
+                    for dt in (torch.float32, BF16)} if not WARM_ONLY else {}
+            for label, entry in variants.items():
+                if not mine():
+                    continue
+                row = {"shape": shape, "K": k, "data": data_name, "variant": label, "mismatched": 0, "compared": 0}
+                for m in (1, 8, 16, 64):
+                    part = nvfp4.grouped._take_rows(qx, torch.arange(29, 29 + m, device=DEV))
+                    for dt in (torch.float32, BF16):
+                        got = try_decode(part, qw, strict_cfg(entry, m, k), dt)
+                        if got is None or WARM_ONLY:
+                            continue
+                        row["mismatched"] += _bits_differ(got, full[dt][29: 29 + m])
+                        row["compared"] += got.numel()
+                part = nvfp4.grouped._take_rows(qx, torch.arange(8, device=DEV))
+                out = torch.empty(8, n, dtype=BF16, device=DEV)
+                cfg = strict_cfg(entry, 8, k)
+                row["us_m8"] = 1e3 * timed(lambda: run_decode(part, qw, cfg, BF16, out))
+                rows.append(row)
+    res["check_dense_strict"] = rows
+    print_table("dense strict decode, unrolled vs rolled, vs the learner's strict GEMM (bits that differ)", rows,
+                ["shape", "K", "data", "variant", "mismatched", "compared", "us_m8"])
+
+
 # ---- sweep ----------------------------------------------------------------------------------------
 def sec_sweep(res, verified):
     """Time every SWEEP entry and strict variant on qkv / o / fc2 at M = 1 and 16; each timed
@@ -688,7 +725,7 @@ def sec_idot_sweep(res):
                  "sorted_vs_ids_bits_differ"])
 
 
-SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep")  # (+ "check_grouped": check's grouped part)
+SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep")  # (+ "check_grouped": check's grouped part; "check_dense_strict")
 
 
 def main(argv=None):
@@ -743,6 +780,9 @@ def main(argv=None):
         partial()
     elif "check_grouped" in sections:  # only the grouped part of the check (strict variants vs the learner)
         sec_check_grouped(res)
+        partial()
+    if "check_dense_strict" in sections:
+        sec_check_dense_strict(res)
         partial()
     if "sweep" in sections:
         chosen, chosen_strict = sec_sweep(res, verified)

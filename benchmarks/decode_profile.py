@@ -105,6 +105,9 @@ def main(argv=None):
     ap.add_argument("--idot", action="store_true",
                     help="default-mode MoE decode GEMMs on the integer-dot kernel (decode_grouped_idot) for this run, "
                          "before IDOT_GPU_VERIFIED records a GPU check (engines with split decode GEMMs: nvfp4_split)")
+    ap.add_argument("--rolled-dense-strict", action="store_true",
+                    help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
+                         "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -124,6 +127,10 @@ def main(argv=None):
 
     if args.idot:
         ti.IDOT_GPU_VERIFIED = True
+    from minite_kernels.triton import decode_gemm as td
+
+    if args.rolled_dense_strict:
+        td.ROLLED_DENSE_STRICT_VERIFIED = True
     from minite_megatron.training.presets import PRESETS, init_single_process
 
     preset = PRESETS[args.preset]
@@ -132,7 +139,7 @@ def main(argv=None):
     os.environ["TEARDOWN_CUPTI"] = "0"  # torch's workaround for CUPTI re-init around CUDA graphs
     results = {"benchmark": "decode_profile", "preset": args.preset, "batch": args.batch, "short": args.short,
                "long": args.long, "grouped_decode_entry": dict(tg.GPU_GROUPED_DECODE),
-               "strict_grouped_entry": tg.strict_grouped_entry(), "idot": ti.IDOT_GPU_VERIFIED, "idot_entry": dict(ti.GPU_IDOT),
+               "strict_grouped_entry": tg.strict_grouped_entry(), "idot": ti.IDOT_GPU_VERIFIED, "strict_dense_entry": td.strict_dense_entry(), "idot_entry": dict(ti.GPU_IDOT),
                "engines": [], **environment(), "command": " ".join(sys.argv)}
     max_seq = args.prompt_max + args.long
     for name in [n for n in args.engines.split(",") if n]:

@@ -255,10 +255,8 @@ def default_mode_variants(model, preset, args) -> list[dict]:
         print(f"  variant {label}: gap {row['gap_mean_abs']:.3g}, {row.get('decode_step_ms', 0):.3f} ms/step", flush=True)
 
     variant("default (aligned ops + attention, fused decode kernels)")
-    from minite_kernels.triton import decode_grouped_idot as ti
-
-    if ti.IDOT_GPU_VERIFIED:
-        variant("split decode GEMMs: integer-dot MoE decode (invariant_gemm=False)", invariant_gemm=False)
+    variant("batch-invariant decode GEMMs (invariant_gemm=True: strict's kernels; the default until run 11)",
+            invariant_gemm=True)
     fused_ops.ENABLED = False
     try:
         variant("decode step on the learner's modules (no fused decode kernels)")
@@ -270,7 +268,6 @@ def default_mode_variants(model, preset, args) -> list[dict]:
         variant("SDPA attention in learner and decode (aligned_attention off)")
         with unaligned_ops(model):
             variant("round 1's default (SDPA, torch RMSNorm, Megatron's router)")
-    variant("split-K decode GEMMs", invariant_gemm=False)
     with megatron_combine(model):
         variant("Megatron's atomic combine in the learner")
     if args.megatron:
@@ -480,16 +477,16 @@ def main(argv=None):
     ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
                     help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
-    ap.add_argument("--idot", action="store_true",
-                    help="default-mode MoE decode GEMMs on the integer-dot kernel (decode_grouped_idot) for this run, "
-                         "before IDOT_GPU_VERIFIED records a GPU check")
+    ap.add_argument("--rolled-dense-strict", action="store_true",
+                    help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
+                         "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.idot:
-        from minite_kernels.triton import decode_grouped_idot as ti
+    if args.rolled_dense_strict:
+        from minite_kernels.triton import decode_gemm as td
 
-        ti.IDOT_GPU_VERIFIED = True
+        td.ROLLED_DENSE_STRICT_VERIFIED = True
     args._t0 = time.perf_counter()
     args._count_jobs = []
 

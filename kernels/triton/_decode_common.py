@@ -232,3 +232,15 @@ def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
             acc = _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo + g * (GROUP * BLOCK_K), k_hi, luts,
                                   BLOCK_N, BLOCK_K, GROUP, DEPTH if DEPTH < GROUP else GROUP, MASK_K, ASM, DOT_FP32)
     return acc
+
+
+def rolled_group(nchunk: int, group: int) -> int:
+    """The ``GROUP`` a launch of ``nchunk`` K steps uses for a configuration's ``GROUP`` (0: the
+    K steps unrolled): the largest divisor of ``nchunk`` not above it, 0 where that leaves one
+    iteration (nothing to roll)."""
+    if group <= 0:
+        return 0
+    g = min(group, nchunk)
+    while nchunk % g:
+        g -= 1
+    return 0 if g == nchunk else g

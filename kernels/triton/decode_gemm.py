@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import decode_k_loop, dequant_tables, load_tables
+from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
@@ -55,7 +55,7 @@ def _decode_gemm_kernel(
     M, N, K, s_cn, s_sn, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
-    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -68,7 +68,7 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
-                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
 
     is_last = SPLIT == 1
     out_mask = m_ok & (rn < N)[:, None]
@@ -138,6 +138,19 @@ DECODE_GPU_VERIFIED = True
 #: padded rows / 8 warps); the strict grouped decode equals the learner's strict grouped GEMM
 #: (K = 1024, N = 768, 128 experts, 1 / 8 / 64 tokens x top-8): 0 bits differ.
 STRICT_DECODE_VERIFIED = True
+#: The strict configuration with its K steps rolled into 2-step iterations (``decode_k_loop``'s
+#: ``GROUP``: the same chain of MMA steps). The grouped kernel's rolled form ran bitwise equal to
+#: the learner's strict grouped GEMM and 3.9x faster than unrolled at K = 2048 (H200, 2026-12-01,
+#: BENCHMARKS.md run 11); the dense one replaces :data:`GPU_STRICT_DECODE` in strict mode once
+#: :data:`ROLLED_DENSE_STRICT_VERIFIED` records the same check (``benchmarks/decode_gemm.py
+#: --sections check_dense_strict``: qkv K = 2048 and o K = 4096, bit for bit and timed).
+GPU_STRICT_DECODE_ROLLED = dict(GPU_STRICT_DECODE, GROUP=2)
+ROLLED_DENSE_STRICT_VERIFIED = False
+
+
+def strict_dense_entry() -> dict:
+    """The dense strict launch entry in use (:data:`GPU_STRICT_DECODE_ROLLED` once verified)."""
+    return GPU_STRICT_DECODE_ROLLED if ROLLED_DENSE_STRICT_VERIFIED else GPU_STRICT_DECODE
 
 
 def _m_pad(m: int, floor: int) -> int:
@@ -181,7 +194,7 @@ def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) 
         return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=split, NCHUNK=triton.cdiv(steps, split),
                     DEPTH=1, num_warps=4)
     if batch_invariant:
-        return strict_config(m, k, GPU_STRICT_DECODE)
+        return strict_config(m, k, strict_dense_entry())
     return default_config(m, n, k, sm_count, GPU_DECODE)
 
 
@@ -227,7 +240,8 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
         SPLIT_MAX=triton.next_power_of_2(split), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
+        num_stages=1, **exact_launch(),
     )
 
 

@@ -49,7 +49,9 @@ keys and values it receives (after RoPE) into the cache: prompt log-probs are th
 configurations (``batch_invariant=True``), whose accumulation order equals the learner's
 full-batch GEMMs (:mod:`minite_kernels.triton.gemm`: one BLOCK_K and K order for every tile
 configuration; measured bitwise on the H200 for qkv, proj and the grouped experts, BENCHMARKS.md
-run 7), instead of the split-K decode kernels. Strict mode always does.
+run 7), instead of the fast decode kernels: the MoE experts on the integer-dot kernel
+(:mod:`minite_kernels.triton.decode_grouped_idot`: exact block sums, fp32 across blocks, row
+invariant), the dense GEMMs split-K. Strict mode always takes the invariant configurations.
 """
 
 from __future__ import annotations

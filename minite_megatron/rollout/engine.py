@@ -74,8 +74,10 @@ class RolloutEngine:
             ``core_attention``, as the learner runs it) or ``"sdpa"`` (torch's
             ``scaled_dot_product_attention``; not allowed in strict mode).
         invariant_gemm: in default mode, decode GEMMs in the learner's accumulation order (the
-            batch-invariant configurations) instead of the split-K decode kernels (default: True;
-            on the H200 it measured correct and faster, BENCHMARKS.md run 7).
+            batch-invariant tensor-core configurations, strict mode's) instead of the fast decode
+            kernels (default: False -- the MoE experts on the integer-dot kernel, the dense GEMMs
+            split-K: 0.89 vs 2.79 ms per decode step at batch 8 on the H200, with the default-mode
+            gap 0 there too, BENCHMARKS.md run 11).
     Raises:
         ValueError for an ``eod_id`` outside the vocabulary, bad options, or ``fast=True`` where
         the fast path cannot run.
@@ -83,7 +85,7 @@ class RolloutEngine:
 
     def __init__(self, model, *, eod_id: int, max_batch_size: int = 8, max_sequence_length: int | None = None,
                  strict: bool | None = None, fast: bool | None = None, cuda_graphs: bool | None = None,
-                 attention: str = "module", invariant_gemm: bool = True):
+                 attention: str = "module", invariant_gemm: bool = False):
         from .support import fast_path_refusal, graph_refusal
 
         self.model = model

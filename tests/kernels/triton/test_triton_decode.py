@@ -87,6 +87,27 @@ def test_dense_strict_rows_equal_the_learners_strict_gemm(m):
         assert_bitwise_equal(out, nvfp4.gemm_reference(qa, qb, bias), "strict decode vs reference")
 
 
+@pytest.mark.parametrize("group", [2, 3])
+def test_dense_strict_rolled_k_loop_gives_the_same_bits(group):
+    """The strict dense decode with its K steps rolled (``GROUP``; 3 does not divide the 8 steps:
+    the launch takes 2) equals the unrolled chain bit for bit, fp32 and bf16, with bias."""
+    from minite_kernels.triton import decode_gemm as td
+
+    qa = q(randn(5, 128, seed=110, scale=2.0), with_image=True)
+    qb = q(heavy_tailed(48, 128, seed=111), global_scale="tensor", tile=(16, 16), with_image=True)
+    bias = randn(48, seed=112).to(DEVICE)
+    cfg = td.select_config(5, 48, 128, 1, batch_invariant=True)
+    for dt in (torch.float32, torch.bfloat16):
+        outs = []
+        for g in (0, group):
+            out = torch.empty(5, 48, dtype=dt, device=DEVICE)
+            td.launch_decode_gemm(qa.image.to(DEVICE), qb.codes.to(DEVICE), qb.block_scales.view(torch.uint8).to(DEVICE),
+                                  qa.global_decode.float().reshape(-1).to(DEVICE),
+                                  qb.global_decode.float().reshape(-1).to(DEVICE), bias, out, dict(cfg, GROUP=g))
+            outs.append(out.cpu())
+        assert_bitwise_equal(outs[1], outs[0], f"GROUP {group} vs unrolled ({dt})")
+
+
 def test_dense_strict_is_batch_invariant():
     """Row r of strict decode at M = 1 / 7 / 64 equals row r inside the learner's larger GEMM."""
     big_m = 4096 if not INTERPRETING else 96
