@@ -45,8 +45,11 @@ the most frequent) and on a GPU the host synchronizations and host-to-device cop
 (:class:`minite_megatron.testing.HostSyncCounter`: ``host_syncs_per_step``, ``h2d_copies_per_step``,
 ``pageable_h2d_per_step``, ``sync_sites``). Host cost on a CPU, e.g. before / after a change::
 
-    MINITE_BACKEND=triton TRITON_INTERPRET=1 python -m benchmarks.learner_step --smoke --preset moe16 \
-        --variants nvfp4,bf16 --iters 1 --warmup 1 --count-ops
+    MINITE_BACKEND=triton MINITE_STRICT_BACKEND=triton TRITON_INTERPRET=1 python -m benchmarks.learner_step \\
+        --smoke --preset moe16 --variants nvfp4,bf16 --iters 1 --warmup 1 --count-ops
+
+runs the GPU's code path under the interpreter (the Triton NVFP4 backend, the ``bi_*`` kernels of
+the aligned ops, the MoE combine kernel; about a minute per NVFP4 step of ``moe16``).
 
 FLOPs (:func:`step_flops`): the model's matmuls only -- qkv / o projections, router, experts
 (top-k rows each), LM head, and attention's ``QK^T`` and ``PV`` with the causal half counted
@@ -411,6 +414,10 @@ def main(argv=None):
     device = init_single_process(seed=0)
     if device.type != "cuda" and not args.smoke:
         sys.exit("benchmarks.learner_step needs a CUDA GPU (or --smoke on a CPU)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        from minite_megatron.modules import deterministic_moe
+
+        deterministic_moe.KERNEL_ON_CPU = True  # the GPU's MoE combine kernel (interpreted), as the GPU runs it
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.out:
         os.makedirs(args.out, exist_ok=True)

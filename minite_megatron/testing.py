@@ -98,12 +98,13 @@ def gemm_output_bound(exact: torch.Tensor, accumulation_bound: torch.Tensor, out
 
 # ---- host cost: what a step asks of the host -----------------------------------------------------
 #: aten ops that make the host wait for a CUDA device when their operands live there (the result's
-#: size or value is read back): ``.item()`` / ``int()`` / ``bool()`` (``_local_scalar_dense``),
-#: ``nonzero`` and what is built on it (boolean-mask indexing, ``masked_select``), ``unique``,
-#: ``bincount``, ``torch.equal``.
+#: size or value is read back): ``.item()`` / ``int()`` / ``bool()`` (``_local_scalar_dense``,
+#: ``is_nonzero``), ``nonzero`` and what is built on it (``masked_select``), ``unique``,
+#: ``bincount``, ``torch.equal``. Boolean-mask indexing and ``repeat_interleave`` are classified
+#: by their arguments (:class:`HostSyncCounter`).
 SYNCING_OPS = frozenset({
-    "_local_scalar_dense", "nonzero", "masked_select", "masked_scatter", "equal", "unique", "_unique", "_unique2",
-    "unique_dim", "unique_consecutive", "bincount", "histc", "is_nonzero",
+    "_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique", "_unique2",
+    "unique_dim", "unique_consecutive", "bincount",
 })
 
 
@@ -118,6 +119,16 @@ def _where() -> str:
     return "?"
 
 
+def _is_masked_fill(args, kwargs) -> bool:
+    """Does this ``index_put_`` run as ``masked_fill_`` (no sync)? ``t[mask] = scalar``: one boolean
+    index, a one-element host value, no accumulation (torch's ``canDispatchToMaskedFill``)."""
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    defined = [i for i in args[1] if i is not None]
+    return (not accumulate and isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
+            and len(defined) == 1 and defined[0].dtype in (torch.bool, torch.uint8))
+
+
 def _device_type(device) -> str | None:
     return None if device is None else torch.device(device).type
 
@@ -127,7 +138,8 @@ class HostSyncCounter:
     it was called (``file:line function``):
 
     * ``syncs``: ``(what, where)`` of each blocking call: the ops of :data:`SYNCING_OPS` on CUDA
-      tensors, ``repeat_interleave`` without ``output_size``, boolean-mask indexing, copies
+      tensors, ``repeat_interleave`` of device repeats without ``output_size``, boolean-mask
+      indexing (not ``t[mask] = scalar``, which runs as ``masked_fill_``), copies
       between host and device without ``non_blocking`` (``.cpu()``, ``.tolist()``,
       ``torch.tensor(list, device=cuda)``, ``.to(cuda)``), and ``torch.cuda.Event.synchronize``
       (torch's sync debug mode does not see it; Megatron's all-to-all dispatcher waits on one for
@@ -211,7 +223,8 @@ class HostSyncCounter:
             self.syncs.append(("repeat_interleave without output_size", _where()))
         elif name in ("index", "index_put", "index_put_") and cuda_args and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
-            self.syncs.append((f"{name} with a boolean mask", _where()))
+            if not (name != "index" and _is_masked_fill(args, kwargs)):
+                self.syncs.append((f"{name} with a boolean mask", _where()))
         elif name in ("_to_copy", "copy_"):
             if name == "copy_":
                 dst, src = args[0].device.type, args[1]
