@@ -36,9 +36,20 @@ invalidated, as an optimizer step does), so the NVFP4 steps include quantizing e
 Reported per variant: the step time (CUDA events, after ``--warmup`` steps, median of
 ``--iters``), tokens/s, model TFLOP/s and MFU, peak memory (``max_memory_allocated``) by phase
 (parameters; forward; backward; what the weight caches hold), the host time of a step (until
-the backward call returns: launches, Python, and any host synchronization inside), and with
+the backward call returns: launches, Python, and any host synchronization inside), with
 ``--profile N`` the top kernels by GPU time over N profiled steps (torch.profiler; full tables,
-by GPU and by CPU time, under ``--out``).
+by GPU and by CPU time, under ``--out``), and with ``--count-ops`` what one more step asks of the
+host: ``aten_ops_per_step`` (aten and ``minite::`` ops dispatched, forward and backward:
+:class:`minite_megatron.testing.AtenOpCounter`, a host-cost proxy a CPU can measure; ``aten_ops_top``
+the most frequent) and on a GPU the host synchronizations and host-to-device copies of a step
+(:class:`minite_megatron.testing.HostSyncCounter`: ``host_syncs_per_step``, ``h2d_copies_per_step``,
+``pageable_h2d_per_step``, ``sync_sites``). Host cost on a CPU, e.g. before / after a change::
+
+    MINITE_BACKEND=triton MINITE_STRICT_BACKEND=triton TRITON_INTERPRET=1 python -m benchmarks.learner_step \\
+        --smoke --preset moe16 --variants nvfp4,bf16 --iters 1 --warmup 1 --count-ops
+
+runs the GPU's code path under the interpreter (the Triton NVFP4 backend, the ``bi_*`` kernels of
+the aligned ops, the MoE combine kernel; about a minute per NVFP4 step of ``moe16``).
 
 FLOPs (:func:`step_flops`): the model's matmuls only -- qkv / o projections, router, experts
 (top-k rows each), LM head, and attention's ``QK^T`` and ``PV`` with the causal half counted
@@ -54,6 +65,7 @@ backend is chosen for the device).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -68,6 +80,11 @@ from ._timing import ensure_minite_kernels, environment, print_table, save
 ensure_minite_kernels()
 
 VARIANTS = ("anchor", "bf16", "nvfp4", "strict")
+#: Presets of this script beside ``training.presets.PRESETS``: ``moe16``, a qwen3-moe-shaped model
+#: small enough for a CPU (16 experts top-4) whose per-step op counts scale like the real one's.
+LOCAL_PRESETS = {
+    "moe16": dict(layers=2, hidden=128, heads=8, groups=2, head_dim=16, experts=16, topk=4, moe_ffn=32, vocab=256),
+}
 H200_BF16_DENSE_TFLOPS = 989.4
 GIB = 1 << 30
 
@@ -271,6 +288,30 @@ def run_variant(variant, preset, batch, seq, args, device, dtype, out_dir) -> di
     return _run_variant(base, preset, batch, seq, args, device, dtype, out_dir, variant, changes)
 
 
+def count_host_work(run, model, data, refresh: str, cuda: bool, top: int = 12) -> dict:
+    """One step under :class:`~minite_megatron.testing.AtenOpCounter` and, on a GPU, one under
+    :class:`~minite_megatron.testing.HostSyncCounter` (module docstring)."""
+    from minite_megatron.testing import AtenOpCounter, HostSyncCounter
+
+    _refresh(refresh)
+    with AtenOpCounter() as ops:
+        run(*data).backward()
+    _zero_grads(model)
+    row = {"aten_ops_per_step": ops.total, "aten_ops_top": dict(ops.by_op.most_common(top))}
+    if cuda:
+        torch.cuda.synchronize()
+        _refresh(refresh)
+        with HostSyncCounter() as syncs:
+            run(*data).backward()
+        _zero_grads(model)
+        torch.cuda.synchronize()
+        sites = collections.Counter(f"{what} at {where}" for what, where in syncs.syncs + syncs.pageable_h2d)
+        row.update(host_syncs_per_step=len(syncs.syncs), sync_debug_mode_warnings=len(syncs.debug_mode_warnings),
+                   h2d_copies_per_step=len(syncs.h2d), pageable_h2d_per_step=len(syncs.pageable_h2d),
+                   sync_sites=[f"{n} x {site}" for site, n in sites.most_common(top)])
+    return row
+
+
 def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, label, changes=None) -> dict:
     cuda = device.type == "cuda"
     gc.collect()
@@ -328,6 +369,8 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
             _zero_grads(model)
         row["step_ms_weights_cached"] = statistics.median(cached)
     row.update(memory_by_phase(run, model, data, cuda, args.weight_refresh))
+    if args.count_ops:
+        row.update(count_host_work(run, model, data, args.weight_refresh, cuda))
     if args.profile:
         path = os.path.join(out_dir, f"profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
         row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top)
@@ -338,7 +381,8 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default=None, help="a training.presets name (default: qwen3-moe; tiny with --smoke)")
+    ap.add_argument("--preset", default=None,
+                    help="a training.presets name or moe16 (default: qwen3-moe; tiny with --smoke)")
     ap.add_argument("--tokens", default="4096,16384", help="tokens per step, comma-separated")
     ap.add_argument("--seq-length", type=int, default=4096, help="sequence length (sequences = tokens / this)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('local', 'nvfp4_sdpa')}")
@@ -348,6 +392,8 @@ def main(argv=None):
     ap.add_argument("--cached-too", action="store_true", help="nvfp4: also time steps with the weights cached")
     ap.add_argument("--profile", type=int, default=0, help="profile N steps per variant (0: no profile)")
     ap.add_argument("--top", type=int, default=12, help="kernels to list per variant")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count aten ops (and on a GPU host syncs, H2D copies) of one more step per variant")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense BF16 peak for MFU")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for JSON and profiles")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -361,10 +407,17 @@ def main(argv=None):
         if args.tokens == "4096,16384":
             args.tokens, args.seq_length = "64", 32
     preset_name = args.preset or "qwen3-moe"
-    preset = PRESETS[preset_name]
+    presets = {**PRESETS, **LOCAL_PRESETS}
+    if preset_name not in presets:
+        sys.exit(f"--preset {preset_name!r}: choose one of {sorted(presets)}")
+    preset = presets[preset_name]
     device = init_single_process(seed=0)
     if device.type != "cuda" and not args.smoke:
         sys.exit("benchmarks.learner_step needs a CUDA GPU (or --smoke on a CPU)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        from minite_megatron.modules import deterministic_moe
+
+        deterministic_moe.KERNEL_ON_CPU = True  # the GPU's MoE combine kernel (interpreted), as the GPU runs it
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -420,6 +473,15 @@ def main(argv=None):
         for r in rows:
             if "error" in r:
                 print(f"FAILED {r['variant']}: {r['error']}")
+        for r in rows:
+            if "aten_ops_per_step" in r:
+                line = f"{r['variant']}: {r['aten_ops_per_step']} aten ops per step"
+                if "host_syncs_per_step" in r:
+                    line += (f", {r['host_syncs_per_step']} host syncs ({r['sync_debug_mode_warnings']} by torch's sync "
+                             f"debug mode), {r['h2d_copies_per_step']} H2D copies ({r['pageable_h2d_per_step']} pageable)")
+                print(line)
+                for site in r.get("sync_sites", []):
+                    print(f"    {site}")
         for r in rows:
             if "profile" in r:
                 pr = r["profile"]

@@ -94,3 +94,233 @@ def gemm_output_bound(exact: torch.Tensor, accumulation_bound: torch.Tensor, out
     # one rounding of a value within the accumulation bound, plus a tiny-value floor for subnormals
     tiny = torch.finfo(out_dtype).tiny
     return accumulation_bound + 2.0**-p * (exact.abs() + accumulation_bound) + tiny
+
+
+# ---- host cost: what a step asks of the host -----------------------------------------------------
+#: aten ops that make the host wait for a CUDA device when their operands live there (the result's
+#: size or value is read back): ``.item()`` / ``int()`` / ``bool()`` (``_local_scalar_dense``,
+#: ``is_nonzero``), ``nonzero`` and what is built on it (``masked_select``), ``unique``,
+#: ``bincount``, ``torch.equal``. Boolean-mask indexing and ``repeat_interleave`` are classified
+#: by their arguments (:class:`HostSyncCounter`).
+SYNCING_OPS = frozenset({
+    "_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique", "_unique2",
+    "unique_dim", "unique_consecutive", "bincount",
+})
+
+
+def _where() -> str:
+    """``file:line function`` of the innermost caller outside torch, Triton, ``warnings`` and this module."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if not any(part in path for part in ("/torch/", "/triton/", "/warnings.py")) and path != __file__:
+            return f"{'/'.join(path.rsplit('/', 3)[-3:])}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+def _is_masked_fill(args, kwargs) -> bool:
+    """Does this ``index_put_`` run as ``masked_fill_`` (no sync)? ``t[mask] = scalar``: one boolean
+    index, a one-element host value, no accumulation (torch's ``canDispatchToMaskedFill``)."""
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    defined = [i for i in args[1] if i is not None]
+    return (not accumulate and isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
+            and len(defined) == 1 and defined[0].dtype in (torch.bool, torch.uint8))
+
+
+def _device_type(device) -> str | None:
+    return None if device is None else torch.device(device).type
+
+
+class HostSyncCounter:
+    """Everything inside the ``with`` block that makes the host wait for a CUDA device, with where
+    it was called (``file:line function``):
+
+    * ``syncs``: ``(what, where)`` of each blocking call: the ops of :data:`SYNCING_OPS` on CUDA
+      tensors, ``repeat_interleave`` of device repeats without ``output_size``, boolean-mask
+      indexing (not ``t[mask] = scalar``, which runs as ``masked_fill_``), copies
+      between host and device without ``non_blocking`` (``.cpu()``, ``.tolist()``,
+      ``torch.tensor(list, device=cuda)``, ``.to(cuda)``), and ``torch.cuda.Event.synchronize``
+      (torch's sync debug mode does not see it; Megatron's all-to-all dispatcher waits on one for
+      its routing counts);
+    * ``pageable_h2d``: host-to-device copies from pageable memory, ``non_blocking`` or not (the
+      driver stages them and may wait; a pinned source with ``non_blocking=True`` never waits);
+    * ``h2d``: every host-to-device copy;
+    * ``debug_mode_warnings``: where torch's own sync debug mode
+      (``torch.cuda.set_sync_debug_mode("warn")``) reported a synchronization: an independent
+      count of the first kind (it also sees ``torch.tensor(list, device=cuda)``'s copy, which runs
+      below the dispatch mode, and stream / device synchronizes; a synchronization inside a
+      backward node of torch's own is reported where the backward was called).
+
+    Op classification runs in a ``TorchDispatchMode`` (it sees the backward too); on a CPU there
+    is no device, so nothing is counted but ``Event.synchronize`` calls. Use it in tests and
+    benchmarks, never in a product path (the mode adds host work to every op).
+    """
+
+    def __init__(self):
+        self.syncs: list[tuple[str, str]] = []
+        self.pageable_h2d: list[tuple[str, str]] = []
+        self.h2d: list[tuple[str, str]] = []
+        self.debug_mode_warnings: list[str] = []
+
+    def __enter__(self):
+        import warnings
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Classify(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                counter._classify(func, args, kwargs)
+                return func(*args, **kwargs)
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def showwarning(message, category, *a, **k):
+            if "synchronizing CUDA operation" in str(message):
+                counter.debug_mode_warnings.append(_where())
+            else:
+                shown(message, category, *a, **k)
+
+        warnings.showwarning = showwarning
+        self._event_sync = torch.cuda.Event.synchronize
+
+        def event_synchronize(event):
+            counter.syncs.append(("Event.synchronize", _where()))
+            return counter._event_sync(event)
+
+        torch.cuda.Event.synchronize = event_synchronize
+        self._debug_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+        if self._debug_mode is not None:
+            torch.cuda.set_sync_debug_mode("warn")
+        self._mode = _Classify()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        if self._debug_mode is not None:
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
+        torch.cuda.Event.synchronize = self._event_sync
+        self._warnings.__exit__(*exc)
+        return False
+
+    def _classify(self, func, args, kwargs) -> None:
+        name = func._schema.name.split("::")[-1]
+        flat = [a for v in args for a in (v if isinstance(v, (list, tuple)) else (v,))]
+        cuda_args = any(isinstance(a, torch.Tensor) and a.is_cuda for a in flat)
+        if name in SYNCING_OPS and cuda_args:
+            self.syncs.append((name, _where()))
+        elif name in ("lift_fresh", "lift_fresh_copy") and cuda_args:
+            self.syncs.append(("torch.tensor(host data, device=cuda)", _where()))
+        elif name == "repeat_interleave" and cuda_args and kwargs.get("output_size") is None:
+            self.syncs.append(("repeat_interleave without output_size", _where()))
+        elif name in ("index", "index_put", "index_put_") and cuda_args and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            if not (name != "index" and _is_masked_fill(args, kwargs)):
+                self.syncs.append((f"{name} with a boolean mask", _where()))
+        elif name in ("_to_copy", "copy_"):
+            if name == "copy_":
+                dst, src = args[0].device.type, args[1]
+                blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            else:
+                src = args[0]
+                dst = _device_type(kwargs.get("device")) or src.device.type
+                blocking = not kwargs.get("non_blocking", False)
+            if not isinstance(src, torch.Tensor):
+                return
+            what = f"{name} of {src.numel()} {str(src.dtype).replace('torch.', '')}"
+            if src.device.type == "cpu" and dst == "cuda":
+                where = _where()
+                self.h2d.append((what, where))
+                if not src.is_pinned():
+                    self.pageable_h2d.append((what, where))
+                if blocking:
+                    self.syncs.append((f"blocking host-to-device {what}", where))
+            elif src.device.type == "cuda" and dst == "cpu" and blocking:
+                self.syncs.append((f"blocking device-to-host {what}", _where()))
+
+    def report(self) -> str:
+        """One line per distinct (what, where) with its count."""
+        import collections
+
+        lines = []
+        for title, items in (("syncs", self.syncs), ("pageable host-to-device copies", self.pageable_h2d),
+                             ("host-to-device copies", self.h2d)):
+            lines.append(f"{title}: {len(items)}")
+            lines += [f"  {n:4d}  {what} at {where}" for (what, where), n in collections.Counter(items).most_common()]
+        lines.append(f"sync debug mode warnings: {len(self.debug_mode_warnings)}")
+        lines += [f"  {n:4d}  at {where}" for where, n in collections.Counter(self.debug_mode_warnings).most_common()]
+        return "\n".join(lines)
+
+
+class AtenOpCounter:
+    """Counts the ops dispatched inside the ``with`` block, forward and backward: aten ops and
+    miniTE's custom ops (``minite::*``, one each: their bodies are not seen) by schema name, and
+    Triton kernel launches as ``triton::<kernel>`` (under ``TRITON_INTERPRET=1`` the torch ops the
+    interpreter runs inside a launch are not counted). A proxy for the host's work per step that
+    a CPU can measure: each op is a trip through torch's dispatcher, most of them a kernel launch
+    on a GPU. ``total`` (every entry), ``aten`` (without the Triton launches), ``by_op`` (a
+    Counter). Runs in a ``TorchDispatchMode``, which makes miniTE's custom ops take the
+    registered-op path (:mod:`minite_kernels.custom_op`): the same code and results."""
+
+    def __init__(self):
+        import collections
+
+        self.by_op: "collections.Counter[str]" = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    @property
+    def aten(self) -> int:
+        return sum(n for op, n in self.by_op.items() if not op.startswith("triton::"))
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        by_op, depth = self.by_op, [0]
+
+        class _Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not depth[0]:
+                    by_op[func._schema.name] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._patched = []
+        try:
+            import triton.runtime.interpreter as interpreter
+            import triton.runtime.jit as jit
+        except ImportError:  # no Triton: aten ops only
+            targets = []
+        else:
+            targets = [interpreter.InterpretedFunction, jit.JITFunction]
+        for cls in targets:
+            run = cls.run
+
+            def counted(fn, *a, _run=run, **k):
+                by_op["triton::" + getattr(getattr(fn, "fn", fn), "__name__", "?")] += 1
+                depth[0] += 1
+                try:
+                    return _run(fn, *a, **k)
+                finally:
+                    depth[0] -= 1
+
+            cls.run = counted
+            self._patched.append((cls, run))
+        self._mode = _Count()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for cls, run in self._patched:
+            cls.run = run
+        return False

@@ -39,6 +39,7 @@ from minite_megatron.nvfp4.backends import Backend, BackendUnavailable
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
+from minite_megatron.nvfp4.group_sizes import GroupSizes
 from minite_megatron.nvfp4.grouped import check_decode_grouped_operands, check_expert_ids_in_range
 
 from ._nvfp4_math import interpreting
@@ -418,8 +419,8 @@ class TritonBackend(Backend):
         ``a`` [N, T_pad], ``b`` [K, T_pad] -> ``[G, N, K]`` (``grouped_wgrad_gemm_reference``)."""
         if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
             raise TypeError("grouped_wgrad_gemm takes two NVFP4Tensor operands")
-        sizes = [int(s) for s in padded_group_sizes]
-        if any(s % BLOCK or s < 0 for s in sizes):
+        sizes = GroupSizes.of(padded_group_sizes)  # its offsets: those its sizes were padded from, if so
+        if any(s % BLOCK for s in sizes):
             raise ValueError(f"grouped_wgrad_gemm: padded group sizes must be multiples of {BLOCK}: {sizes}")
         if a.k != b.k or a.k != sum(sizes):
             raise ValueError(

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minite_megatron.nvfp4.group_sizes import GroupSizes
+
 from ._gemm_common import epilogue, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
@@ -106,16 +108,16 @@ def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, ca
 
 
 def group_offsets(group_sizes, device: torch.device) -> torch.Tensor:
-    """int32 ``[G + 1]`` prefix offsets on ``device`` from a list or a (device) tensor of sizes."""
+    """int32 ``[G + 1]`` prefix offsets on ``device`` from a (device) tensor of sizes, or from host
+    sizes (a list, or a :class:`~minite_megatron.nvfp4.group_sizes.GroupSizes` whose offsets are
+    made once and shared): summed on the host, one pinned non-blocking copy, no host sync."""
     if isinstance(group_sizes, torch.Tensor):
         sizes = group_sizes.to(device=device, dtype=torch.int32).reshape(-1)
         return torch.nn.functional.pad(torch.cumsum(sizes, 0, dtype=torch.int32), (1, 0))
-    offs = [0]
-    for s in group_sizes:
-        if int(s) < 0:
-            raise ValueError(f"grouped_gemm: negative group size {s}")
-        offs.append(offs[-1] + int(s))
-    return torch.tensor(offs, dtype=torch.int32).to(device, non_blocking=True)
+    try:
+        return GroupSizes.of(group_sizes).offsets(device)
+    except ValueError as e:
+        raise ValueError(f"grouped_gemm: {e}") from None
 
 
 @custom_op("minite::grouped_gemm", mutates_args=())
@@ -188,7 +190,7 @@ def grouped_gemm_forward(
     if not isinstance(group_sizes, torch.Tensor):
         if len(group_sizes) != groups:
             raise ValueError(f"grouped_gemm: {len(group_sizes)} group sizes for {groups} groups")
-        if sum(int(s) for s in group_sizes) != a_img.shape[0]:
+        if sum(group_sizes) != a_img.shape[0]:
             raise ValueError(f"grouped_gemm: group sizes sum to {sum(group_sizes)}, a has {a_img.shape[0]} rows")
     elif group_sizes.numel() != groups:
         raise ValueError(f"grouped_gemm: {group_sizes.numel()} group sizes for {groups} groups")

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from minite_megatron.nvfp4.formats import BLOCK
+from minite_megatron.nvfp4.group_sizes import GroupSizes
 from minite_megatron.nvfp4.quantize import check_finite
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
@@ -99,14 +100,16 @@ DEFAULT_CONFIG = (128, 128, 64, 8, 4)
 def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(col_index int32 [T_pad], padded offsets int32 [G + 1], T_pad) on ``device``.
 
-    ``col_index[c]`` is the source token of padded column c, or -1 for padding.
+    ``col_index[c]`` is the source token of padded column c, or -1 for padding. Host sizes (a
+    list, or a :class:`~minite_megatron.nvfp4.group_sizes.GroupSizes`, whose tensors are made
+    once and shared) give the exact ``T_pad`` and cost one pinned non-blocking copy at most; an
+    int tensor on the device gives the bound ``T + 15 G`` and no copy.
     """
-    if isinstance(group_sizes, torch.Tensor):
-        sizes = group_sizes.to(device=device, dtype=torch.int64).reshape(-1)
-        t_pad = -(-(t + (BLOCK - 1) * sizes.numel()) // BLOCK) * BLOCK
-    else:
-        sizes = torch.tensor([int(s) for s in group_sizes], dtype=torch.int64).to(device)
-        t_pad = sum(-(-int(s) // BLOCK) * BLOCK for s in group_sizes)
+    if not isinstance(group_sizes, torch.Tensor):
+        sizes = GroupSizes.of(group_sizes)
+        return sizes.column_index(device), sizes.padded_offsets(device), sizes.padded().total
+    sizes = group_sizes.to(device=device, dtype=torch.int64).reshape(-1)
+    t_pad = -(-(t + (BLOCK - 1) * sizes.numel()) // BLOCK) * BLOCK
     psizes = (sizes + BLOCK - 1) // BLOCK * BLOCK
     offs = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
     poffs = torch.nn.functional.pad(torch.cumsum(psizes, 0), (1, 0))
@@ -158,16 +161,17 @@ def quantize_wgrad_operand_forward(
     """``nvfp4.quantize_wgrad_operand``, bit for bit, without the padded copy: ``t`` [T, H] rows
     sorted by group (list of ints) -> NVFP4 ``[H, T_pad]`` along tokens, each group zero-padded
     to a multiple of 16, read in place through the gather of the column kernel (RHT fused)."""
-    if t.dim() != 2 or sum(int(s) for s in group_sizes) != t.shape[0]:
+    group_sizes = GroupSizes.of(group_sizes)
+    if t.dim() != 2 or group_sizes.total != t.shape[0]:
         raise ValueError(f"quantize_wgrad_operand: t {tuple(t.shape)} and group sizes summing to "
-                         f"{sum(int(s) for s in group_sizes)} disagree")
+                         f"{group_sizes.total} disagree")
     _check_scale_and_rounding("quantize_wgrad_operand", global_scale, rounding, seed)
     if nonfinite == "raise":
         check_finite(t)
     elif nonfinite != "propagate":
         raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
     h = t.shape[1]
-    col_index, _, t_pad = pad_index([int(s) for s in group_sizes], t.shape[0], t.device)
+    col_index, _, t_pad = pad_index(group_sizes, t.shape[0], t.device)
     if t_pad == 0 or h == 0:  # nothing to quantize: the contract's empty result (S_dec = 1 for empty domains)
         from minite_megatron.nvfp4.grouped import quantize_wgrad_operand
 

@@ -292,6 +292,7 @@ def _tensor_amax(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def rht_mask_of(rht_seed: int | None) -> int:
     """The RHT sign vector of ``rht_seed`` (``nvfp4.rht_signs``) as 16 bits (bit j: sign j is
     -1); -1 for no transform. A negative seed is the fixed all-ones vector (mask 0)."""
@@ -309,8 +310,9 @@ def _signs_of_mask(mask: int, device: torch.device) -> torch.Tensor:
 
 
 def sr_key(seed: int) -> int:
-    """fmix32(seed mod 2^32) as a signed int32 (the kernel reinterprets it as uint32)."""
-    key = int(_fmix32_ref(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
+    """fmix32(seed mod 2^32) as a signed int32 (the kernel reinterprets it as uint32). The
+    contract's ``fmix32`` on a Python int (the same integer arithmetic, no torch ops)."""
+    key = int(_fmix32_ref(seed & 0xFFFFFFFF))
     return key - (1 << 32) if key >= (1 << 31) else key
 
 

@@ -162,7 +162,9 @@ class NVFP4GroupedLinear(MegatronModule):
 
     @names_nonfinite
     def forward(self, x: torch.Tensor, tokens_per_expert):
-        sizes = [int(s) for s in (tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert)]
+        # Megatron's grouped MLP passes one host list to fc1 and fc2: kept as it is, so that the
+        # two linears share its device index tensors (ops.grouped_linear.shared_group_sizes)
+        sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
         if self.precision == "nvfp4":
             y = nvfp4_grouped_linear(x, sizes, self.weights, fused_bias, self.minite_ctx, self._weights_cache,
@@ -182,7 +184,7 @@ class NVFP4GroupedLinear(MegatronModule):
 
         outs = [
             linear(xe, w, None if biases is None else biases[g])
-            for g, (xe, w) in enumerate(zip(torch.split(x, sizes), self.weights))
+            for g, (xe, w) in enumerate(zip(torch.split(x, [int(s) for s in sizes]), self.weights))
         ]
         return torch.cat(outs) if outs else x.new_zeros(0, self.out_features)
 

@@ -23,15 +23,16 @@ from .formats import _with_sign, e2m1_values
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2^32 for int64 h in [0, 2^32), without int64 overflow."""
+def _mul32(h, c: int):
+    """(h * c) mod 2^32 for int64 h in [0, 2^32) (a tensor, or a Python int), without int64 overflow."""
     lo = h & 0xFFFF
     hi = h >> 16
     return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
 
 
-def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer on int64 tensors holding uint32 values."""
+def fmix32(h):
+    """murmur3's 32-bit finalizer on int64 tensors holding uint32 values, or on a Python int in
+    [0, 2^32) (the same arithmetic: a host-side key without torch ops)."""
     h = h ^ (h >> 16)
     h = _mul32(h, 0x85EBCA6B)
     h = h ^ (h >> 13)
@@ -41,7 +42,7 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def random_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """uint32 values (as int64) for elements at (rows, cols) (broadcast), see the module docstring."""
-    key = int(fmix32(torch.tensor(seed & _M32, dtype=torch.int64)))
+    key = fmix32(seed & _M32)
     inner = fmix32((rows.to(torch.int64) + key) & _M32)
     return fmix32((inner + cols.to(torch.int64)) & _M32)
 

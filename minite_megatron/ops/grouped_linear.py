@@ -20,6 +20,13 @@ Transformer Engine's grouped GEMM would run them.
 Both read the experts' weights as one ``[G, N, K]`` tensor: a view when the ``weight{i}``
 parameters are consecutive slices of one buffer (:func:`stacked_view`; how
 ``NVFP4GroupedLinear`` allocates them), else a stacked copy (e.g. after ``param.data = ...``).
+
+Host synchronization: none here. The token counts arrive on the host (Megatron's dispatcher
+synchronizes once per MoE layer to bring them there) and become a
+:class:`~minite_megatron.nvfp4.group_sizes.GroupSizes` (:func:`shared_group_sizes`): the device
+offsets and wgrad column index the kernels read are made once per MoE layer, in one pinned
+non-blocking copy, and shared by fc1 and fc2 and by their backward (before: ten copies per MoE
+layer and step, four of them blocking).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from ..nvfp4.grouped import padded_group_sizes
+from ..nvfp4.group_sizes import GroupSizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache
 from .roles import gemm_role
@@ -73,11 +80,20 @@ def stacked_weights(weights: Sequence[torch.Tensor], stacked: torch.Tensor | Non
 
 
 def add_wgrads(weights: Sequence[torch.Tensor], dw: torch.Tensor, like: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`~.linear.add_wgrad` of every expert from the stacked ``dw`` ``[G, N, K]``; without
-    ``main_grad`` the gradients are views of ``dw`` (one ``unbind``, no per-expert kernel)."""
-    if all(getattr(w, "main_grad", None) is None for w in weights):
+    """:func:`~.linear.add_wgrad` of every expert from the stacked ``dw`` ``[G, N, K]``, without a
+    per-expert kernel: without ``main_grad`` the gradients are views of ``dw`` (one ``unbind``);
+    with Megatron's ``main_grad`` on every expert one multi-tensor add (``torch._foreach_add_``,
+    the same fp32 adds as one ``add_`` each) and one dummy gradient buffer, viewed per expert."""
+    main_grads = [getattr(w, "main_grad", None) for w in weights]
+    if all(g is None for g in main_grads):
         d = dw if dw.dtype == weights[0].dtype else dw.to(weights[0].dtype)
         return list(d.unbind(0))
+    if (all(g is not None and hasattr(w, "grad_added_to_main_grad") for g, w in zip(main_grads, weights))
+            and len({g.dtype for g in main_grads}) == 1):
+        torch._foreach_add_(main_grads, list(dw.to(main_grads[0].dtype).unbind(0)))
+        for w in weights:
+            w.grad_added_to_main_grad = True
+        return list(torch.empty(dw.shape, dtype=like.dtype, device=like.device).unbind(0))
     return [add_wgrad(w, dw[g], like) for g, w in enumerate(weights)]
 
 
@@ -103,6 +119,25 @@ def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=N
                      extra=backend.name)
 
 
+_LAST_SIZES: list = [None, None]  # (the sequence a caller passed, its GroupSizes)
+
+
+def shared_group_sizes(tokens_per_expert: Sequence[int]) -> GroupSizes:
+    """:class:`GroupSizes` of ``tokens_per_expert``: the one made for the previous call when the
+    caller passes the very same sequence object again with the same values (Megatron's grouped
+    MLP passes one list to fc1 and fc2), so both linears and their backward read one set of device
+    index tensors. A new list (the next layer, the next step) gets new ones. Raises ValueError for
+    a negative count."""
+    if isinstance(tokens_per_expert, GroupSizes):
+        return tokens_per_expert
+    source, sizes = _LAST_SIZES
+    if source is tokens_per_expert and sizes is not None and sizes == tuple(tokens_per_expert):
+        return sizes
+    sizes = GroupSizes(tokens_per_expert)
+    _LAST_SIZES[:] = [tokens_per_expert, sizes]
+    return sizes
+
+
 def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
     return q.transpose()
 
@@ -122,7 +157,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
 
         ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
-        ctx.tokens_per_expert = list(tokens_per_expert)
+        ctx.tokens_per_expert = tokens_per_expert  # a GroupSizes: its device tensors serve the backward too
         ctx.needs_wgrad = any(ctx.needs_input_grad[7 : 7 + groups])
         saved = list(weights)
         if ctx.needs_wgrad and recipe.full_update:
@@ -155,8 +190,7 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
             if ctx.needs_wgrad:
                 qx_t = ctx.qx_t_meta.restore_from_saved(rest)
                 qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
-                dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, padded_group_sizes(sizes), wgrad_dtype(weights[0]),
-                                                recipe.strict)
+                dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, sizes.padded(), wgrad_dtype(weights[0]), recipe.strict)
                 del qdy_t, qx_t
                 dws = add_wgrads(weights, dw, grad_out)
         else:
@@ -184,15 +218,22 @@ def nvfp4_grouped_linear(
     stacked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``.
-    ``stacked``: the weights' ``[G, N, K]`` one-buffer view if the caller knows it (no copy,
-    an O(1) cache key)."""
-    sizes = [int(s) for s in tokens_per_expert]
-    if len(sizes) != len(weights):
-        raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
-    if sum(sizes) != x.shape[0]:
-        raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
+    ``tokens_per_expert``: host ints (a list, or a ``GroupSizes``; the same list for fc1 and fc2
+    shares their device index tensors: :func:`shared_group_sizes`). ``stacked``: the weights'
+    ``[G, N, K]`` one-buffer view if the caller knows it (no copy, an O(1) cache key). Raises
+    ValueError when the counts do not match the experts or the rows."""
+    sizes = _checked_sizes(tokens_per_expert, weights, x)
     params = list(weights) + (list(biases) if biases is not None else [])
     return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, cache.keep_images(), stacked, *params)
+
+
+def _checked_sizes(tokens_per_expert, weights, x) -> GroupSizes:
+    sizes = shared_group_sizes(tokens_per_expert)
+    if len(sizes) != len(weights):
+        raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
+    if sizes.total != x.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sizes.total}, x has {x.shape[0]} rows")
+    return sizes
 
 
 # ---- the BF16 twin's grouped linear -------------------------------------------------------------
@@ -206,18 +247,17 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 def group_end_offsets(sizes: Sequence[int], device) -> torch.Tensor:
-    """int32 ``[G]`` cumulative row ends (``torch._grouped_mm``'s ``offs``) on ``device``."""
-    ends, total = [], 0
-    for s in sizes:
-        total += int(s)
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+    """int32 ``[G]`` cumulative row ends (``torch._grouped_mm``'s ``offs``) on ``device`` (a view
+    of the shared :meth:`GroupSizes.offsets`: no host sync, one copy per MoE layer)."""
+    return GroupSizes.of(sizes).offsets(device)[1:]
 
 
-def _row_bias(biases, sizes, rows: int) -> torch.Tensor:
+def _row_bias(biases, sizes: GroupSizes, rows: int) -> torch.Tensor:
     """``[T, N]``: each row's expert bias."""
-    expert = torch.repeat_interleave(torch.arange(len(sizes), device=biases[0].device),
-                                     torch.tensor(sizes, device=biases[0].device), output_size=rows)
+    device = biases[0].device
+    offsets = sizes.offsets(device)
+    expert = torch.repeat_interleave(torch.arange(len(sizes), device=device), offsets[1:] - offsets[:-1],
+                                     output_size=rows)
     return torch.stack(biases).index_select(0, expert)
 
 
@@ -237,7 +277,7 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
             y = torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
         if has_bias:
             y = y + _row_bias(biases, sizes, x.shape[0]).to(y.dtype)
-        ctx.sizes, ctx.groups, ctx.has_bias, ctx.grouped = list(sizes), groups, has_bias, grouped
+        ctx.sizes, ctx.groups, ctx.has_bias, ctx.grouped = sizes, groups, has_bias, grouped
         ctx.stacked = stacked  # a view of the parameters (never a copy: the backward re-stacks)
         ctx.save_for_backward(x, offs if offs is not None else torch.empty(0), *weights)
         return y
@@ -294,11 +334,7 @@ def bf16_grouped_linear(
     Raises:
         ValueError if the counts do not match the experts or the rows.
     """
-    sizes = [int(s) for s in tokens_per_expert]
-    if len(sizes) != len(weights):
-        raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
-    if sum(sizes) != x.shape[0]:
-        raise ValueError(f"tokens_per_expert sums to {sum(sizes)}, x has {x.shape[0]} rows")
+    sizes = _checked_sizes(tokens_per_expert, weights, x)
     params = list(weights) + (list(biases) if biases is not None else [])
     if stacked is None:
         stacked = stacked_view(weights)

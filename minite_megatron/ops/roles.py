@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nvfp4.group_sizes import GroupSizes
 from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
@@ -114,7 +115,7 @@ def quantize_role(
     seed = next_sr_seed(recipe.seed) if role.rounding == "stochastic" else None
     common = dict(global_scale=role.global_scale, rounding=role.rounding, seed=seed, nonfinite=recipe.nonfinite)
     if role.transposed and role.gemm == "wgrad":
-        sizes = [int(s) for s in (group_sizes if group_sizes is not None else [t.shape[0]])]
+        sizes = GroupSizes.of(group_sizes if group_sizes is not None else [t.shape[0]])
         if (any(s % 16 for s in sizes) and backend.supports("quantize_wgrad_operand") is None
                 and not needs_sync(role.global_scale, tp_group, rows_sharded=rows, k_sharded=False)):
             # the backend pads each group's tokens through a gather (no padded copy); same bits

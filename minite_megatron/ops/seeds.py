@@ -38,10 +38,10 @@ def _rank() -> int:
 
 
 def _mix(*words: int) -> int:
-    h = torch.tensor(0, dtype=torch.int64)
+    h = 0  # Python ints: the same uint32 arithmetic as on int64 tensors, without a torch op per word
     for w in words:
         h = fmix32((h + (w & 0xFFFFFFFF) + 0x9E3779B9) & 0xFFFFFFFF)
-    return int(h) & 0x7FFFFFFF
+    return h & 0x7FFFFFFF
 
 
 def next_sr_seed(recipe_seed: int) -> int:
