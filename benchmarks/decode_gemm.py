@@ -62,6 +62,7 @@ STRICT_MAX_K = 0  # dense table: time strict only where K <= this (0: every K)
 SHARD = (0, 1)
 DEADLINE = float("inf")
 GROUPED_TOKENS = (1, 8, 64)
+IDOT_ENTRIES = None  # idot_sweep: the first this many entries (None: all)
 DEV = torch.device("cuda")
 
 #: default-configuration sweep: tile, warps, K steps in flight (DEPTH), most steps per program
@@ -292,7 +293,8 @@ def graph_replay_check() -> dict:
 #: strict grouped decode configurations checked bitwise against the learner (and timed in the
 #: grouped sweep): the unrolled whole-K chain and the rolled one (``GROUP``), which must agree
 STRICT_GROUPED_VARIANTS = {"strict unrolled": dict(td.GPU_STRICT_DECODE, PAD_ROWS=False),
-                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE)}
+                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE),
+                           "strict rolled 32 rows": dict(tg.GPU_STRICT_GROUPED_DECODE, BLOCK_N=32)}
 
 
 def sec_check_grouped(res):
@@ -361,7 +363,7 @@ def sec_check_dense_strict(res):
             qx = quantize_forward(data(big, k), with_image=True)
             qw = quantize_forward(data(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
             full = {dt: gemm_forward(qx.image, qw.image, qx.global_decode, qw.global_decode, None, dt, batch_invariant=True)
-                    for dt in (torch.float32, BF16)} if not WARM_ONLY else {}
+                    for dt in (torch.float32, BF16)}  # (compiled in the warm-up too)
             for label, entry in variants.items():
                 if not mine():
                     continue
@@ -683,7 +685,7 @@ def sec_idot_sweep(res):
             strict_us[label.replace(" ", "_") + "_us"] = 1e3 * timed(
                 lambda: [tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, s_out, e, s_cfg)
                          for ids in routings]) / len(routings)
-        entries = [(16, 2, True, 1, 4), (16, 2, False, 2, 4)] if SMOKE else IDOT_SWEEP
+        entries = [(16, 2, True, 1, 4), (16, 2, False, 2, 4)] if SMOKE else IDOT_SWEEP[:IDOT_ENTRIES]
         for entry in entries:
             if not mine():
                 continue
@@ -729,7 +731,7 @@ SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep")
 
 
 def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS
+    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS, IDOT_ENTRIES
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--m", default="1,2,4,8,16,32,64")
@@ -747,7 +749,9 @@ def main(argv=None):
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="stop timing (NaN, saved as null) this many seconds after the start")
     p.add_argument("--grouped-tokens", default="1,8,64", help="decode tokens of the grouped sections")
+    p.add_argument("--idot-entries", type=int, default=None, help="idot_sweep: time only the first this many entries")
     args = p.parse_args(argv)
+    IDOT_ENTRIES = args.idot_entries
     GROUPED_TOKENS = tuple(int(t) for t in args.grouped_tokens.split(","))
     SMOKE, WARM_ONLY, ACT_QUANT, IMAGE_GEMM = args.smoke, args.warm_only, not args.no_act_quant, not args.no_image_gemm
     DENSE = args.shapes.split(",")

@@ -477,6 +477,9 @@ def main(argv=None):
     ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
                     help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
+    ap.add_argument("--strict-grouped-block-n", type=int, default=0,
+                    help="weight rows per program of the strict grouped decode (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
+                         "for this run (the bits do not depend on it; benchmarks/decode_gemm.py check_grouped checks them)")
     ap.add_argument("--rolled-dense-strict", action="store_true",
                     help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
                          "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
@@ -487,6 +490,10 @@ def main(argv=None):
         from minite_kernels.triton import decode_gemm as td
 
         td.ROLLED_DENSE_STRICT_VERIFIED = True
+    if args.strict_grouped_block_n:
+        from minite_kernels.triton import decode_grouped_gemm as tg
+
+        tg.GPU_STRICT_GROUPED_DECODE = dict(tg.GPU_STRICT_GROUPED_DECODE, BLOCK_N=args.strict_grouped_block_n)
     args._t0 = time.perf_counter()
     args._count_jobs = []
 
