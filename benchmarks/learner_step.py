@@ -41,7 +41,7 @@ the backward call returns: launches, Python, and any host synchronization inside
 by GPU and by CPU time, under ``--out``), and with ``--count-ops`` what one more step asks of the
 host: ``aten_ops_per_step`` (aten and ``minite::`` ops dispatched, forward and backward:
 :class:`minite_megatron.testing.AtenOpCounter`, a host-cost proxy a CPU can measure; ``aten_ops_top``
-the most frequent) and on a GPU the host synchronizations and host-to-device copies of a step
+the most frequent; ``triton_launches_per_step``) and on a GPU the host synchronizations and host-to-device copies of a step
 (:class:`minite_megatron.testing.HostSyncCounter`: ``host_syncs_per_step``, ``h2d_copies_per_step``,
 ``pageable_h2d_per_step``, ``sync_sites``). Host cost on a CPU, e.g. before / after a change::
 
@@ -297,7 +297,8 @@ def count_host_work(run, model, data, refresh: str, cuda: bool, top: int = 12) -
     with AtenOpCounter() as ops:
         run(*data).backward()
     _zero_grads(model)
-    row = {"aten_ops_per_step": ops.total, "aten_ops_top": dict(ops.by_op.most_common(top))}
+    row = {"aten_ops_per_step": ops.aten, "triton_launches_per_step": ops.total - ops.aten,
+           "aten_ops_top": dict(ops.by_op.most_common(top))}
     if cuda:
         torch.cuda.synchronize()
         _refresh(refresh)
@@ -475,7 +476,8 @@ def main(argv=None):
                 print(f"FAILED {r['variant']}: {r['error']}")
         for r in rows:
             if "aten_ops_per_step" in r:
-                line = f"{r['variant']}: {r['aten_ops_per_step']} aten ops per step"
+                line = (f"{r['variant']}: {r['aten_ops_per_step']} aten ops per step "
+                        f"(+ {r['triton_launches_per_step']} Triton launches)")
                 if "host_syncs_per_step" in r:
                     line += (f", {r['host_syncs_per_step']} host syncs ({r['sync_debug_mode_warnings']} by torch's sync "
                              f"debug mode), {r['h2d_copies_per_step']} H2D copies ({r['pageable_h2d_per_step']} pageable)")

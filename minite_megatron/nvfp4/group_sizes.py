@@ -84,8 +84,7 @@ class GroupSizes(tuple):
                     offsets.append(offsets[-1] + s)
                     padded.append(padded[-1] + -(-s // BLOCK) * BLOCK)
                 rows = torch.tensor([offsets, padded], dtype=torch.int32, pin_memory=device.type == "cuda")
-                rows = rows.to(device, non_blocking=True)
-                hit = (rows[0], rows[1])
+                hit = tuple(rows.to(device, non_blocking=True).unbind(0))
             self._on[device] = hit
         return hit
 
