@@ -516,6 +516,60 @@ def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
                  "pct_of_copy_bw", "bf16_weight_GBps"])
 
 
+IDOT_DENSE_SHAPES = ("qkv", "o", "expert_fc1", "lm_head_32k")
+
+
+def sec_idot_dense(res, ms):
+    """Dense decode GEMMs on the integer-dot kernel (``decode_idot_gemm_forward``) vs the
+    tensor-core decode kernel's default configuration and BF16 ``torch.mm`` (weights rotated
+    through > 4x the L2, CUDA-graph replays) at the Qwen3 shapes and M rows; per case the fp32
+    output's max error against the strict result (relative to its largest value) and whether
+    every row equals that row alone (row invariance)."""
+    rows = []
+    for name in IDOT_DENSE_SHAPES:
+        k, n = (64, 32) if SMOKE else SHAPES[name]
+        ws = [rnd(n, k, scale=0.02).to(BF16) for _ in range(copies_for(n * k * 2))]
+        qws = weights(n, k, copies_for(n * k // 2))
+        wbytes = n * k // 2 + n * k // 16
+        for m in ms:
+            if not mine():
+                continue
+            x = rnd(m, k).to(BF16)
+            qx = quantize_forward(x, with_image=True)
+            xc, xs, xg = qx.codes, qx.linear_scales().contiguous().view(torch.uint8), qx.global_decode.reshape(-1)
+            cfg = td.select_config(m, n, k, sms(), False)
+            out = torch.empty(m, n, dtype=BF16, device=DEV)
+            row = {"shape": name, "K": k, "N": n, "M": m}
+
+            def idot(q):
+                return ti.decode_idot_gemm_forward(xc, xs, xg, q.codes, q.block_scales.view(torch.uint8),
+                                                   q.global_decode.reshape(-1))
+            q0 = qws[0]
+            strict = td.decode_gemm_forward(qx.image, q0.codes, q0.block_scales.view(torch.uint8), xg,
+                                            q0.global_decode.reshape(-1), None, torch.float32, True)
+            got32 = ti.decode_idot_gemm_forward(xc, xs, xg, q0.codes, q0.block_scales.view(torch.uint8),
+                                                q0.global_decode.reshape(-1), out_dtype=torch.float32)
+            row["max_err_fp32"] = float((got32 - strict).abs().max() / strict.abs().max().clamp_min(1e-30))
+            got = idot(q0)
+            alone = torch.cat([ti.decode_idot_gemm_forward(xc[r: r + 1], xs[r: r + 1], xg[r: r + 1], q0.codes,
+                                                           q0.block_scales.view(torch.uint8), q0.global_decode.reshape(-1))
+                               for r in range(m)])
+            row["rows_alone_bits_differ"] = _bits_differ(got, alone)
+            if DEV.type == "cuda" and not WARM_ONLY:
+                row["bf16_us"] = 1e3 * timed(lambda: [torch.mm(x, w.t()) for w in ws]) / len(ws)
+                row["tc_decode_us"] = 1e3 * timed(lambda: [run_decode(qx, q, cfg, out=out) for q in qws]) / len(qws)
+                row["idot_us"] = 1e3 * timed(lambda: [idot(q) for q in qws]) / len(qws)
+                row["idot_speedup_vs_bf16"] = row["bf16_us"] / row["idot_us"]
+                row["tc_speedup_vs_bf16"] = row["bf16_us"] / row["tc_decode_us"]
+                row["idot_weight_GBps"] = wbytes / row["idot_us"] / 1e3
+            rows.append(row)
+        del ws, qws
+    res["idot_dense"] = rows
+    print_table("dense decode GEMMs: integer-dot vs tensor-core decode vs BF16 torch.mm (CUDA-graph replays)", rows,
+                ["shape", "M", "bf16_us", "tc_decode_us", "idot_us", "idot_speedup_vs_bf16", "tc_speedup_vs_bf16",
+                 "idot_weight_GBps", "max_err_fp32", "rows_alone_bits_differ"])
+
+
 # ---- grouped --------------------------------------------------------------------------------------
 def grouped_cases():
     """The MoE decode cases of both grouped sections: per expert shape (fc1, fc2 of 128 experts) and
@@ -727,7 +781,7 @@ def sec_idot_sweep(res):
                  "sorted_vs_ids_bits_differ"])
 
 
-SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep")  # (+ "check_grouped": check's grouped part; "check_dense_strict")
+SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep", "idot_dense")  # (+ "check_grouped": check's grouped part; "check_dense_strict")
 
 
 def main(argv=None):
@@ -802,6 +856,9 @@ def main(argv=None):
         partial()
     if "idot_sweep" in sections:
         sec_idot_sweep(res)
+        partial()
+    if "idot_dense" in sections:
+        sec_idot_dense(res, [int(v) for v in args.m.split(",")])
     if not WARM_ONLY and not SMOKE:
         paths = save(res, "decode_gemm", [os.path.join(os.path.dirname(__file__), "results"), args.out])
         print("saved:", ", ".join(paths))

@@ -477,6 +477,9 @@ def main(argv=None):
     ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
                     help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
+    ap.add_argument("--idot-dense-max-m", type=int, default=0,
+                    help="default-mode dense decode GEMMs with at most this many rows on the integer-dot kernel "
+                         "(TritonOptions.idot_dense_max_m) for this run")
     ap.add_argument("--strict-grouped-block-n", type=int, default=0,
                     help="weight rows per program of the strict grouped decode (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
                          "for this run (the bits do not depend on it; benchmarks/decode_gemm.py check_grouped checks them)")
@@ -490,6 +493,11 @@ def main(argv=None):
         from minite_kernels.triton import decode_gemm as td
 
         td.ROLLED_DENSE_STRICT_VERIFIED = True
+    if args.idot_dense_max_m:
+        from minite_kernels.triton.backend import TritonBackend, TritonOptions
+        from minite_megatron.nvfp4 import register_backend
+
+        register_backend(TritonBackend(TritonOptions(idot_dense_max_m=args.idot_dense_max_m)))
     if args.strict_grouped_block_n:
         from minite_kernels.triton import decode_grouped_gemm as tg
 

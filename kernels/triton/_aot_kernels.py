@@ -100,11 +100,12 @@ def _decode_grouped_idot(config: dict, k: int = 2048, sorted_rows: bool = True, 
     cfg = idot_config(k, config)
     sig = {
         "xc_ptr": "*i64", "xs_ptr": "*u8", "wc_ptr": "*i64", "ws_ptr": "*u8", "ids_ptr": "*i32", "offs_ptr": "*i32",
-        "out_ptr": "*bf16", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "lut_ptr": "*i32",
+        "out_ptr": "*bf16", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "lut_ptr": "*i32", "bias_ptr": "*fp32",
         "R": "i32", "N": "i32", "KB": "i32", "E": "i32", "s_xc": "i32", "s_xs": "i32", "s_wc": "i32", "s_ws": "i32",
         "s_om": "i32",
     }
-    ce = dict(SORTED=sorted_rows, SA_ROWS=True, SW_ROWS=False, MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
+    ce = dict(SORTED=sorted_rows, DENSE=False, HAS_BIAS=False, SA_ROWS=True, SW_ROWS=False,
+              MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
               BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
               R_POW2=r_pow2, E_POW2=experts, ASM=True, BITWISE_BF16=False)
     return compile_for(_decode_grouped_idot_kernel, sig, ce, num_warps=config["num_warps"], num_stages=1,

@@ -47,7 +47,7 @@ from . import decode_gemm as _decode
 from .decode_gemm import decode_gemm_forward
 from .decode_grouped_gemm import decode_grouped_gemm_forward
 from . import decode_grouped_idot as _idot
-from .decode_grouped_idot import decode_grouped_idot_forward
+from .decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
 from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
 from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
@@ -90,6 +90,11 @@ class TritonOptions:
     #: False force it (False: the tensor-core split-K kernel of :mod:`.decode_grouped_gemm`).
     #: Changes default-mode bits (a different fp32 accumulation, each within the contract's bound).
     idot_decode: bool | None = None
+    #: Default-mode dense GEMMs with at most this many rows on the integer-dot kernel
+    #: (``decode_grouped_idot.decode_idot_gemm_forward``) where ``idot_decode_ok``; 0: never (the
+    #: tensor-core decode kernel). Its work grows with the rows (a dp4a chain per row), the
+    #: tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
+    idot_dense_max_m: int = 0
     #: The quantize kernels' GPU launch tiles (:mod:`.quantize_tiles`; the same bits under any).
     quantize_tiles: QuantizeTiles = DEFAULT_TILES
 
@@ -236,7 +241,12 @@ class TritonBackend(Backend):
         a_img = image_2d(a)
         a_scale, b_scale = _global_decode(a), _global_decode(bm)
         o = self.options
-        if (0 < a.rows <= o.decode_max_m and self.decode_ok(a.device) and (o.decode_max_n is None or n <= o.decode_max_n)
+        if (not batch_invariant and 0 < a.rows <= o.idot_dense_max_m and bm.layout == "linear"
+                and self.idot_decode_ok(a.device)):
+            a2 = a.matrix() if a.global_scale != "row" else a
+            out = decode_idot_gemm_forward(a2.codes.reshape(a.rows, a.k // 2), a2.linear_scales().view(torch.uint8),
+                                           a_scale, bm.codes, bm.block_scales.view(torch.uint8), b_scale, bias, out_dtype)
+        elif (0 < a.rows <= o.decode_max_m and self.decode_ok(a.device) and (o.decode_max_n is None or n <= o.decode_max_n)
                 and bm.layout == "linear" and (not batch_invariant or self.strict_decode_ok(a.k, a.device))):
             out = decode_gemm_forward(a_img, bm.codes, bm.block_scales.view(torch.uint8), a_scale, b_scale,
                                       bias, out_dtype, batch_invariant)

@@ -258,8 +258,9 @@ def _rows_accumulate(wc_rows, ws_rows, xc_ptr, xs_ptr, rows, oks, s_xc, s_xs, KB
 
 
 @triton.jit
-def _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, rn, n_ok, mine, pos, start, c0, n_rows,
+def _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0, n_rows,
               s_xc, s_xs, s_om, KB, luts, MC: tl.constexpr, SORTED: tl.constexpr, SA_ROWS: tl.constexpr,
+              HAS_BIAS: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, NSTEPS: tl.constexpr, UNROLL: tl.constexpr,
               MASK_K: tl.constexpr, R_POW2: tl.constexpr, ASM: tl.constexpr, BITWISE_BF16: tl.constexpr):
     """Rows ``c0 .. c0 + MC - 1`` of this program's expert (those below ``n_rows``): outputs stored."""
@@ -281,15 +282,18 @@ def _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, rn, n_ok, 
         else:
             sa = tl.load(sa_ptr)
         out = (sums[m] * 0.25) * (sa * swg)
+        if HAS_BIAS:
+            out = out + bias
         tl.store(out_ptr + rows[m] * s_om + rn, round_to(out, out_ptr.dtype.element_ty, BITWISE_BF16),
                  mask=n_ok & oks[m])
 
 
 @triton.jit
 def _decode_grouped_idot_kernel(
-    xc_ptr, xs_ptr, wc_ptr, ws_ptr, ids_ptr, offs_ptr, out_ptr, sa_ptr, sw_ptr, lut_ptr,
+    xc_ptr, xs_ptr, wc_ptr, ws_ptr, ids_ptr, offs_ptr, out_ptr, sa_ptr, sw_ptr, lut_ptr, bias_ptr,
     R, N, KB, E, s_xc, s_xs, s_wc, s_ws, s_om,
-    SORTED: tl.constexpr, SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
+    SORTED: tl.constexpr, DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr,
+    MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, PAIRS: tl.constexpr, NSTEPS: tl.constexpr,
     UNROLL: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr,
     BITWISE_BF16: tl.constexpr,
@@ -299,7 +303,13 @@ def _decode_grouped_idot_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_safe = rn % N
     n_ok = rn < N
-    if SORTED:
+    if DENSE:  # one weight matrix (expert 0); program g takes rows 2g, 2g + 1 (PAIRS) or g
+        start = g * (2 if PAIRS else 1)
+        n_rows = tl.minimum(R - start, 2 if PAIRS else 1)
+        expert = 0
+        mine = n_ok  # (unused)
+        pos = rn
+    elif SORTED:
         start = tl.load(offs_ptr + g)
         n_rows = tl.load(offs_ptr + g + 1) - start
         expert = g
@@ -327,16 +337,20 @@ def _decode_grouped_idot_kernel(
             swg = tl.load(sw_ptr + wrow)
         else:
             swg = tl.full((BLOCK_N,), tl.load(sw_ptr + expert), tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + wrow).to(tl.float32)
+        else:
+            bias = swg  # (unused)
         singles = 0
         if PAIRS:  # rows two at a time (the weights read once per pair), then the odd one alone
             for c0 in range(0, n_rows - 1, 2):
-                _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, rn, n_ok, mine, pos, start, c0,
-                          n_rows, s_xc, s_xs, s_om, KB, luts, 2, SORTED, SA_ROWS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
+                _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0,
+                          n_rows, s_xc, s_xs, s_om, KB, luts, 2, SORTED or DENSE, SA_ROWS, HAS_BIAS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
                           MASK_K, R_POW2, ASM, BITWISE_BF16)
             singles = n_rows - n_rows % 2
         for c0 in range(singles, n_rows):
-            _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, rn, n_ok, mine, pos, start, c0,
-                      n_rows, s_xc, s_xs, s_om, KB, luts, 1, SORTED, SA_ROWS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
+            _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0,
+                      n_rows, s_xc, s_xs, s_om, KB, luts, 1, SORTED or DENSE, SA_ROWS, HAS_BIAS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
                       MASK_K, R_POW2, ASM, BITWISE_BF16)
 
 
@@ -381,21 +395,28 @@ def _int64_rows(codes: torch.Tensor) -> torch.Tensor:
 
 
 def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts: int, out,
-                               expert_ids=None, offsets=None, cfg: dict | None = None, asm: bool | None = None) -> None:
-    """Run the kernel (rows by ``offsets`` when given, else by ``expert_ids``) into ``out`` ``[R, N]``."""
+                               expert_ids=None, offsets=None, cfg: dict | None = None, asm: bool | None = None,
+                               dense: bool = False, bias=None) -> None:
+    """Run the kernel (rows by ``offsets`` when given, else by ``expert_ids``; ``dense``: every row
+    times the one weight matrix, ``experts == 1``, optional fp32-added ``bias [N]``) into ``out``."""
     r, k = a_codes.shape[0], a_codes.shape[1] * 2
     n = out.shape[1]
     cfg = idot_config(k) if cfg is None else cfg
-    sorted_rows = offsets is not None
-    grid = (experts if sorted_rows else min(r, experts), triton.cdiv(n, cfg["BLOCK_N"]))
+    sorted_rows = offsets is not None or dense
+    if dense:
+        grid = (triton.cdiv(r, 2 if cfg["PAIRS"] else 1), triton.cdiv(n, cfg["BLOCK_N"]))
+        offsets = expert_ids = out  # (unused)
+    else:
+        grid = (experts if sorted_rows else min(r, experts), triton.cdiv(n, cfg["BLOCK_N"]))
     xc = _int64_rows(a_codes)
     wc = _int64_rows(w_codes)
     dummy = out if sorted_rows else expert_ids
     _decode_grouped_idot_kernel[grid](
         xc, a_scales, wc, w_scales, expert_ids if expert_ids is not None else offsets,
         offsets if sorted_rows else dummy, out, a_scale, w_scale, idot_tables(a_codes.device),
+        bias if bias is not None else w_scale,
         r, n, k // 16, experts, xc.stride(0), a_scales.stride(0), wc.stride(0), w_scales.stride(0), out.stride(0),
-        SORTED=sorted_rows, SA_ROWS=a_scale.numel() != 1 or r == 1,
+        SORTED=sorted_rows and not dense, DENSE=dense, HAS_BIAS=bias is not None, SA_ROWS=a_scale.numel() != 1 or r == 1,
         SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1), MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
         R_POW2=1 if sorted_rows else triton.next_power_of_2(max(r, 1)),  # (sorted: unused; one compile for any R)
@@ -444,4 +465,42 @@ def decode_grouped_idot_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w
         w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
         experts, out, None if expert_ids is None else expert_ids.to(torch.int32).reshape(-1).contiguous(),
         None if offsets is None else offsets.to(torch.int32).reshape(-1).contiguous())
+    return out
+
+
+#: The dense launch (one weight matrix, rows two at a time): fewer weight rows per program than the
+#: grouped entry, since a dense GEMM's grid is only its N tiles times the row pairs.
+GPU_IDOT_DENSE = dict(BLOCK_N=32, BLOCK_KB=16, PAIRS=True, UNROLL=2, num_warps=4)
+
+
+def decode_idot_gemm_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, bias=None,
+                             out_dtype=torch.bfloat16, cfg: dict | None = None) -> torch.Tensor:
+    """Dense decode on the integer-dot kernel: rows ``a`` (codes ``[M, K/2]``, E4M3 scales ``[M, K/16]``,
+    global ``[M]``/``[1]``) times the weight ``[N, K]`` (codes ``[N, K/2]``, scales ``[N, K/16]``,
+    global ``[1]`` or ``[N]``), plus ``bias [N]`` in fp32 -> ``[M, N]`` (the contract's epilogue).
+    Each row's bits depend only on that row (row invariant). Raises ValueError naming the operand."""
+    m, k = a_codes.shape[0], a_codes.shape[1] * 2
+    n = w_codes.shape[0]
+    if a_codes.dim() != 2 or k % 16 or tuple(a_scales.shape) != (m, k // 16):
+        raise ValueError(f"decode_idot_gemm: activation codes {tuple(a_codes.shape)} / scales {tuple(a_scales.shape)} "
+                         f"are not [M, K/2] / [M, K/16] with K % 16 == 0")
+    if w_codes.dim() != 2 or w_codes.shape[1] * 2 != k or tuple(w_scales.shape) != (n, k // 16):
+        raise ValueError(f"decode_idot_gemm: weight codes {tuple(w_codes.shape)} / scales {tuple(w_scales.shape)} are "
+                         f"not [N, {k // 2}] / [N, {k // 16}]")
+    if w_scale.numel() not in (1, n) or a_scale.numel() not in (1, m):
+        raise ValueError(f"decode_idot_gemm: {a_scale.numel()} row / {w_scale.numel()} weight global scales for "
+                         f"M={m}, N={n}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"decode_idot_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"decode_idot_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
+    if m == 0 or n == 0:
+        return out
+    if cfg is None:
+        cfg = idot_config(k, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
+    launch_decode_grouped_idot(
+        a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
+        w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(), 1, out,
+        cfg=cfg, dense=True, bias=None if bias is None else bias.float().contiguous())
     return out

@@ -113,6 +113,11 @@ def _dev(t):
     return t.to(DEVICE)
 
 
+def cpu_q(q):
+    return replace(q, codes=q.codes.cpu(), block_scales=q.block_scales.cpu(), global_decode=q.global_decode.cpu(),
+                   image=None if q.image is None else q.image.cpu())
+
+
 def _dev_q(q):
     return replace(q, codes=_dev(q.codes), block_scales=_dev(q.block_scales), global_decode=_dev(q.global_decode),
                    image=None if q.image is None else _dev(q.image))
@@ -232,3 +237,48 @@ def test_backend_default_mode_dispatches_to_it_and_can_be_switched_off(experts):
     assert_bitwise_equal(got_sorted.cpu(), got.cpu()[order], "sorted through the backend")
     off = TritonBackend(TritonOptions(idot_decode=False)).decode_grouped_gemm(_dev_q(a), _dev_q(st), _dev(ids))
     rows_within_bound(off.cpu(), a, qs, ids)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_dense_rows_within_bound_with_bias_and_row_invariant(m):
+    """Dense (one weight matrix, rows two at a time and an odd one): within the bound with bias
+    (tensor and per-row weight scales); each row's bits equal that row alone."""
+    from minite_kernels.triton.decode_grouped_idot import decode_idot_gemm_forward
+
+    qw = nvfp4.quantize_reference(heavy_tailed(N, K, seed=60), global_scale="tensor")
+    a = nvfp4.quantize_reference(randn(m, K, seed=61 + m, scale=2.0))
+    bias = randn(N, seed=62)
+
+    def dense(x, w_scale):
+        return decode_idot_gemm_forward(_dev(x.codes), _dev(x.linear_scales().view(torch.uint8)), _dev(x.global_decode),
+                                        _dev(qw.codes), _dev(qw.block_scales.view(torch.uint8)), _dev(w_scale),
+                                        _dev(bias)).cpu()
+
+    out = dense(a, qw.global_decode)
+    exact, bound = nvfp4.fp32_accumulation_bound(a, qw, bias)
+    assert_within(out, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"dense M={m}")
+    assert_bitwise_equal(dense(a, qw.global_decode.expand(N).contiguous()), out, "per-row weight scales")
+    for r in range(m):
+        assert_bitwise_equal(dense(_take_rows(a, torch.tensor([r])), qw.global_decode), out[r: r + 1], f"row {r} alone")
+
+
+@needs_kernels
+def test_backend_dense_default_mode_dispatch_by_rows(monkeypatch):
+    """``idot_dense_max_m``: default-mode GEMMs with at most that many rows take the integer-dot
+    kernel, more rows and strict mode the tensor-core decode kernel; results within the bound."""
+    from minite_kernels.triton import backend as tb
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+
+    calls = []
+    real = tb.decode_idot_gemm_forward
+    monkeypatch.setattr(tb, "decode_idot_gemm_forward", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    qw = _dev_q(nvfp4.quantize_reference(randn(N, K, seed=63), global_scale="tensor"))
+    be = TritonBackend(TritonOptions(idot_decode=True, idot_dense_max_m=4))
+    for m in (2, 6):
+        a = _dev_q(nvfp4.quantize_reference(randn(m, K, seed=64 + m)))
+        got = be.gemm(a, qw)
+        be.gemm(a, qw, batch_invariant=True)
+        exact, bound = nvfp4.fp32_accumulation_bound(cpu_q(a), cpu_q(qw), None)
+        assert_within(got.cpu(), exact, gemm_output_bound(exact, bound, torch.bfloat16), f"M={m}")
+    assert calls == [2], calls
