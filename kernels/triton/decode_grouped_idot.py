@@ -31,6 +31,10 @@ configuration, never on the other rows or their number. It is not the learner's 
 (tensor-core accumulation), so strict mode keeps :mod:`.decode_grouped_gemm`'s batch-invariant
 configuration.
 
+Reference: ``nvfp4.grouped.decode_grouped_gemm_reference`` (the dense form:
+``nvfp4.gemm_reference``); ``tests/kernels/triton/test_decode_idot.py`` holds every row within the
+reference's ``fp32_accumulation_bound`` and runs the PTX on a CPU interpreter of its instructions.
+
 Rows: given group offsets (``SORTED``: rows already in expert-major order, expert ``g``'s rows
 at ``offsets[g]:offsets[g+1]``; the fused decode step's routing gives them) the grid is
 ``(E, N tiles)`` and a program reads two offsets; otherwise ``(min(R, E) expert slots, N tiles)``
@@ -40,7 +44,10 @@ over the whole K (weights re-read from L2 for the next chunk). No host sync: CUD
 
 Inputs: ``a_codes`` uint8 ``[R, K/2]``, ``a_scales`` uint8 (E4M3 bits) ``[R, K/16]`` linear,
 ``a_scale`` fp32 ``[R]``/``[1]``; ``w_codes`` uint8 ``[E*N, K/2]``, ``w_scales`` ``[E*N, K/16]``,
-``w_scale`` fp32 ``[E]`` or ``[E*N]``; ``expert_ids`` int32 ``[R]`` or ``offsets`` int32 ``[E+1]``.
+``w_scale`` fp32 ``[E]`` or ``[E*N]``; ``expert_ids`` int32 ``[R]`` or ``offsets`` int32 ``[E+1]``. The dense form
+(:func:`decode_idot_gemm_forward`, ``DENSE``: one weight matrix, a program per row pair, fp32 bias)
+is the same kernel; on the H200 it beats the tensor-core decode kernel only at one or two rows
+(BENCHMARKS.md run 11), so the backend takes it only below ``TritonOptions.idot_dense_max_m`` (0).
 """
 
 from __future__ import annotations
