@@ -3,7 +3,7 @@
 One op per module, each a ``torch.library`` custom op (namespace ``minite::``) equal to its
 reference in :mod:`minite_megatron.nvfp4`: :mod:`.quantize`, :mod:`.amax`, :mod:`.image`,
 :mod:`.gemm`, :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`, :mod:`.decode_gemm`,
-:mod:`.decode_grouped_gemm`. The backend
+:mod:`.decode_grouped_gemm`, :mod:`.decode_grouped_idot`. The backend
 object the dispatcher loads is :data:`.backend.BACKEND`.
 """
 

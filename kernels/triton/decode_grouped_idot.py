@@ -59,6 +59,7 @@ import triton.language as tl
 from ._nvfp4_math import e4m3_value, interpreting, round_to
 from .decode_grouped_gemm import _chunk_rows, _slot_expert
 from .gemm import OUT_DTYPES
+from ..custom_op import custom_op
 
 # $0, $1: int8 magnitudes (2 * |e2m1|) of nibbles 0-3 / 4-7 of the code word $4 where the code is
 # positive, else 0; $2, $3: the same where the code is negative. $5, $6: IDOT_TABLES. A selector
@@ -463,16 +464,41 @@ def decode_grouped_idot_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w
         raise ValueError(f"decode_grouped_idot: offsets must be [E + 1] = [{experts + 1}], got {offsets.numel()}")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"decode_grouped_idot: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    rows = (expert_ids if offsets is None else offsets).to(torch.int32).reshape(-1).contiguous()
+    return decode_grouped_idot_op(
+        a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
+        w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
+        rows, experts, offsets is not None, out_dtype)
+
+
+@custom_op("minite::decode_grouped_idot", mutates_args=())
+def decode_grouped_idot_op(
+    a_codes: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_scale: torch.Tensor,
+    rows: torch.Tensor,
+    experts: int,
+    sorted_rows: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows times their experts' weights -> ``[R, N]``; ``rows``: the expert ids, or with
+    ``sorted_rows`` the group offsets ``[E + 1]`` (see :func:`decode_grouped_idot_forward`)."""
+    r = a_codes.shape[0]
     n = w_codes.shape[0] // experts
     out = torch.empty(r, n, dtype=out_dtype, device=a_codes.device)
     if r == 0 or n == 0:
         return out
-    launch_decode_grouped_idot(
-        a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
-        w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
-        experts, out, None if expert_ids is None else expert_ids.to(torch.int32).reshape(-1).contiguous(),
-        None if offsets is None else offsets.to(torch.int32).reshape(-1).contiguous())
+    launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts, out,
+                               expert_ids=None if sorted_rows else rows, offsets=rows if sorted_rows else None)
     return out
+
+
+@decode_grouped_idot_op.register_fake
+def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, rows, experts, sorted_rows, out_dtype):
+    return a_codes.new_empty((a_codes.shape[0], w_codes.shape[0] // experts), dtype=out_dtype)
 
 
 #: The dense launch (one weight matrix, rows two at a time): fewer weight rows per program than the
@@ -501,13 +527,42 @@ def decode_idot_gemm_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w_sc
         raise ValueError(f"decode_idot_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"decode_idot_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if cfg is not None:  # a benchmark's launch entry: straight to the kernel
+        out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
+        if m and n:
+            launch_decode_grouped_idot(a_codes.contiguous(), a_scales.contiguous().view(torch.uint8),
+                                       a_scale.float().reshape(-1).contiguous(), w_codes.contiguous(),
+                                       w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
+                                       1, out, cfg=cfg, dense=True, bias=None if bias is None else bias.float().contiguous())
+        return out
+    return decode_idot_gemm_op(a_codes.contiguous(), a_scales.contiguous().view(torch.uint8),
+                               a_scale.float().reshape(-1).contiguous(), w_codes.contiguous(),
+                               w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
+                               None if bias is None else bias.float().contiguous(), out_dtype)
+
+
+@custom_op("minite::decode_idot_gemm", mutates_args=())
+def decode_idot_gemm_op(
+    a_codes: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dense rows times one weight matrix -> ``[M, N]`` (see :func:`decode_idot_gemm_forward`)."""
+    m, n = a_codes.shape[0], w_codes.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
     if m == 0 or n == 0:
         return out
-    if cfg is None:
-        cfg = idot_config(k, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
-    launch_decode_grouped_idot(
-        a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
-        w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(), 1, out,
-        cfg=cfg, dense=True, bias=None if bias is None else bias.float().contiguous())
+    cfg = idot_config(a_codes.shape[1] * 2, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
+    launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, 1, out, cfg=cfg, dense=True,
+                               bias=bias)
     return out
+
+
+@decode_idot_gemm_op.register_fake
+def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, bias, out_dtype):
+    return a_codes.new_empty((a_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
