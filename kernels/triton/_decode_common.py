@@ -244,3 +244,20 @@ def rolled_group(nchunk: int, group: int) -> int:
     while nchunk % g:
         g -= 1
     return 0 if g == nchunk else g
+
+
+def check_expert_weights(name: str, k: int, w_codes, w_scales, w_scale, experts: int, a_scale, rows: int,
+                         out_dtype, out_dtypes) -> None:
+    """The decode GEMMs' shared operand checks (ValueError / TypeError naming the operand): weight
+    codes ``[E*N, K/2]``, scales ``[E*N, K/16]``, ``[E]`` or ``[E*N]`` global scales, ``[1]`` or
+    ``[rows]`` row scales, an output dtype of ``out_dtypes``."""
+    if experts <= 0 or w_codes.dim() != 2 or w_codes.shape[0] % experts or w_codes.shape[1] * 2 != k:
+        raise ValueError(f"{name}: weight codes {tuple(w_codes.shape)} are not [E*N, K/2] for E={experts}, K={k}")
+    if tuple(w_scales.shape) != (w_codes.shape[0], k // 16):
+        raise ValueError(f"{name}: weight scales {tuple(w_scales.shape)} are not {(w_codes.shape[0], k // 16)}")
+    if w_scale.numel() not in (experts, w_codes.shape[0]):
+        raise ValueError(f"{name}: {w_scale.numel()} weight global scales for {experts} experts")
+    if a_scale.numel() not in (1, rows):
+        raise ValueError(f"{name}: {a_scale.numel()} row global scales for {rows} rows")
+    if out_dtype not in out_dtypes:
+        raise TypeError(f"{name}: out_dtype must be one of {out_dtypes}, got {out_dtype}")

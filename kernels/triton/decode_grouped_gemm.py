@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group
+from ._decode_common import check_expert_weights, decode_k_loop, dequant_tables, load_tables, rolled_group
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
@@ -263,18 +263,8 @@ def decode_grouped_gemm_forward(a_img, w_codes, w_scales, w_scale, expert_ids, a
     r, k = a_img.shape
     if k % 16:
         raise ValueError(f"decode_grouped_gemm: K must be a multiple of 16, got {k}")
-    if experts <= 0 or w_codes.dim() != 2 or w_codes.shape[0] % experts or w_codes.shape[1] * 2 != k:
-        raise ValueError(f"decode_grouped_gemm: weight codes {tuple(w_codes.shape)} are not [E*N, K/2] for "
-                         f"E={experts}, K={k}")
-    if tuple(w_scales.shape) != (w_codes.shape[0], k // 16):
-        raise ValueError(f"decode_grouped_gemm: weight scales {tuple(w_scales.shape)} are not "
-                         f"{(w_codes.shape[0], k // 16)}")
-    if w_scale.numel() not in (experts, w_codes.shape[0]):
-        raise ValueError(f"decode_grouped_gemm: {w_scale.numel()} weight global scales for {experts} experts")
-    if a_scale.numel() not in (1, r):
-        raise ValueError(f"decode_grouped_gemm: {a_scale.numel()} row global scales for {r} rows")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    check_expert_weights("decode_grouped_gemm", k, w_codes, w_scales, w_scale, experts, a_scale, r, out_dtype,
+                         OUT_DTYPES)
     return decode_grouped_gemm_op(a_img, w_codes.contiguous(), w_scales.contiguous().view(torch.uint8),
                                   w_scale.float().reshape(-1), expert_ids.to(torch.int32).reshape(-1),
                                   a_scale.float().reshape(-1), experts, out_dtype, batch_invariant)

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._decode_common import check_expert_weights
 from ._nvfp4_math import e4m3_value, interpreting, round_to
 from .decode_grouped_gemm import _chunk_rows, _slot_expert
 from .gemm import OUT_DTYPES
@@ -450,54 +451,51 @@ def decode_grouped_idot_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w
         raise ValueError(f"decode_grouped_idot: K must be a multiple of 16, got {k}")
     if tuple(a_scales.shape) != (r, k // 16):
         raise ValueError(f"decode_grouped_idot: activation scales {tuple(a_scales.shape)} are not {(r, k // 16)}")
-    if experts <= 0 or w_codes.dim() != 2 or w_codes.shape[0] % experts or w_codes.shape[1] * 2 != k:
-        raise ValueError(f"decode_grouped_idot: weight codes {tuple(w_codes.shape)} are not [E*N, K/2] for "
-                         f"E={experts}, K={k}")
-    if tuple(w_scales.shape) != (w_codes.shape[0], k // 16):
-        raise ValueError(f"decode_grouped_idot: weight scales {tuple(w_scales.shape)} are not "
-                         f"{(w_codes.shape[0], k // 16)}")
-    if w_scale.numel() not in (experts, w_codes.shape[0]):
-        raise ValueError(f"decode_grouped_idot: {w_scale.numel()} weight global scales for {experts} experts")
-    if a_scale.numel() not in (1, r):
-        raise ValueError(f"decode_grouped_idot: {a_scale.numel()} row global scales for {r} rows")
+    check_expert_weights("decode_grouped_idot", k, w_codes, w_scales, w_scale, experts, a_scale, r, out_dtype,
+                         OUT_DTYPES)
     if offsets is not None and offsets.numel() != experts + 1:
         raise ValueError(f"decode_grouped_idot: offsets must be [E + 1] = [{experts + 1}], got {offsets.numel()}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"decode_grouped_idot: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     rows = (expert_ids if offsets is None else offsets).to(torch.int32).reshape(-1).contiguous()
-    return decode_grouped_idot_op(
+    return decode_idot_op(
         a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
         w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
-        rows, experts, offsets is not None, out_dtype)
+        rows, None, experts, "ids" if offsets is None else "offsets", out_dtype)
 
 
-@custom_op("minite::decode_grouped_idot", mutates_args=())
-def decode_grouped_idot_op(
+@custom_op("minite::decode_idot", mutates_args=())
+def decode_idot_op(
     a_codes: torch.Tensor,
     a_scales: torch.Tensor,
     a_scale: torch.Tensor,
     w_codes: torch.Tensor,
     w_scales: torch.Tensor,
     w_scale: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
+    bias: torch.Tensor | None,
     experts: int,
-    sorted_rows: bool,
+    mode: str,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Rows times their experts' weights -> ``[R, N]``; ``rows``: the expert ids, or with
-    ``sorted_rows`` the group offsets ``[E + 1]`` (see :func:`decode_grouped_idot_forward`)."""
+    """The kernel as one op: ``mode`` ``"ids"`` (``rows``: the expert ids), ``"offsets"``
+    (``rows``: the sorted rows' group offsets ``[E + 1]``) or ``"dense"`` (one weight matrix,
+    ``bias`` optional) -> ``[R, N]`` (see :func:`decode_grouped_idot_forward`,
+    :func:`decode_idot_gemm_forward`)."""
     r = a_codes.shape[0]
     n = w_codes.shape[0] // experts
     out = torch.empty(r, n, dtype=out_dtype, device=a_codes.device)
     if r == 0 or n == 0:
         return out
+    cfg = None
+    if mode == "dense":
+        cfg = idot_config(a_codes.shape[1] * 2, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
     launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts, out,
-                               expert_ids=None if sorted_rows else rows, offsets=rows if sorted_rows else None)
+                               expert_ids=rows if mode == "ids" else None, offsets=rows if mode == "offsets" else None,
+                               cfg=cfg, dense=mode == "dense", bias=bias)
     return out
 
 
-@decode_grouped_idot_op.register_fake
-def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, rows, experts, sorted_rows, out_dtype):
+@decode_idot_op.register_fake
+def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, rows, bias, experts, mode, out_dtype):
     return a_codes.new_empty((a_codes.shape[0], w_codes.shape[0] // experts), dtype=out_dtype)
 
 
@@ -507,7 +505,7 @@ GPU_IDOT_DENSE = dict(BLOCK_N=32, BLOCK_KB=16, PAIRS=True, UNROLL=2, num_warps=4
 
 
 def decode_idot_gemm_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, bias=None,
-                             out_dtype=torch.bfloat16, cfg: dict | None = None) -> torch.Tensor:
+                             out_dtype=torch.bfloat16) -> torch.Tensor:
     """Dense decode on the integer-dot kernel: rows ``a`` (codes ``[M, K/2]``, E4M3 scales ``[M, K/16]``,
     global ``[M]``/``[1]``) times the weight ``[N, K]`` (codes ``[N, K/2]``, scales ``[N, K/16]``,
     global ``[1]`` or ``[N]``), plus ``bias [N]`` in fp32 -> ``[M, N]`` (the contract's epilogue).
@@ -517,52 +515,10 @@ def decode_idot_gemm_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w_sc
     if a_codes.dim() != 2 or k % 16 or tuple(a_scales.shape) != (m, k // 16):
         raise ValueError(f"decode_idot_gemm: activation codes {tuple(a_codes.shape)} / scales {tuple(a_scales.shape)} "
                          f"are not [M, K/2] / [M, K/16] with K % 16 == 0")
-    if w_codes.dim() != 2 or w_codes.shape[1] * 2 != k or tuple(w_scales.shape) != (n, k // 16):
-        raise ValueError(f"decode_idot_gemm: weight codes {tuple(w_codes.shape)} / scales {tuple(w_scales.shape)} are "
-                         f"not [N, {k // 2}] / [N, {k // 16}]")
-    if w_scale.numel() not in (1, n) or a_scale.numel() not in (1, m):
-        raise ValueError(f"decode_idot_gemm: {a_scale.numel()} row / {w_scale.numel()} weight global scales for "
-                         f"M={m}, N={n}")
+    check_expert_weights("decode_idot_gemm", k, w_codes, w_scales, w_scale, 1, a_scale, m, out_dtype, OUT_DTYPES)
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"decode_idot_gemm: bias must have shape ({n},), got {tuple(bias.shape)}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"decode_idot_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if cfg is not None:  # a benchmark's launch entry: straight to the kernel
-        out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
-        if m and n:
-            launch_decode_grouped_idot(a_codes.contiguous(), a_scales.contiguous().view(torch.uint8),
-                                       a_scale.float().reshape(-1).contiguous(), w_codes.contiguous(),
-                                       w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
-                                       1, out, cfg=cfg, dense=True, bias=None if bias is None else bias.float().contiguous())
-        return out
-    return decode_idot_gemm_op(a_codes.contiguous(), a_scales.contiguous().view(torch.uint8),
-                               a_scale.float().reshape(-1).contiguous(), w_codes.contiguous(),
-                               w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
-                               None if bias is None else bias.float().contiguous(), out_dtype)
-
-
-@custom_op("minite::decode_idot_gemm", mutates_args=())
-def decode_idot_gemm_op(
-    a_codes: torch.Tensor,
-    a_scales: torch.Tensor,
-    a_scale: torch.Tensor,
-    w_codes: torch.Tensor,
-    w_scales: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Dense rows times one weight matrix -> ``[M, N]`` (see :func:`decode_idot_gemm_forward`)."""
-    m, n = a_codes.shape[0], w_codes.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a_codes.device)
-    if m == 0 or n == 0:
-        return out
-    cfg = idot_config(a_codes.shape[1] * 2, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
-    launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, 1, out, cfg=cfg, dense=True,
-                               bias=bias)
-    return out
-
-
-@decode_idot_gemm_op.register_fake
-def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, bias, out_dtype):
-    return a_codes.new_empty((a_codes.shape[0], w_codes.shape[0]), dtype=out_dtype)
+    return decode_idot_op(a_codes.contiguous(), a_scales.contiguous().view(torch.uint8),
+                          a_scale.float().reshape(-1).contiguous(), w_codes.contiguous(),
+                          w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(), None,
+                          None if bias is None else bias.float().contiguous(), 1, "dense", out_dtype)

@@ -45,32 +45,31 @@ def _split(asm, word):
 
 
 # ---- the PTX, interpreted ---------------------------------------------------------------------
+def _every_code_in_every_nibble(seed):
+    """(nibbles, 32-bit word) for each code 0..15 at each of the 8 nibbles, the others random."""
+    rng = random.Random(seed)
+    for pos in range(8):
+        for code in range(16):
+            nibbles = [rng.randrange(16) for _ in range(8)]
+            nibbles[pos] = code
+            yield nibbles, sum(c << (4 * j) for j, c in enumerate(nibbles))
+
+
 def test_weight_split_gives_the_magnitudes_of_positive_and_negative_codes():
     """Every code in every nibble of the word: P bytes = 2|e2m1| where the code is positive (0
     where negative), N bytes the other way round; nibble j of the word is element j."""
-    rng = random.Random(0)
-    for pos in range(8):
-        for code in range(16):
-            nibbles = [rng.randrange(16) for _ in range(8)]
-            nibbles[pos] = code
-            word = sum(c << (4 * j) for j, c in enumerate(nibbles))
-            p_lo, p_hi, n_lo, n_hi = _split(_W_ASM, word)
-            p, n = _bytes(p_lo) + _bytes(p_hi), _bytes(n_lo) + _bytes(n_hi)
-            for j, c in enumerate(nibbles):
-                v = TWICE[c]
-                assert (p[j], n[j]) == ((v, 0) if v > 0 else (0, -v)), (pos, code, j, c, p[j], n[j])
+    for nibbles, word in _every_code_in_every_nibble(0):
+        p_lo, p_hi, n_lo, n_hi = _split(_W_ASM, word)
+        p, n = _bytes(p_lo) + _bytes(p_hi), _bytes(n_lo) + _bytes(n_hi)
+        want = [(TWICE[c], 0) if TWICE[c] > 0 else (0, -TWICE[c]) for c in nibbles]
+        assert list(zip(p, n)) == want, (nibbles, p, n)
 
 
 def test_activation_split_gives_signed_values_and_their_negation():
-    rng = random.Random(1)
-    for pos in range(8):
-        for code in range(16):
-            nibbles = [rng.randrange(16) for _ in range(8)]
-            nibbles[pos] = code
-            word = sum(c << (4 * j) for j, c in enumerate(nibbles))
-            x_lo, x_hi, y_lo, y_hi = _split(_X_ASM, word)
-            x, y = _signed(x_lo) + _signed(x_hi), _signed(y_lo) + _signed(y_hi)
-            assert x == [TWICE[c] for c in nibbles] and y == [-TWICE[c] for c in nibbles], (nibbles, x, y)
+    for nibbles, word in _every_code_in_every_nibble(1):
+        x_lo, x_hi, y_lo, y_hi = _split(_X_ASM, word)
+        x, y = _signed(x_lo) + _signed(x_hi), _signed(y_lo) + _signed(y_hi)
+        assert x == [TWICE[c] for c in nibbles] and y == [-TWICE[c] for c in nibbles], (nibbles, x, y)
 
 
 def test_block_dot_is_the_exact_integer_dot_product_of_the_block():
