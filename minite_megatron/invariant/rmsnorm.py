@@ -57,8 +57,21 @@ class _RMSNorm(RMSNormFunction):
         return y
 
 
+#: Widest row the one-pass backward kernel takes (``minite_kernels.triton.bi_rmsnorm_backward.MAX_H``).
+_KERNEL_MAX_H = 4096
+
+
 def rms_norm_backward(gy, x2d, weight, eps: float, zero_centered_gamma: bool, weight_grad: bool = True):
-    """The ordinary RMSNorm gradients (fp32 math): ``(dx in x2d.dtype, dweight or None)``."""
+    """The ordinary RMSNorm gradients (fp32 math): ``(dx in x2d.dtype, dweight or None)``. Where the
+    Triton kernels run (:func:`.backend.resolve`), one pass (``bi_rmsnorm_backward``: the same
+    formulas, sums in another fixed order); else :func:`rms_norm_backward_torch`."""
+    if _backend.resolve(x2d.device) == "triton" and x2d.shape[-1] <= _KERNEL_MAX_H:
+        return _backend.kernel("bi_rmsnorm_backward")(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
+    return rms_norm_backward_torch(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
+
+
+def rms_norm_backward_torch(gy, x2d, weight, eps: float, zero_centered_gamma: bool, weight_grad: bool = True):
+    """The torch formulation of :func:`rms_norm_backward` (any device; ~12 fp32 passes over x)."""
     xf = x2d.to(torch.float32)
     g = gy.to(torch.float32)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
