@@ -39,3 +39,17 @@ def pytest_collection_modifyitems(config, items):
 def seed_all():
     torch.manual_seed(1234)
     return 1234
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_moe_aux_loss_scale_reset():
+    """Megatron keeps the MoE aux-loss scale in a class attribute (``MoEAuxLossAutoScaler``): a
+    backward outside its schedule makes it a 0-d tensor, and a later module's schedule then copies
+    a ``[1]`` scale into it and fails (``output with shape [] doesn't match the broadcast shape
+    [1]``). Each test module starts without it, as a fresh process does."""
+    yield
+    try:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    except Exception:  # megatron-core not installed: nothing to reset
+        return
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

@@ -64,7 +64,7 @@ def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split
         "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, MASK_K=False, EVEN_N=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
+              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, GROUP=0)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=1,
                        divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
 
