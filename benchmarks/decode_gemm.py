@@ -293,8 +293,7 @@ def graph_replay_check() -> dict:
 #: strict grouped decode configurations checked bitwise against the learner (and timed in the
 #: grouped sweep): the unrolled whole-K chain and the rolled one (``GROUP``), which must agree
 STRICT_GROUPED_VARIANTS = {"strict unrolled": dict(td.GPU_STRICT_DECODE, PAD_ROWS=False),
-                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE),
-                           "strict rolled 32 rows": dict(tg.GPU_STRICT_GROUPED_DECODE, BLOCK_N=32)}
+                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE)}
 
 
 def sec_check_grouped(res):

@@ -5,8 +5,8 @@
     python -m benchmarks.decode_profile --preset tiny --batch 2  # CPU: the code path (no CUDA records)
 
 For each engine (``bf16``: Megatron's local spec with SDPA decode and ``torch._grouped_mm``
-experts; ``nvfp4``: the default recipe (the engine's default decode GEMMs); ``nvfp4_split``: the same
-with ``RolloutEngine(invariant_gemm=False)``; ``strict``) the same prompts are generated twice under
+experts; ``nvfp4``: the default recipe (the engine's default decode GEMMs); ``nvfp4_invariant``: the same
+with ``RolloutEngine(invariant_gemm=True)``, strict's decode kernels; ``strict``) the same prompts are generated twice under
 torch.profiler, with ``--short`` and ``--long`` new tokens; every CUDA kernel record (those inside
 the CUDA-graph replays included, CUPTI) is summed by kernel name, and the difference of the two
 runs divided by the extra steps is the per-decode-step cost: the prefill, sampling set-up and the
@@ -58,7 +58,7 @@ def profile_engine(name, model, preset, args) -> dict:
     from minite_megatron.rollout.engine import RolloutEngine
 
     max_seq = args.prompt_max + args.long
-    kw = {} if name != "nvfp4_split" else dict(invariant_gemm=False)
+    kw = dict(invariant_gemm=True) if name == "nvfp4_invariant" else {}
     engine = RolloutEngine(model, eod_id=0, max_batch_size=args.batch, max_sequence_length=max_seq,
                            attention="sdpa" if name == "bf16" else "module", **kw)
     prompts = prompts_for(args.batch, args.prompt_min, args.prompt_max, preset["vocab"])
@@ -98,13 +98,6 @@ def main(argv=None):
     ap.add_argument("--grouped-config", default=None, metavar="BN,BK,WARPS,DEPTH,MAX_CHUNKS",
                     help="the grouped decode kernel's default launch entry (decode_grouped_gemm.GPU_GROUPED_DECODE) "
                          "for this run, e.g. a benchmarks/decode_gemm.py grouped_sweep winner")
-    ap.add_argument("--rolled-strict", action="store_true",
-                    help="the strict grouped decode with its K loop rolled (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
-                         "for this run, before ROLLED_STRICT_VERIFIED records a GPU check (the default-mode engine runs "
-                         "the strict configuration too)")
-    ap.add_argument("--idot", action="store_true",
-                    help="default-mode MoE decode GEMMs on the integer-dot kernel (decode_grouped_idot) for this run, "
-                         "before IDOT_GPU_VERIFIED records a GPU check (engines with split decode GEMMs: nvfp4_split)")
     ap.add_argument("--rolled-dense-strict", action="store_true",
                     help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
                          "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
@@ -121,12 +114,7 @@ def main(argv=None):
         except ValueError:
             ap.error(f"--grouped-config: five integers BN,BK,WARPS,DEPTH,MAX_CHUNKS, got {args.grouped_config!r}")
         tg.GPU_GROUPED_DECODE = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=depth, MAX_CHUNKS=most)
-    if args.rolled_strict:
-        tg.ROLLED_STRICT_VERIFIED = True
     from minite_kernels.triton import decode_grouped_idot as ti
-
-    if args.idot:
-        ti.IDOT_GPU_VERIFIED = True
     from minite_kernels.triton import decode_gemm as td
 
     if args.rolled_dense_strict:

@@ -480,9 +480,6 @@ def main(argv=None):
     ap.add_argument("--idot-dense-max-m", type=int, default=0,
                     help="default-mode dense decode GEMMs with at most this many rows on the integer-dot kernel "
                          "(TritonOptions.idot_dense_max_m) for this run")
-    ap.add_argument("--strict-grouped-block-n", type=int, default=0,
-                    help="weight rows per program of the strict grouped decode (decode_grouped_gemm.GPU_STRICT_GROUPED_DECODE) "
-                         "for this run (the bits do not depend on it; benchmarks/decode_gemm.py check_grouped checks them)")
     ap.add_argument("--rolled-dense-strict", action="store_true",
                     help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
                          "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
@@ -498,10 +495,6 @@ def main(argv=None):
         from minite_megatron.nvfp4 import register_backend
 
         register_backend(TritonBackend(TritonOptions(idot_dense_max_m=args.idot_dense_max_m)))
-    if args.strict_grouped_block_n:
-        from minite_kernels.triton import decode_grouped_gemm as tg
-
-        tg.GPU_STRICT_GROUPED_DECODE = dict(tg.GPU_STRICT_GROUPED_DECODE, BLOCK_N=args.strict_grouped_block_n)
     args._t0 = time.perf_counter()
     args._count_jobs = []
 

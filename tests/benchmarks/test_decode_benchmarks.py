@@ -20,12 +20,12 @@ def test_decode_profile_records_engines_and_the_grouped_entry(tmp_path):
     from benchmarks import decode_profile
     from minite_kernels.triton import decode_grouped_gemm as tg
 
-    before, verified = dict(tg.GPU_GROUPED_DECODE), tg.ROLLED_STRICT_VERIFIED
+    before = dict(tg.GPU_GROUPED_DECODE)
     try:
         res = decode_profile.main(["--preset", "tiny", "--batch", "2", "--short", "1", "--long", "3",
-                                   "--json-dir", str(tmp_path), "--grouped-config", "32,128,4,4,16", "--rolled-strict"])
+                                   "--json-dir", str(tmp_path), "--grouped-config", "32,128,4,4,16"])
     finally:
-        tg.GPU_GROUPED_DECODE, tg.ROLLED_STRICT_VERIFIED = before, verified
+        tg.GPU_GROUPED_DECODE = before
     assert res["strict_grouped_entry"] == tg.GPU_STRICT_GROUPED_DECODE
     assert [e["engine"] for e in res["engines"]] == ["nvfp4", "bf16"]
     assert res["grouped_decode_entry"] == dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
