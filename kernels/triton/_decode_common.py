@@ -84,14 +84,19 @@ DEQUANT_TABLES = (0x25212000, 0x45414440, 0xBF3F8000, 0x0000C040, 0x80808080)
 _TABLES: dict = {}
 
 
+def device_words(words: tuple, device) -> torch.Tensor:
+    """The 32-bit lookup words ``words`` (unsigned) as an int32 tensor on ``device`` (cached per
+    table and device: the decode kernels read their asm tables from it)."""
+    t = _TABLES.get((words, device))
+    if t is None:
+        t = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in words], dtype=torch.int32, device=device)
+        _TABLES[(words, device)] = t
+    return t
+
+
 def dequant_tables(device) -> torch.Tensor:
     """int32 ``[5]`` on ``device``: :data:`DEQUANT_TABLES` (cached)."""
-    t = _TABLES.get(device)
-    if t is None:
-        t = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in DEQUANT_TABLES], dtype=torch.int32,
-                         device=device)
-        _TABLES[device] = t
-    return t
+    return device_words(DEQUANT_TABLES, device)
 
 
 @triton.jit

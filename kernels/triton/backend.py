@@ -243,8 +243,7 @@ class TritonBackend(Backend):
         o = self.options
         if (not batch_invariant and 0 < a.rows <= o.idot_dense_max_m and bm.layout == "linear"
                 and self.idot_decode_ok(a.device)):
-            a2 = a.matrix() if a.global_scale != "row" else a
-            out = decode_idot_gemm_forward(a2.codes.reshape(a.rows, a.k // 2), a2.linear_scales().view(torch.uint8),
+            out = decode_idot_gemm_forward(a.codes.reshape(a.rows, a.k // 2), a.linear_scales().view(torch.uint8),
                                            a_scale, bm.codes, bm.block_scales.view(torch.uint8), b_scale, bias, out_dtype)
         elif (0 < a.rows <= o.decode_max_m and self.decode_ok(a.device) and (o.decode_max_n is None or n <= o.decode_max_n)
                 and bm.layout == "linear" and (not batch_invariant or self.strict_decode_ok(a.k, a.device))):

@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import check_expert_weights
-from ._nvfp4_math import e4m3_value, interpreting, round_to
+from ._decode_common import check_expert_weights, device_words
+from ._nvfp4_math import e2m1_value, e4m3_value, interpreting, round_to
 from .decode_grouped_gemm import _chunk_rows, _slot_expert
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
@@ -123,25 +123,6 @@ dp4a.s32.s32 $0, $8, $16, s;
 #: The lookup table of the asm (bytes 0..7 = 2 * e2m1 magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6).
 IDOT_TABLES = (0x03020100, 0x0C080604)
 
-_TABLES: dict = {}
-
-
-def idot_tables(device) -> torch.Tensor:
-    """int32 ``[2]`` on ``device``: :data:`IDOT_TABLES` (cached)."""
-    t = _TABLES.get(device)
-    if t is None:
-        t = torch.tensor(IDOT_TABLES, dtype=torch.int32, device=device)
-        _TABLES[device] = t
-    return t
-
-
-@triton.jit
-def _twice_e2m1(code):
-    """int32 codes 0..15 -> 2 * e2m1 (signed int32; the interpreter's path)."""
-    mag = code & 7
-    v = tl.where(mag < 4, mag, tl.where(mag < 6, 2 * mag - 4, tl.where(mag == 6, 8, 12)))
-    return tl.where(code >= 8, -v, v)
-
 
 @triton.jit
 def _words(v):
@@ -181,9 +162,9 @@ def _block_dots(wv, xv, luts, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, ASM
              z + b0[None, :], z + b1[None, :], z + b2[None, :], z + b3[None, :]],
             dtype=tl.int32, is_pure=True, pack=1)
     else:
-        sh = 4 * tl.arange(0, 16)
-        wn = _twice_e2m1(((wv[:, :, None] >> sh[None, None, :]) & 15).to(tl.int32))
-        xn = _twice_e2m1(((xv[:, None] >> sh[None, :]) & 15).to(tl.int32))
+        sh = 4 * tl.arange(0, 16)  # twice the E2M1 values are integers: exact in fp32 and int32
+        wn = (2 * e2m1_value(((wv[:, :, None] >> sh[None, None, :]) & 15).to(tl.int32))).to(tl.int32)
+        xn = (2 * e2m1_value(((xv[:, None] >> sh[None, :]) & 15).to(tl.int32))).to(tl.int32)
         return tl.sum(wn * xn[None, :, :], axis=2)
 
 
@@ -414,15 +395,14 @@ def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_
     sorted_rows = offsets is not None or dense
     if dense:
         grid = (triton.cdiv(r, 2 if cfg["PAIRS"] else 1), triton.cdiv(n, cfg["BLOCK_N"]))
-        offsets = expert_ids = out  # (unused)
     else:
         grid = (experts if sorted_rows else min(r, experts), triton.cdiv(n, cfg["BLOCK_N"]))
+    # the kernel reads ids (unsorted) or offsets (sorted), never both, nothing in dense mode
+    rows = expert_ids if expert_ids is not None else offsets if offsets is not None else out
     xc = _int64_rows(a_codes)
     wc = _int64_rows(w_codes)
-    dummy = out if sorted_rows else expert_ids
     _decode_grouped_idot_kernel[grid](
-        xc, a_scales, wc, w_scales, expert_ids if expert_ids is not None else offsets,
-        offsets if sorted_rows else dummy, out, a_scale, w_scale, idot_tables(a_codes.device),
+        xc, a_scales, wc, w_scales, rows, rows, out, a_scale, w_scale, device_words(IDOT_TABLES, a_codes.device),
         bias if bias is not None else w_scale,
         r, n, k // 16, experts, xc.stride(0), a_scales.stride(0), wc.stride(0), w_scales.stride(0), out.stride(0),
         SORTED=sorted_rows and not dense, DENSE=dense, HAS_BIAS=bias is not None, SA_ROWS=a_scale.numel() != 1 or r == 1,
