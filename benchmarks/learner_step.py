@@ -242,13 +242,15 @@ def _category(name: str) -> str:
     return "other"
 
 
-def profile(run, model, data, steps: int, refresh: str, path: str | None, top: int) -> dict:
-    """Top kernels by GPU time over ``steps`` steps (torch.profiler), and GPU time by category."""
+def profile(run, model, data, steps: int, refresh: str, path: str | None, top: int, trace: bool = False) -> dict:
+    """Top kernels by GPU time over ``steps`` steps (torch.profiler), and GPU time by category;
+    ``trace``: Python stacks too, the Chrome trace written beside ``path`` (gzipped) and GPU time by
+    kernel and call site (:mod:`.kernel_sites`) in the result and in ``*_sites.txt``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, with_stack=trace) as prof:
         for _ in range(steps):
             _refresh(refresh)
             run(*data).backward()
@@ -271,8 +273,24 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
             fh.write(prof.key_averages().table(sort_by=attr, row_limit=80))
         with open(path.replace(".txt", "_cpu.txt"), "w") as fh:
             fh.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=80))
-    return {"top_kernels": rows[:top], "gpu_ms_per_step": total / 1e3 / steps,
-            "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
+    result = {"top_kernels": rows[:top], "gpu_ms_per_step": total / 1e3 / steps,
+              "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
+    if trace and path:
+        import gzip
+        import shutil
+
+        from .kernel_sites import _load, format_table, kernel_sites
+
+        raw = path.replace(".txt", "_trace.json")
+        prof.export_chrome_trace(raw)
+        sites = kernel_sites(_load(raw), depth=3, steps=steps)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+        with open(path.replace(".txt", "_sites.txt"), "w") as fh:
+            fh.write(format_table(sites, 200) + "\n")
+        result["top_sites"] = sites[:top]
+    return result
 
 
 #: ``+switch`` -> the recipe fields it sets (the weight caches' options, read where a layer builds its cache)
@@ -374,7 +392,7 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
         row.update(count_host_work(run, model, data, args.weight_refresh, cuda))
     if args.profile:
         path = os.path.join(out_dir, f"profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
-        row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top)
+        row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top, args.trace)
     del run, model, data
     gc.collect()
     return row
@@ -406,6 +424,8 @@ def _main(argv=None):
     ap.add_argument("--cached-too", action="store_true", help="nvfp4: also time steps with the weights cached")
     ap.add_argument("--profile", type=int, default=0, help="profile N steps per variant (0: no profile)")
     ap.add_argument("--top", type=int, default=12, help="kernels to list per variant")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --profile: Python stacks, the Chrome trace and GPU time by call site (benchmarks.kernel_sites)")
     ap.add_argument("--count-ops", action="store_true",
                     help="count aten ops (and on a GPU host syncs, H2D copies) of one more step per variant")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense BF16 peak for MFU")
