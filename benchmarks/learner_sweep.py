@@ -1,7 +1,7 @@
 """Launch configs of the kernels the learner step leans on, at the qwen3-moe shapes (one GPU).
 
-    python -m benchmarks.learner_sweep --out $OUT            # tile_quantize, wgrad
-    python -m benchmarks.learner_sweep --sections wgrad
+    python -m benchmarks.learner_sweep --out $OUT            # every section, 131072 routed rows
+    python -m benchmarks.learner_sweep --sections wgrad,grouped --rows 32768
 
 * ``tile_quantize``: the 16x16 weight-tile quantize of the experts' stacked weights (fc1
   ``[128 * 1536, 2048]``, fc2 ``[128 * 2048, 768]``, per-expert scales, codes and scales only, the
@@ -9,8 +9,16 @@
   generic kernel it replaced; GB/s counts the bytes read twice (amax pass + quantize) and the
   codes and scales written once.
 * ``wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
-  ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, 32768 routed rows over 128 experts (skewed),
-  fc1 and fc2, against ``torch._grouped_mm``'s BF16 wgrad on the same shapes.
+  ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, ``--rows`` routed rows over 128 experts (skewed;
+  131072 = the 16384-token step at top-8), fc1 and fc2, against ``torch._grouped_mm``'s BF16 wgrad
+  on the same shapes.
+* ``grouped``: the NVFP4 grouped fprop and dgrad GEMMs (``grouped_gemm_op`` on images; dgrad reads
+  the weight image transposed, as ``grouped_gemm_nt`` does) at each ``(BLOCK_M, BLOCK_N, BLOCK_K,
+  warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
+* ``rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
+  codes and scales) at each ``QuantizeTiles.rows``.
+* ``cols``: the wgrad operand quantize of the experts' ``dy`` (tensor scale, SR, RHT, each expert's
+  tokens padded to 16; the column kernel's gather) at each ``QuantizeTiles.cols_tile``.
 
 Times are medians of CUDA events (``triton.testing.do_bench``). One JSON line per run in
 ``benchmarks/results/learner_sweep.jsonl`` (and ``--out``).
@@ -28,7 +36,8 @@ from ._timing import bench, ensure_minite_kernels, environment, print_table, sav
 
 ensure_minite_kernels()
 
-EXPERTS, HIDDEN, FFN, ROWS = 128, 2048, 768, 32768
+EXPERTS, HIDDEN, FFN = 128, 2048, 768
+ROWS = 131072  # routed rows (--rows)
 
 
 def _skewed_sizes(g: torch.Generator) -> list[int]:
@@ -46,7 +55,7 @@ def sec_tile_quantize(res: dict) -> None:
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         nbytes = 2 * w.numel() * 2 + w.numel() // 2 + w.numel() // 16
-        for cfg in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:  # QuantizeTiles.weight_tile: (threads per row, warps)
+        for cfg in [(2, 1), (1, 1), (4, 2), (4, 4), (8, 4)]:  # QuantizeTiles.weight_tile: (threads per row, warps)
             be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(weight_tile=cfg)))
             ms = bench(lambda: be.quantize(w, global_scale="group", tile=(16, 16)))
             rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6})
@@ -76,7 +85,8 @@ def sec_wgrad(res: dict) -> None:
         ms = bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
         rows.append({"gemm": name, "config": "torch._grouped_mm bf16", "ms": ms, "TFLOPs": flops / ms / 1e9})
         base = grouped_wgrad.DEFAULT_CONFIG
-        for cfg in [base, (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]:
+        for cfg in [base, (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                    (128, 128, 32, 4, 6)]:
             try:
                 grouped_wgrad.DEFAULT_CONFIG = cfg
                 ms = bench(lambda: grouped_wgrad_op(a, b, poffs, sa, sb, EXPERTS, torch.bfloat16, False))
@@ -87,21 +97,109 @@ def sec_wgrad(res: dict) -> None:
                 grouped_wgrad.DEFAULT_CONFIG = base
         del a, b, dy, x
     res["wgrad"] = rows
-    print_table("NVFP4 grouped wgrad GEMM configs (bf16 out, 32768 routed rows, 128 experts)", rows,
+    print_table(f"NVFP4 grouped wgrad GEMM configs (bf16 out, {ROWS} routed rows, 128 experts)", rows,
                 ["gemm", "config", "ms", "TFLOPs", "error"])
+
+
+def sec_grouped(res: dict) -> None:
+    from minite_kernels.triton import grouped_gemm
+    from minite_kernels.triton.grouped_gemm import grouped_gemm_op
+
+    g = torch.Generator().manual_seed(0)
+    sizes = _skewed_sizes(g)
+    offs = torch.tensor(sizes, device="cuda").cumsum(0).int()
+    offsets = torch.nn.functional.pad(offs, (1, 0))
+    rows = []
+    for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
+        w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        sa = torch.ones(1, device="cuda")
+        sb = torch.ones(EXPERTS, device="cuda")
+        flops = 2 * ROWS * n * k
+        cases = {"fprop": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+                           lambda: grouped_gemm_op(x, w, offsets, sa, sb, None, torch.bfloat16, False, False)),
+                 "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs),
+                           lambda: grouped_gemm_op(dy, w.transpose(1, 2), offsets, sa, sb, None, torch.bfloat16, False, False))}
+        for gemm, (bf16, nvfp4) in cases.items():
+            ms = bench(bf16)
+            rows.append({"gemm": f"{name} {gemm}", "config": "torch._grouped_mm bf16", "ms": ms, "TFLOPs": flops / ms / 1e9})
+            base = grouped_gemm.DEFAULT_CONFIG
+            for cfg in [base, (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4)]:
+                try:
+                    grouped_gemm.DEFAULT_CONFIG = cfg
+                    ms = bench(nvfp4)
+                    rows.append({"gemm": f"{name} {gemm}", "config": str(cfg), "ms": ms, "TFLOPs": flops / ms / 1e9})
+                except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
+                    rows.append({"gemm": f"{name} {gemm}", "config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                finally:
+                    grouped_gemm.DEFAULT_CONFIG = base
+        del w, x, dy
+    res["grouped"] = rows
+    print_table(f"NVFP4 grouped fprop / dgrad GEMM configs (images, bf16 out, {ROWS} routed rows)", rows,
+                ["gemm", "config", "ms", "TFLOPs", "error"])
+
+
+def sec_rows(res: dict) -> None:
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+    from minite_kernels.triton.quantize_tiles import QuantizeTiles
+
+    rows = []
+    for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
+        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        nbytes = dy.numel() * 2 * 3 + dy.numel() // 2 + dy.numel() // 16  # amax + quantize reads, image, codes, scales
+        for cfg in [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 16)]:
+            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(rows=cfg)))
+            try:
+                ms = bench(lambda: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True))
+                rows.append({"operand": name, "rows_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6})
+            except Exception as e:
+                rows.append({"operand": name, "rows_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+        del dy
+    res["rows_quantize"] = rows
+    print_table(f"dgrad operand quantize of dy (tensor scale, SR, codes + scales; {ROWS} routed rows)", rows,
+                ["operand", "rows_tile", "ms", "GBps", "error"])
+
+
+def sec_cols(res: dict) -> None:
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+    from minite_kernels.triton.quantize_tiles import QuantizeTiles
+
+    g = torch.Generator().manual_seed(0)
+    sizes = _skewed_sizes(g)
+    rows = []
+    for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
+        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        nbytes = dy.numel() * 2 * 2 + dy.numel() // 2 + dy.numel() // 16  # amax pass + quantize read, codes + scales
+        for cfg in [(64, 4, 4), (32, 8, 4), (128, 4, 4), (64, 2, 2), (32, 4, 2)]:
+            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(cols_tile=cfg)))
+            try:
+                ms = bench(lambda: be.quantize_wgrad_operand(dy, sizes, global_scale="tensor", rounding="stochastic",
+                                                             seed=5, rht_seed=7))
+                rows.append({"operand": name, "cols_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6})
+            except Exception as e:
+                rows.append({"operand": name, "cols_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+        del dy
+    res["cols"] = rows
+    print_table(f"wgrad operand quantize of dy (tensor, SR, RHT, padded groups; {ROWS} routed rows)", rows,
+                ["operand", "cols_tile", "ms", "GBps", "error"])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="tile_quantize,wgrad")
+    ap.add_argument("--sections", default="tile_quantize,wgrad,grouped,rows,cols")
+    ap.add_argument("--rows", type=int, default=ROWS, help="routed rows (tokens x top-k)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.learner_sweep needs a CUDA GPU")
     res = {"bench": "learner_sweep", **environment(),
            "command": "python -m benchmarks.learner_sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
+    global ROWS
+    ROWS = res["rows"] = args.rows
     for sec in args.sections.split(","):
-        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad}[sec](res)
+        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad, "grouped": sec_grouped, "rows": sec_rows,
+         "cols": sec_cols}[sec](res)
     save(res, "learner_sweep", [args.out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")])
     return res
 
