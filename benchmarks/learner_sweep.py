@@ -186,6 +186,7 @@ def sec_cols(res: dict) -> None:
 
 
 def main(argv=None):
+    global ROWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="tile_quantize,wgrad,grouped,rows,cols")
     ap.add_argument("--rows", type=int, default=ROWS, help="routed rows (tokens x top-k)")
@@ -195,7 +196,6 @@ def main(argv=None):
         sys.exit("benchmarks.learner_sweep needs a CUDA GPU")
     res = {"bench": "learner_sweep", **environment(),
            "command": "python -m benchmarks.learner_sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
-    global ROWS
     ROWS = res["rows"] = args.rows
     for sec in args.sections.split(","):
         {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad, "grouped": sec_grouped, "rows": sec_rows,
