@@ -114,11 +114,11 @@ def sec_grouped(res: dict) -> None:
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
-        sa = torch.ones(1, device="cuda")
+        sa_rows, sa = torch.ones(ROWS, device="cuda"), torch.ones(1, device="cuda")  # per-token x, per-tensor dy
         sb = torch.ones(EXPERTS, device="cuda")
         flops = 2 * ROWS * n * k
         cases = {"fprop": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
-                           lambda: grouped_gemm_op(x, w, offsets, sa, sb, None, torch.bfloat16, False, False)),
+                           lambda: grouped_gemm_op(x, w, offsets, sa_rows, sb, None, torch.bfloat16, False, False)),
                  "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs),
                            lambda: grouped_gemm_op(dy, w.transpose(1, 2), offsets, sa, sb, None, torch.bfloat16, False, False))}
         for gemm, (bf16, nvfp4) in cases.items():
