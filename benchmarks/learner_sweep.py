@@ -47,6 +47,15 @@ def _skewed_sizes(g: torch.Generator) -> list[int]:
     return sizes.tolist()
 
 
+def _same_bits(q, ref) -> bool:
+    """Codes, block scales, global scales (and images) of two NVFP4 tensors equal bit for bit."""
+    pairs = [(q.codes, ref.codes), (q.block_scales.view(torch.uint8), ref.block_scales.view(torch.uint8)),
+             (q.global_decode.view(torch.int32), ref.global_decode.view(torch.int32))]
+    if q.image is not None and ref.image is not None:
+        pairs.append((q.image.view(torch.int16), ref.image.view(torch.int16)))
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
+
+
 def sec_tile_quantize(res: dict) -> None:
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
     from minite_kernels.triton.quantize_tiles import QuantizeTiles
@@ -55,14 +64,18 @@ def sec_tile_quantize(res: dict) -> None:
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         nbytes = 2 * w.numel() * 2 + w.numel() // 2 + w.numel() // 16
+        ref = None
         for cfg in [(2, 1), (1, 1), (4, 2), (4, 4), (8, 4)]:  # QuantizeTiles.weight_tile: (threads per row, warps)
             be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(weight_tile=cfg)))
+            q = be.quantize(w, global_scale="group", tile=(16, 16))
+            ref = ref if ref is not None else q
             ms = bench(lambda: be.quantize(w, global_scale="group", tile=(16, 16)))
-            rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6})
+            rows.append({"weights": name, "config": f"nb={cfg[0]} warps={cfg[1]}", "ms": ms, "GBps": nbytes / ms / 1e6,
+                         "same_bits": _same_bits(q, ref)})
         del w
     res["tile_quantize"] = rows
     print_table("16x16 weight-tile quantize (group scales, codes + scales, amax pass included)", rows,
-                ["weights", "config", "ms", "GBps"])
+                ["weights", "config", "ms", "GBps", "same_bits"])
 
 
 def sec_wgrad(res: dict) -> None:
@@ -148,17 +161,22 @@ def sec_rows(res: dict) -> None:
     for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
         nbytes = dy.numel() * 2 * 3 + dy.numel() // 2 + dy.numel() // 16  # amax + quantize reads, image, codes, scales
-        for cfg in [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 16)]:
+        ref = None
+        for cfg in [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 4), (16, 2, 4)]:
             be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(rows=cfg)))
             try:
-                ms = bench(lambda: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True))
-                rows.append({"operand": name, "rows_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6})
+                run = lambda: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True)
+                q = run()
+                ref = ref if ref is not None else q
+                ms = bench(run)
+                rows.append({"operand": name, "rows_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6,
+                             "same_bits": _same_bits(q, ref)})
             except Exception as e:
                 rows.append({"operand": name, "rows_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
         del dy
     res["rows_quantize"] = rows
-    print_table(f"dgrad operand quantize of dy (tensor scale, SR, codes + scales; {ROWS} routed rows)", rows,
-                ["operand", "rows_tile", "ms", "GBps", "error"])
+    print_table(f"dgrad operand quantize of dy (tensor scale, SR, codes + scales + image; {ROWS} routed rows)", rows,
+                ["operand", "rows_tile", "ms", "GBps", "same_bits", "error"])
 
 
 def sec_cols(res: dict) -> None:
@@ -171,18 +189,23 @@ def sec_cols(res: dict) -> None:
     for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
         nbytes = dy.numel() * 2 * 2 + dy.numel() // 2 + dy.numel() // 16  # amax pass + quantize read, codes + scales
+        ref = None
         for cfg in [(64, 4, 4), (32, 8, 4), (128, 4, 4), (64, 2, 2), (32, 4, 2)]:
             be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(cols_tile=cfg)))
             try:
-                ms = bench(lambda: be.quantize_wgrad_operand(dy, sizes, global_scale="tensor", rounding="stochastic",
-                                                             seed=5, rht_seed=7))
-                rows.append({"operand": name, "cols_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6})
+                run = lambda: be.quantize_wgrad_operand(dy, sizes, global_scale="tensor", rounding="stochastic",
+                                                        seed=5, rht_seed=7)
+                q = run()
+                ref = ref if ref is not None else q
+                ms = bench(run)
+                rows.append({"operand": name, "cols_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6,
+                             "same_bits": _same_bits(q, ref)})
             except Exception as e:
                 rows.append({"operand": name, "cols_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
         del dy
     res["cols"] = rows
     print_table(f"wgrad operand quantize of dy (tensor, SR, RHT, padded groups; {ROWS} routed rows)", rows,
-                ["operand", "cols_tile", "ms", "GBps", "error"])
+                ["operand", "cols_tile", "ms", "GBps", "same_bits", "error"])
 
 
 def main(argv=None):

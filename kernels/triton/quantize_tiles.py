@@ -3,6 +3,10 @@ setting gives the same bits (a tile only splits the work); the interpreter keeps
 
 from dataclasses import astuple, dataclass
 
+#: Chunks of a row the row kernel (:mod:`.quantize_rows`) can hold in registers: it unrolls ``CHUNKS``
+#: up to this many, so a larger ``rows[2]`` would skip the rest of the row (rejected below).
+MAX_CHUNKS = 4
+
 
 @dataclass(frozen=True)
 class QuantizeTiles:
@@ -17,19 +21,26 @@ class QuantizeTiles:
     single_pass_elems: int = 8192
     #: (BLOCK_T, BLOCK_H, num_warps) of the generic transposed-input kernel.
     transposed_tile: tuple[int, int, int] = (16, 128, 4)
-    #: Row kernel (:mod:`.quantize_rows`): (threads per row, num_warps, max chunks held in registers; longer
-    #: rows are read twice). H200, 2026-11-30 (benchmarks.quantize_kernels, 16384 x 2048 bf16, row scale + image):
+    #: Row kernel (:mod:`.quantize_rows`): (threads per row, num_warps, max chunks held in registers, at most
+    #: ``MAX_CHUNKS``; longer rows are read twice). H200, 2026-11-30 (benchmarks.quantize_kernels, 16384 x 2048 bf16, row scale + image):
     #: 1 warp 41.3 us (87% of copy), 2 / 4 / 8 warps 49.1 / 51.8 / 62.0 (~180 registers: small programs pack more).
     rows: tuple[int, int, int] = (32, 1, 4)
     #: 16x16 tiles: (threads per row, num_warps); BLOCK_R = 32 / threads * warps rows (a multiple of 16): the
     #: 16-row max is warp shuffles, no shared memory (checked ahead of time: test_triton_quantize_aot.py).
-    weight_tile: tuple[int, int] = (2, 1)
+    #: H200, 2026-12-01 (benchmarks.learner_sweep, the experts' stacked weights, amax pass included, ms):
+    #: fc1 [128 x 1536, 2048] / fc2 [128 x 2048, 768]: (4, 2) 0.550 / 0.289; (8, 4) 0.547 / 0.294;
+    #: (4, 4) 0.556 / 0.290; (2, 1), the default before, 1.078 / 0.488; (1, 1) 2.006 / 0.737.
+    weight_tile: tuple[int, int] = (4, 2)
     #: Column kernel (:mod:`.quantize_cols`): (BLOCK_H, BLOCK_NB, num_warps). H200, 2026-11-30 sweep
     #: (x.t() 2048 x 16384 / dy.t() 5120 x 16384 with SR + RHT, us): (64, 4, 4) 83.7 / 256;
     #: (64, 8, 8) 82.2 / 314; (32, 8, 4) 85.8 / 271; (32, 16, 4) 88.3 / 305; (128, 4, 4) 85.2 / 291.
     cols_tile: tuple[int, int, int] = (64, 4, 4)
     #: Column kernel: at most this many token-block groups per program, at least this many programs.
     cols_grid: tuple[int, int] = (8, 1024)
+
+    def __post_init__(self):
+        if not 0 <= self.rows[2] <= MAX_CHUNKS:  # the row kernel unrolls that many chunks: more would be skipped
+            raise ValueError(f"QuantizeTiles.rows: at most {MAX_CHUNKS} chunks held in registers, got {self.rows[2]}")
 
     def as_list(self) -> list[int]:
         """The fields flattened (what the ``minite::quantize`` custom op takes; :meth:`from_list`)."""
