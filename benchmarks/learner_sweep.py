@@ -16,7 +16,7 @@
   the weight image transposed, as ``grouped_gemm_nt`` does) at each ``(BLOCK_M, BLOCK_N, BLOCK_K,
   warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
 * ``rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
-  codes and scales) at each ``QuantizeTiles.rows``.
+  codes and scales) at each ``QuantizeTiles.rows_stochastic``.
 * ``cols``: the wgrad operand quantize of the experts' ``dy`` (tensor scale, SR, RHT, each expert's
   tokens padded to 16; the column kernel's gather) at each ``QuantizeTiles.cols_tile``.
 
@@ -163,7 +163,7 @@ def sec_rows(res: dict) -> None:
         nbytes = dy.numel() * 2 * 3 + dy.numel() // 2 + dy.numel() // 16  # amax + quantize reads, image, codes, scales
         ref = None
         for cfg in [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 4), (16, 2, 4)]:
-            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(rows=cfg)))
+            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(rows_stochastic=cfg)))
             try:
                 run = lambda: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True)
                 q = run()

@@ -17,7 +17,7 @@ def rows_kernel(r: int = 1 << 20, k: int = 2048, stochastic: bool = False, row_a
     """The row kernel at its GPU launch config for ``[r, k]`` bf16 input (image written)."""
     from . import quantize_rows as qr
 
-    block_nb, block_r, warps, chunks = qr.config(r, k, tile16)
+    block_nb, block_r, warps, chunks = qr.config(r, k, tile16, stochastic=stochastic)
     sig = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*u8", "sdec_ptr": "*fp32",
            "image_ptr": "*bf16", "R": "i32", "K": "i32", "stride_w": "i32", "rows_per_group": "i32", "key": "i32",
            "scale_cols_padded": "i32"}

@@ -71,17 +71,19 @@ def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bo
     )
 
 
-def config(r: int, k: int, tile16: bool = False, tiles: QuantizeTiles = DEFAULT) -> tuple[int, int, int, int]:
+def config(r: int, k: int, tile16: bool = False, tiles: QuantizeTiles = DEFAULT,
+           stochastic: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_NB, BLOCK_R, num_warps, CHUNKS): BLOCK_NB (threads per row) is the largest power
-    of two <= ``tiles.rows[0]`` dividing the row's block count, so chunks never straddle a row end;
-    CHUNKS = blocks per row / BLOCK_NB when at most ``tiles.rows[2]`` (one read), else 0
+    of two <= ``tiles.rows[0]`` (``tiles.rows_stochastic`` with SR) dividing the row's block count, so
+    chunks never straddle a row end; CHUNKS = blocks per row / BLOCK_NB when at most ``rows[2]`` (one read), else 0
     (two reads). 16x16 tiles: BLOCK_NB <= ``tiles.weight_tile[0]``, BLOCK_R a multiple of 16, CHUNKS = 0
     (one read: the amax is given)."""
     nb = k // 16
+    row_tile = tiles.rows_stochastic if stochastic else tiles.rows
     if tile16:
         cap, warps = (2, 1) if interpreting() else tiles.weight_tile
     else:
-        cap, warps = (4, 1) if interpreting() else tiles.rows[:2]
+        cap, warps = (4, 1) if interpreting() else row_tile[:2]
     block_nb = 1
     while block_nb * 2 <= cap and nb % (block_nb * 2) == 0:
         block_nb *= 2
@@ -89,7 +91,7 @@ def config(r: int, k: int, tile16: bool = False, tiles: QuantizeTiles = DEFAULT)
     if tile16:
         return block_nb, max(16, block_r), warps, 0
     chunks = nb // block_nb
-    return block_nb, block_r, warps, chunks if chunks <= min(tiles.rows[2], MAX_CHUNKS) else 0
+    return block_nb, block_r, warps, chunks if chunks <= min(row_tile[2], MAX_CHUNKS) else 0
 
 
 @triton.jit
@@ -302,7 +304,7 @@ def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, ke
            tile16: bool = False, tiles: QuantizeTiles = DEFAULT):
     """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
     r, k = x2d.shape
-    block_nb, block_r, warps, chunks = config(r, k, tile16, tiles)
+    block_nb, block_r, warps, chunks = config(r, k, tile16, tiles, stochastic)
     _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
         x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,

@@ -25,6 +25,10 @@ class QuantizeTiles:
     #: ``MAX_CHUNKS``; longer rows are read twice). H200, 2026-11-30 (benchmarks.quantize_kernels, 16384 x 2048 bf16, row scale + image):
     #: 1 warp 41.3 us (87% of copy), 2 / 4 / 8 warps 49.1 / 51.8 / 62.0 (~180 registers: small programs pack more).
     rows: tuple[int, int, int] = (32, 1, 4)
+    #: The row kernel with stochastic rounding (the gradients): H200, 2026-12-01 (benchmarks.learner_sweep,
+    #: dy [131072, 2048] / [131072, 1536], tensor scale + SR + image, ms): (16, 1, 4) 0.592 / 0.458 (K = 2048 read
+    #: twice), (32, 1, 4) 0.708 / 0.460 (the whole row in registers: the SR hashes' registers cost more than a read).
+    rows_stochastic: tuple[int, int, int] = (16, 1, 4)
     #: 16x16 tiles: (threads per row, num_warps); BLOCK_R = 32 / threads * warps rows (a multiple of 16): the
     #: 16-row max is warp shuffles, no shared memory (checked ahead of time: test_triton_quantize_aot.py).
     #: H200, 2026-12-01 (benchmarks.learner_sweep, the experts' stacked weights, amax pass included, ms):
@@ -39,8 +43,10 @@ class QuantizeTiles:
     cols_grid: tuple[int, int] = (8, 1024)
 
     def __post_init__(self):
-        if not 0 <= self.rows[2] <= MAX_CHUNKS:  # the row kernel unrolls that many chunks: more would be skipped
-            raise ValueError(f"QuantizeTiles.rows: at most {MAX_CHUNKS} chunks held in registers, got {self.rows[2]}")
+        for name in ("rows", "rows_stochastic"):  # the row kernel unrolls that many chunks: more would be skipped
+            if not 0 <= getattr(self, name)[2] <= MAX_CHUNKS:
+                raise ValueError(f"QuantizeTiles.{name}: at most {MAX_CHUNKS} chunks held in registers, "
+                                 f"got {getattr(self, name)[2]}")
 
     def as_list(self) -> list[int]:
         """The fields flattened (what the ``minite::quantize`` custom op takes; :meth:`from_list`)."""

@@ -90,7 +90,7 @@ def test_quantize_tiles_are_a_backend_option(monkeypatch):
     from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
     from minite_kernels.triton.quantize_tiles import DEFAULT, QuantizeTiles
 
-    tiles = QuantizeTiles(loop_tile=(8, 128, 4), rows=(16, 2, 2), weight_tile=(4, 2), cols_tile=(32, 8, 4),
+    tiles = QuantizeTiles(loop_tile=(8, 128, 4), rows=(16, 2, 2), rows_stochastic=(8, 1, 2), weight_tile=(4, 2), cols_tile=(32, 8, 4),
                           cols_grid=(4, 64), transposed_tile=(32, 64, 8), single_pass_k=512)
     assert QuantizeTiles.from_list(tiles.as_list()) == tiles and QuantizeTiles.from_list(DEFAULT.as_list()) == DEFAULT
     assert BACKEND.options.quantize_tiles is DEFAULT
@@ -104,6 +104,7 @@ def test_quantize_tiles_are_a_backend_option(monkeypatch):
     for mod in (quantize_rows, quantize_cols, quantize):  # the GPU configs the launchers pick from the record
         monkeypatch.setattr(mod, "interpreting", lambda: False)
     assert quantize_rows.config(64, 2048, tiles=tiles) == (16, 4, 2, 0)  # 128 blocks: 16 threads, 8 chunks > 2
+    assert quantize_rows.config(64, 2048, tiles=tiles, stochastic=True) == (8, 4, 1, 0)  # SR: its own tile
     assert quantize_rows.config(64, 2048, True, tiles) == (4, 16, 2, 0)
     assert quantize_cols._grid(128, 16384, tiles) == ((32, 4), 4, 32, 8, 4)  # 128 groups x 4: 8 per 64 programs, capped at 4
     assert quantize._config(4096, 2048, False, False, tiles) == (8, 128, 4, False)  # K > 512: the K loop
