@@ -115,10 +115,12 @@ def quantize_wgrad_operand(
     nonfinite: str = "propagate",
     quantize=quantize_reference,
     amax_fn=None,
+    with_image: bool = False,
 ) -> NVFP4Tensor:
     """``[T, H]`` token-major rows sorted by expert -> NVFP4 ``[H, T_pad]`` along tokens.
 
-    ``amax_fn(padded_t)`` may supply the global amax (e.g. max-reduced across ranks)."""
+    ``amax_fn(padded_t)`` may supply the global amax (e.g. max-reduced across ranks); ``with_image``:
+    the BF16 image too (for a GEMM that reads the operand right away)."""
     padded_t = pad_groups(t, group_sizes).t()
     return quantize(
         padded_t,
@@ -128,6 +130,7 @@ def quantize_wgrad_operand(
         rht_seed=rht_seed,
         amax=None if amax_fn is None else amax_fn(padded_t),
         nonfinite=nonfinite,
+        with_image=with_image,
     )
 
 

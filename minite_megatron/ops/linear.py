@@ -157,9 +157,10 @@ def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend) -> NV
 def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool) -> NVFP4Tensor:
     """A wgrad operand along tokens: ``dy`` (``gradient``: SR) or ``x``, both with the RHT, each
     group's tokens zero-padded to a multiple of 16 (dW unchanged). Its rows (features) are split
-    under column (dy) or row (x) parallelism."""
+    under column (dy) or row (x) parallelism. ``dy``'s comes with its BF16 image (the wgrad GEMM
+    reads it right away: no separate image pass); ``x``'s is saved for the backward as codes."""
     role = gemm_role(lctx.recipe, "wgrad", "grad" if gradient else "input")
-    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes)
+    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes, wgrad_image=gradient)
 
 
 class NVFP4LinearFunction(torch.autograd.Function):

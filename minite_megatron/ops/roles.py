@@ -101,13 +101,16 @@ def quantize_role(
     group_sizes: Sequence[int] | None = None,
     with_image: bool = True,
     fprop_weight: NVFP4Tensor | None = None,
+    wgrad_image: bool = False,
 ) -> NVFP4Tensor:
     """The NVFP4 operand of ``role`` from its source ``t`` (``[T, K]`` tokens x features, or the
     weight ``[N, K]`` / ``[G, N, K]``): the amax max-reduced over ``tp_group`` where the role's
     domain is split under ``parallel_mode``, one SR seed where it rounds stochastically, tokens
     padded per group (``group_sizes``, default one group) for the wgrad operands. dgrad's weight
     is ``fprop_weight.transpose()`` when that has 16x16 tiles. ``with_image`` does not apply to
-    the wgrad operands (their GEMM builds the image it needs)."""
+    the wgrad operands: they carry their BF16 image only with ``wgrad_image`` (an operand the wgrad
+    GEMM reads right away, written by the quantize pass itself; else the GEMM builds the image it
+    needs, e.g. from codes saved for the backward)."""
     if role.relayout_of_fprop and fprop_weight is not None and fprop_weight.tile == (16, 16):
         return fprop_weight.transpose()
     rows = parallel_mode is not None and role.rows_split == parallel_mode
@@ -119,9 +122,9 @@ def quantize_role(
         if (any(s % 16 for s in sizes) and backend.supports("quantize_wgrad_operand") is None
                 and not needs_sync(role.global_scale, tp_group, rows_sharded=rows, k_sharded=False)):
             # the backend pads each group's tokens through a gather (no padded copy); same bits
-            return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, **common)
+            return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, with_image=wgrad_image, **common)
         return quantize_wgrad_operand(
-            t, sizes, rht_seed=role.rht_seed, quantize=backend.quantize, **common,
+            t, sizes, rht_seed=role.rht_seed, quantize=backend.quantize, with_image=wgrad_image, **common,
             amax_fn=lambda tt: synced_amax(tt, role.global_scale, tp_group, rows_sharded=rows, k_sharded=False,
                                            rht_seed=role.rht_seed),
         )

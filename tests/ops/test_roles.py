@@ -42,3 +42,19 @@ def test_quantize_role_is_the_contract_per_role():
     assert quantize_role(gemm_role(r, "dgrad", "weight"), w, r, ref, fprop_weight=qw).shape == (48, 32)
     assert_nvfp4_equal(quantize_role(gemm_role(r, "wgrad", "input"), x, r, ref, group_sizes=[4, 16]),
                        nvfp4.quantize_wgrad_operand(x, [4, 16], global_scale=r.grad_scale, rht_seed=3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_wgrad_operand_carries_its_image_only_when_asked(backend):
+    # dy's wgrad operand is read by the wgrad GEMM right away: the quantize pass writes its image (no
+    # separate image pass); x's is saved for the backward as codes only (no image written)
+    r = Recipe(rht_seed=5, grad_stochastic_rounding=False)  # (SR would draw a new seed per call)
+    be = nvfp4.get_backend(backend)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(21, 48, generator=g).to(torch.bfloat16)
+    role = gemm_role(r, "wgrad", "grad")
+    with_image = quantize_role(role, dy, r, be, group_sizes=[5, 16], wgrad_image=True)
+    codes_only = quantize_role(role, dy, r, be, group_sizes=[5, 16])
+    assert codes_only.image is None and with_image.image is not None
+    assert torch.equal(with_image.image.view(torch.int16), with_image.image_fp32().to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(with_image.codes, codes_only.codes)
