@@ -1,0 +1,105 @@
+"""The backward of the batch-invariant attention without a forward recompute (issue 16).
+
+With the Triton forward (here interpreted on CPU tensors) the backward calls torch's fused
+attention backward on (q, k, v, O, LSE) -- on CPU ``aten._scaled_dot_product_flash_attention_for_cpu_backward``,
+the same call shape as the GPU's cuDNN / flash ops -- instead of recomputing the forward through SDPA.
+Pins: the gradients stay within the bound that the two forwards' bf16 rounding of O allows
+(:func:`minite_megatron.testing.attention_grad_gap_bound`) of the recompute path's; the direct path is
+really taken where it can run and not elsewhere; an op that refuses falls back to the recompute,
+with one warning. The GPU tests are in ``test_gpu_attention_backward.py``.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from minite_megatron.invariant import attention as attention_module
+from minite_megatron.invariant.attention import attention, direct_backward_op, sdpa_attention
+from minite_megatron.invariant.backend import use_backend
+from minite_megatron.testing import assert_bitwise_equal, assert_within, attention_grad_gap_bound
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, sk, d, generator=g).to(dtype)
+    go = torch.randn(b, hq, sq, d, generator=g).to(dtype)
+    return q, k, v, go
+
+
+def _grads(q, k, v, go, causal, direct, monkeypatch):
+    monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", direct)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attention(qq, kk, vv, causal=causal)
+    out.backward(go)
+    return out.detach(), (qq.grad, kk.grad, vv.grad)
+
+
+@pytest.mark.parametrize("shape,causal", [((2, 4, 2, 40, 40, 16), True), ((1, 6, 3, 1, 37, 16), True),
+                                          ((2, 2, 1, 9, 33, 8), False)])
+def test_direct_backward_within_the_rounding_of_o_of_the_recompute(shape, causal, monkeypatch):
+    """GQA; training (Sq == Sk, causal), one decode query (causal == all keys), non-causal Sq < Sk."""
+    q, k, v, go = _qkv(*shape)
+    calls = []
+    real = attention_module.fused_attention_backward
+    monkeypatch.setattr(attention_module, "fused_attention_backward", lambda op, *a: calls.append(op) or real(op, *a))
+    with use_backend("triton"):
+        out_new, new = _grads(q, k, v, go, causal, True, monkeypatch)
+        assert calls == ["flash_cpu"]
+        with torch.no_grad():
+            assert_bitwise_equal(out_new, attention(q, k, v, causal=causal))  # the LSE leaves the output bits alone
+        _, old = _grads(q, k, v, go, causal, False, monkeypatch)
+        assert calls == ["flash_cpu"]
+    scale = q.shape[-1] ** -0.5
+    out_old = sdpa_attention(*(t.clone().requires_grad_() for t in (q, k, v)), scale=scale, causal=causal)
+    _, lse = attention_module._backend.kernel("bi_attention")(q, k, v, None, scale, causal, return_lse=True)
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    lse_old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1,
+                                                                          scale=scale)[1]
+    bounds = attention_grad_gap_bound(q, k, v, go, out_new, out_old.detach(), float((lse - lse_old).abs().max()),
+                                      scale, causal, new, old)
+    for name, a, b, bound in zip(("dq", "dk", "dv"), new, old, bounds):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert_within(a, b, bound, name)
+
+
+def test_direct_path_only_where_it_can_run(monkeypatch):
+    q, k, v, _ = _qkv(1, 4, 2, 12, 12, 16)
+    assert direct_backward_op(q, k, v, None, True, "triton") == ("flash_cpu", True)
+    assert direct_backward_op(q[:, :, :1], k, v, None, True, "triton") == ("flash_cpu", False)
+    assert direct_backward_op(q, k, v, None, True, "torch") is None  # the torch formulation has no LSE
+    assert direct_backward_op(q, k, v, torch.zeros(1, 1, 12, 12, dtype=torch.bool), True, "triton") is None
+    assert direct_backward_op(q[:, :, 5:], k, v, None, True, "triton") is None  # causal, 1 < Sq < Sk
+    assert direct_backward_op(q[:, :, 5:], k, v, None, False, "triton") == ("flash_cpu", False)
+    assert direct_backward_op(q.float(), k.float(), v.float(), None, True, "triton") is None
+    assert direct_backward_op(q[..., :8], k[..., :8], v, None, True, "triton") is None  # Dv != D
+    monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", False)
+    assert direct_backward_op(q, k, v, None, True, "triton") is None
+
+
+def test_a_refused_op_falls_back_to_the_recompute_once(monkeypatch):
+    """Pins the fallback: an op raising for some shapes gives the recompute path's gradients
+    (the same code, so the same bits), one warning, and is not tried again for those shapes."""
+    q, k, v, go = _qkv(1, 2, 1, 10, 10, 16, seed=3)
+    calls = []
+
+    def refuse(op, *args):
+        calls.append(op)
+        raise RuntimeError("cuDNN Frontend error: no engine supports this\nsecond line")
+
+    monkeypatch.setattr(attention_module, "_FAILED", set())
+    with use_backend("triton"):
+        _, old = _grads(q, k, v, go, True, False, monkeypatch)
+        monkeypatch.setattr(attention_module, "fused_attention_backward", refuse)
+        with pytest.warns(UserWarning, match="flash_cpu backward refused.*recomputing"):
+            _, first = _grads(q, k, v, go, True, True, monkeypatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, second = _grads(q, k, v, go, True, True, monkeypatch)
+    assert calls == ["flash_cpu"]
+    for a, b, c in zip(first, second, old):
+        assert_bitwise_equal(a, c)
+        assert_bitwise_equal(b, c)
