@@ -25,9 +25,15 @@ key returns zeros. Visible non-finite values propagate (NaN).
 
 ``"triton"`` backend: ``minite_kernels.triton.bi_attention`` (one fixed KV-block order for
 prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
-Backward: the gradients of :func:`sdpa_attention`, the ordinary attention with the same
-visibility (only forward values must agree between engines), recomputed through torch's SDPA
-(flash attention on a GPU: O(S) memory, no ``[Sq, Sk]`` fp32 matrices).
+Backward: the gradients of ordinary attention with the same visibility (only forward values must
+agree between engines; O(S) memory, no ``[Sq, Sk]`` fp32 matrices). With the Triton forward and
+no mask (the learner: causal, ``Sq == Sk``), bf16/fp16, one head dim: torch's fused backward --
+the cuDNN or flash op that SDPA picks for these inputs -- called directly on (q, k, v, O, LSE),
+with the forward's own output and its log-sum-exp (:func:`fused_attention_backward`; issue 16:
+the recompute cost a whole cuDNN forward per layer). Elsewhere (CPU, masks, fp32, causal with
+``1 < Sq < Sk``, an op that refuses) and with :data:`DIRECT_BACKWARD` off: the gradients of
+:func:`sdpa_attention`, recomputing its forward for autograd's saved state. The two differ by
+the bf16 rounding of the two forwards' outputs (:func:`minite_megatron.testing.attention_grad_gap_bound`).
 """
 
 from __future__ import annotations
@@ -271,10 +277,11 @@ def fused_attention_backward(op: str, grad_out, q, k, v, out, lse, scale: float,
     :func:`direct_backward_op`), given the forward's output ``out`` ([B, Hq, Sq, D], q's dtype) and
     log-sum-exp ``lse`` (fp32 [B, Hq, Sq], natural log); GQA: dk, dv have k's Hkv heads.
 
-    ``grad_out`` is brought to ``out``'s strides first: cuDNN keys its cached backward graphs on the
-    q, k, v layouts only, so O and dO must have the layouts its own forward gives them (O like q)."""
-    if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype:
-        grad_out = torch.empty_like(out).copy_(grad_out)
+    The call is the one SDPA's own autograd makes: ``out`` allocated like q (``empty_like(q)``, as
+    cuDNN's forward allocates O) and ``grad_out`` as it comes -- cuDNN keys its cached backward
+    graphs on the q, k, v layouts only, so O and dO must not look different from SDPA's calls."""
+    if grad_out.dtype != out.dtype:
+        grad_out = grad_out.to(out.dtype)
     sq, sk = q.shape[2], k.shape[2]
     aten = torch.ops.aten
     if op == "cudnn":
@@ -305,7 +312,7 @@ class _Attention(torch.autograd.Function):
         ctx.direct, ctx.scale, ctx.causal = direct, scale, causal
         if direct is not None:
             out32, lse = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal, return_lse=True)
-            out = torch.empty_like(q)  # q's layout: the O layout cuDNN's own forward returns (see fused_attention_backward)
+            out = torch.empty_like(q)  # the O layout cuDNN's own forward returns (see fused_attention_backward)
             out.copy_(out32)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
