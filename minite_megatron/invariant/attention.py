@@ -227,7 +227,8 @@ def direct_backward_op(q, k, v, mask, causal: bool, which: str):
     ``op`` is ``"cudnn"`` / ``"flash"`` (the op torch's SDPA itself picks for these inputs, so the
     backward kernel is the one the recompute path ran) or ``"flash_cpu"`` (CPU tensors with the
     Triton kernel interpreted: the tests). None -- the recompute path -- where a direct op cannot run
-    or would compute something else; each condition says why.
+    or would compute something else; each condition says why. (No dropout here: the strict module
+    refuses it and the aligned one runs SDPA itself when training with dropout.)
     """
     if not DIRECT_BACKWARD:
         return None
