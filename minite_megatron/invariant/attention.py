@@ -332,6 +332,8 @@ class _Attention(torch.autograd.Function):
             op, is_causal = ctx.direct
             try:
                 dq, dk, dv = fused_attention_backward(op, grad_out, q, k, v, out, lse, ctx.scale, is_causal)
+            except torch.cuda.OutOfMemoryError:
+                raise  # not a refusal (and the recompute needs more memory)
             except RuntimeError as e:  # an op that refuses these inputs after all: say so once, then recompute
                 _FAILED.add((op, _shape_key(q, k, v)))
                 warnings.warn(f"attention backward: torch's {op} backward refused q {tuple(q.shape)}, k {tuple(k.shape)}"
