@@ -37,6 +37,15 @@ def _grads(q, k, v, go, causal, direct, monkeypatch):
     return out.detach(), (qq.grad, kk.grad, vv.grad)
 
 
+def _lse_gap(q, k, v, scale, causal):
+    """max |LSE of bi_attention - LSE of the fused forward the recompute path runs| (CPU flash)."""
+    _, lse = attention_module._backend.kernel("bi_attention")(q, k, v, None, scale, causal, return_lse=True)
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1, scale=scale)
+    return float((lse - old[1]).abs().max())
+
+
 @pytest.mark.parametrize("shape,causal", [((2, 4, 2, 40, 40, 16), True), ((1, 6, 3, 1, 37, 16), True),
                                           ((2, 2, 1, 9, 33, 8), False)])
 def test_direct_backward_within_the_rounding_of_o_of_the_recompute(shape, causal, monkeypatch):
@@ -54,12 +63,7 @@ def test_direct_backward_within_the_rounding_of_o_of_the_recompute(shape, causal
         assert calls == ["flash_cpu"]
     scale = q.shape[-1] ** -0.5
     out_old = sdpa_attention(*(t.clone().requires_grad_() for t in (q, k, v)), scale=scale, causal=causal)
-    _, lse = attention_module._backend.kernel("bi_attention")(q, k, v, None, scale, causal, return_lse=True)
-    group = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    lse_old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1,
-                                                                          scale=scale)[1]
-    bounds = attention_grad_gap_bound(q, k, v, go, out_new, out_old.detach(), float((lse - lse_old).abs().max()),
+    bounds = attention_grad_gap_bound(q, k, v, go, out_new, out_old.detach(), _lse_gap(q, k, v, scale, causal),
                                       scale, causal, new, old)
     for name, a, b, bound in zip(("dq", "dk", "dv"), new, old, bounds):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -103,3 +107,41 @@ def test_a_refused_op_falls_back_to_the_recompute_once(monkeypatch):
     for a, b, c in zip(first, second, old):
         assert_bitwise_equal(a, c)
         assert_bitwise_equal(b, c)
+
+
+def test_megatron_core_attention_takes_the_direct_path(tiny_gpt, monkeypatch):
+    """Megatron's layout ([s, b, heads, d] views) and its causal mask (dropped as redundant) reach
+    the direct backward; its gradients stay within the bound of the recompute path's."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from minite_megatron.modules.core_attention import AlignedDotProductAttention
+
+    module = AlignedDotProductAttention(tiny_gpt.tiny_config(True), 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(7)
+    s, b = 33, 2
+    q, k, v = (torch.randn(s, b, n, 16, generator=g).to(torch.bfloat16) for n in (4, 2, 2))
+    go = torch.randn(s, b, 64, generator=g).to(torch.bfloat16)
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    calls = []
+    real = attention_module.fused_attention_backward
+    monkeypatch.setattr(attention_module, "fused_attention_backward", lambda op, *a: calls.append(op) or real(op, *a))
+    grads, outs = [], []
+    with use_backend("triton"):
+        for direct in (True, False):
+            monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", direct)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = module(*leaves, mask, attn_mask_type=AttnMaskType.causal)
+            out.backward(go)
+            grads.append(tuple(t.grad.permute(1, 2, 0, 3) for t in leaves))
+            outs.append(out.detach())
+    assert calls == ["flash_cpu"]
+    assert_bitwise_equal(outs[0], outs[1])
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    dout = go.view(s, b, 4, 16).permute(1, 2, 0, 3)
+    o_new = outs[0].view(s, b, 4, 16).permute(1, 2, 0, 3)
+    o_old = sdpa_attention(qb, kb, vb, scale=0.25, causal=True)
+    with use_backend("triton"):
+        gap = _lse_gap(qb, kb, vb, 0.25, True)
+    bounds = attention_grad_gap_bound(qb, kb, vb, dout, o_new, o_old, gap, 0.25, True, grads[0], grads[1])
+    for name, a, c, bound in zip(("dq", "dk", "dv"), grads[0], grads[1], bounds):
+        assert_within(a, c, bound, name)
