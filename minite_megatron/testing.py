@@ -96,7 +96,8 @@ def gemm_output_bound(exact: torch.Tensor, accumulation_bound: torch.Tensor, out
     return accumulation_bound + 2.0**-p * (exact.abs() + accumulation_bound) + tiny
 
 
-def attention_grad_gap_bound(q, k, v, grad_out, out_a, out_b, lse_gap: float, scale: float, causal: bool, grads_a, grads_b):
+def attention_grad_gap_bound(q, k, v, grad_out, out_a, out_b, lse_gap: float, scale: float, causal: bool,
+                             grads_a, grads_b):
     """Element-wise bound on ``|grads_a - grads_b|`` (each ``(dq, dk, dv)``) when one fused attention
     backward runs at the same ``q``, ``k``, ``v``, ``grad_out`` from two forward outputs ``out_a``,
     ``out_b`` (each rounded to q's dtype) whose log-sum-exps differ by at most ``lse_gap``.

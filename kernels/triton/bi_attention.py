@@ -210,7 +210,8 @@ def _launch(q, k, v, mask, scale, causal, out, lse):
 
 
 @custom_op("minite::bi_attention", mutates_args=())
-def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     causal: bool) -> torch.Tensor:
     out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float32, device=q.device)
     _launch(q, k, v, mask, scale, causal, out, None)
     return out

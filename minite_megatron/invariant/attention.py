@@ -214,7 +214,8 @@ forward through :func:`sdpa_attention` for autograd's saved state and then its b
 here (a module-level flag, read at each forward) or start the process with
 ``MINITE_ATTENTION_BACKWARD=recompute``."""
 if os.environ.get("MINITE_ATTENTION_BACKWARD", "direct") not in ("direct", "recompute"):
-    raise ValueError(f"MINITE_ATTENTION_BACKWARD={os.environ['MINITE_ATTENTION_BACKWARD']!r}; expected 'direct' or 'recompute'")
+    raise ValueError(f"MINITE_ATTENTION_BACKWARD={os.environ['MINITE_ATTENTION_BACKWARD']!r}; "
+                     "expected 'direct' or 'recompute'")
 
 # torch.nn.attention.SDPBackend values (torch._fused_sdp_choice returns them as ints) -> direct op
 _SDPA_FLASH, _SDPA_CUDNN = 1, 3
@@ -288,7 +289,8 @@ def fused_attention_backward(op: str, grad_out, q, k, v, out, lse, scale: float,
     if op == "cudnn":
         unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, _cudnn_lse(lse), unused, unused, None, None, None, sq, sk, 0.0, is_causal, scale=scale)
+            grad_out, q, k, v, out, _cudnn_lse(lse), unused, unused, None, None, None, sq, sk, 0.0, is_causal,
+            scale=scale)
     if op == "flash":
         unused = torch.empty((), dtype=torch.int64, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(

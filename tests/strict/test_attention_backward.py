@@ -42,7 +42,8 @@ def _lse_gap(q, k, v, scale, causal):
     _, lse = attention_module._backend.kernel("bi_attention")(q, k, v, None, scale, causal, return_lse=True)
     group = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1, scale=scale)
+    old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1,
+                                                                      scale=scale)
     return float((lse - old[1]).abs().max())
 
 

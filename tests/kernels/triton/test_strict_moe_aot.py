@@ -3,7 +3,8 @@
 The interpreter tests check these kernels' logic, not that they compile for the GPU or what
 the compiler makes of them (issue 16 round 2 changed all three). Pins: the three kernels
 compile; ``bi_matmul``'s tensor-core tile and
-``bi_attention`` (the learner's variant, which also stores the log-sum-exp, and the rollout's) run on wgmma (``HGMMA``) without register spills, ``bi_attention``'s
+``bi_attention`` (the learner's variant, which also stores the log-sum-exp, and the rollout's)
+run on wgmma (``HGMMA``) without register spills, ``bi_attention``'s
 probabilities use one ``fma`` per score; the combine adds in fp32 and rounds to bf16 with
 round-to-nearest-even (``cvt.rn.bf16.f32``), nothing flushed to zero.
 """
