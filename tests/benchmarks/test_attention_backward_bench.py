@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from minite_megatron.invariant import attention as attention_module
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run (a GPU runs the real shapes)")
 def test_attention_backward_smoke_records_both_paths(tmp_path):
     from benchmarks import attention_backward
 
