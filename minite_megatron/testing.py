@@ -108,7 +108,9 @@ def attention_grad_gap_bound(q, k, v, grad_out, out_a, out_b, lse_gap: float, sc
     by ``scale sum_i P_ij dD_i q_i``, ``dv`` not at all; the LSEs scale ``P`` by ``exp(-dlse)``
     (relative ``lse_gap``); each run rounds ``P`` and ``dS`` to q's dtype before its matmuls
     (``u = 2^-p`` each, ``2u`` between the runs), accumulates in fp32 in an order that may differ
-    (atomics: ``Sk 2^-24`` relative of the magnitudes) and rounds the gradient once (one ulp apart).
+    (atomics: ``Sk 2^-24`` relative of the magnitudes) and rounds the gradient once (one ulp apart);
+    with GQA the per-query-head ``dk`` / ``dv`` may be rounded to q's dtype before the group sum
+    (flash's backward does: another ``2u`` of those magnitudes).
     ``q`` [B, Hq, Sq, D], ``k``/``v`` [B, Hkv, Sk, D] (GQA), queries = the last Sq positions.
     Returns fp64 bounds shaped like ``grads_a``; computes ``[B, Hq, Sq, Sk]`` fp64 matrices.
     """
@@ -128,8 +130,9 @@ def attention_grad_gap_bound(q, k, v, grad_out, out_a, out_b, lse_gap: float, sc
     ds = (prob * (gd @ vd.transpose(-1, -2) - (gd * oa).sum(-1, keepdim=True))).abs()
     gam = 2 * 2.0**-p + sk * 2.0**-24 + lse_gap
     bq = scale * (dd * (prob @ kd.abs()) + gam * (ds @ kd.abs()))
-    bk = scale * ((prob * dd).transpose(-1, -2) @ qd.abs() + gam * (ds.transpose(-1, -2) @ qd.abs()))
-    bv = gam * (prob.transpose(-1, -2) @ gd.abs())
+    gam_kv = gam + (2 * 2.0**-p if group > 1 else 0.0)
+    bk = scale * ((prob * dd).transpose(-1, -2) @ qd.abs() + gam_kv * (ds.transpose(-1, -2) @ qd.abs()))
+    bv = gam_kv * (prob.transpose(-1, -2) @ gd.abs())
     del prob, ds
     b, hkv = k.shape[0], k.shape[1]
     bk = bk.view(b, hkv, group, sk, d).sum(2)
