@@ -96,6 +96,54 @@ def gemm_output_bound(exact: torch.Tensor, accumulation_bound: torch.Tensor, out
     return accumulation_bound + 2.0**-p * (exact.abs() + accumulation_bound) + tiny
 
 
+def attention_grad_gap_bound(q, k, v, grad_out, out_a, out_b, lse_gap: float, scale: float, causal: bool,
+                             grads_a, grads_b):
+    """Element-wise bound on ``|grads_a - grads_b|`` (each ``(dq, dk, dv)``) when one fused attention
+    backward runs at the same ``q``, ``k``, ``v``, ``grad_out`` from two forward outputs ``out_a``,
+    ``out_b`` (each rounded to q's dtype) whose log-sum-exps differ by at most ``lse_gap``.
+
+    The backward computes ``D_i = dO_i . O_i``, ``P = exp(s - lse)``, ``dS = P (dO v^T - D)``,
+    ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dO``. So the outputs enter only through
+    ``D``: ``dD_i = dO_i . (O_a - O_b)_i`` moves ``dq_i`` by ``scale dD_i sum_j P_ij k_j`` and ``dk_j``
+    by ``scale sum_i P_ij dD_i q_i``, ``dv`` not at all; the LSEs scale ``P`` by ``exp(-dlse)``
+    (relative ``lse_gap``); each run rounds ``P`` and ``dS`` to q's dtype before its matmuls
+    (``u = 2^-p`` each, ``2u`` between the runs), accumulates in fp32 in an order that may differ
+    (atomics: ``Sk 2^-24`` relative of the magnitudes) and rounds the gradient once (one ulp apart);
+    with GQA the per-query-head ``dk`` / ``dv`` may be rounded to q's dtype before the group sum
+    (flash's backward does: another ``2u`` of those magnitudes).
+    ``q`` [B, Hq, Sq, D], ``k``/``v`` [B, Hkv, Sk, D] (GQA), queries = the last Sq positions.
+    Returns fp64 bounds shaped like ``grads_a``; computes ``[B, Hq, Sq, Sk]`` fp64 matrices.
+    """
+    p = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}[q.dtype]
+    group = q.shape[1] // k.shape[1]
+    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    qd, gd = q.double(), grad_out.double()
+    kd, vd = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    s = qd @ kd.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), float("-inf"))
+    prob = torch.softmax(s, -1)
+    del s
+    oa, ob = out_a.double(), out_b.double()
+    fp32_d = 2 * d * 2.0**-24 * (gd.abs() * torch.maximum(oa.abs(), ob.abs())).sum(-1)  # each D in fp32
+    dd = ((gd * (oa - ob)).sum(-1).abs() + fp32_d)[..., None]  # [B, Hq, Sq, 1]
+    ds = (prob * (gd @ vd.transpose(-1, -2) - (gd * oa).sum(-1, keepdim=True))).abs()
+    gam = 2 * 2.0**-p + sk * 2.0**-24 + lse_gap
+    bq = scale * (dd * (prob @ kd.abs()) + gam * (ds @ kd.abs()))
+    gam_kv = gam + (2 * 2.0**-p if group > 1 else 0.0)
+    bk = scale * ((prob * dd).transpose(-1, -2) @ qd.abs() + gam_kv * (ds.transpose(-1, -2) @ qd.abs()))
+    bv = gam_kv * (prob.transpose(-1, -2) @ gd.abs())
+    del prob, ds
+    b, hkv = k.shape[0], k.shape[1]
+    bk = bk.view(b, hkv, group, sk, d).sum(2)
+    bv = bv.view(b, hkv, group, sk, v.shape[3]).sum(2)
+    out = []
+    for bound, ga, gb in zip((bq, bk, bv), grads_a, grads_b):
+        ulp = 2.0 ** (1 - p) * torch.maximum(ga.double().abs(), gb.double().abs())
+        out.append(bound + ulp + torch.finfo(q.dtype).tiny)
+    return tuple(out)
+
+
 # ---- host cost: what a step asks of the host -----------------------------------------------------
 #: aten ops that make the host wait for a CUDA device when their operands live there (the result's
 #: size or value is read back): ``.item()`` / ``int()`` / ``bool()`` (``_local_scalar_dense``,

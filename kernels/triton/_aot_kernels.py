@@ -154,19 +154,21 @@ def _bi_matmul(config):
     return compile_for(_bi_matmul_kernel, sig, ce, divisible=("K", "sxm", "swn", "som"), num_warps=warps, num_stages=stages)
 
 
-def _bi_attention(config, head_dim=128):
-    """Strict attention (causal, bf16, the [S, B, H, D] layout Megatron passes: unit D stride)."""
+def _bi_attention(config, head_dim=128, with_lse=True):
+    """Strict attention (causal, bf16, the [S, B, H, D] layout Megatron passes: unit D stride); with
+    ``with_lse`` the learner's variant (also stores the log-sum-exp for the fused backward), else the
+    rollout engine's."""
     from .bi_attention import _bi_attention_kernel
 
     bm, bn, warps, stages = config
     ints = ("Hq", "Sq", "Sk", "D", "Dv", "GROUP", "sqb", "sqh", "sqs", "skb", "skh", "sks", "svb", "svh", "svs",
-            "smb", "smh", "sms", "smk", "sob", "soh", "sos")
+            "smb", "smh", "sms", "smk", "sob", "soh", "sos", "slb", "slh")
     sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": "*fp32", "out_ptr": "*fp32",
-           **{n: "i32" for n in ints}, "qk_scale": "fp32"}
+           "lse_ptr": "*fp32", **{n: "i32" for n in ints}, "qk_scale": "fp32"}
     sig = {n: sig[n] for n in _bi_attention_kernel.arg_names if n in sig}
-    ce = dict(sqd=1, skd=1, svd=1, sod=1, CAUSAL=True, HAS_MASK=False, CAST_FP32=False, PRECISION="tf32",
-              AS_SUM=False, BM=bm, BN=bn, BD=head_dim, BDV=head_dim)
-    div = [n for n in ints if n.startswith(("sq", "sk", "sv", "so")) or n in ("D", "Dv")]
+    ce = dict(sqd=1, skd=1, svd=1, sod=1, sls=1, CAUSAL=True, HAS_MASK=False, CAST_FP32=False, PRECISION="tf32",
+              AS_SUM=False, WITH_LSE=with_lse, BM=bm, BN=bn, BD=head_dim, BDV=head_dim)
+    div = [n for n in ints if n.startswith(("sq", "sk", "sv", "so", "sl")) or n in ("D", "Dv")]
     return compile_for(_bi_attention_kernel, sig, ce, divisible=div, num_warps=warps, num_stages=stages)
 
 
@@ -207,7 +209,8 @@ def all_kernels():
     from . import bi_attention, bi_matmul
 
     yield "bi_matmul (tensor cores)", _bi_matmul(bi_matmul.MMA_CONFIG)
-    yield "bi_attention", _bi_attention(bi_attention.GPU_CONFIG)
+    yield "bi_attention (learner: + LSE)", _bi_attention(bi_attention.GPU_CONFIG)
+    yield "bi_attention (rollout)", _bi_attention(bi_attention.GPU_CONFIG, with_lse=False)
     yield "moe combine", _moe_combine()
     yield "moe combine [T, 8, H]", _moe_combine(8)
     yield "moe combine backward", _moe_combine(gather=True)

@@ -6,7 +6,12 @@ hidden, fp32 softmax, zeros for a query with no visible key; a different fixed r
 so not bitwise equal to it).
 
 Layout: ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] (any strides);
-``mask`` None or bool broadcastable to [B, Hq, Sq, Sk]. Returns fp32 [B, Hq, Sq, Dv].
+``mask`` None or bool broadcastable to [B, Hq, Sq, Sk]. Returns fp32 [B, Hq, Sq, Dv] and, with
+``return_lse`` (the learner's forward, issue 16), the fp32 log-sum-exp [B, Hq, Sq] that torch's
+fused attention backward takes instead of recomputing the forward: ``(m + log2 l) * ln 2`` from
+the final online-softmax state, written after the output by the same program (a ``WITH_LSE``
+constexpr), so the output is the same bits with or without it -- a rollout decode step without
+the LSE still equals the learner's row.
 
 Why a query's result is the same in prefill, decode and the learner (and whatever the batch):
 - one program per (query block of ``BLOCK_M`` rows, batch x head); ``BLOCK_M``, ``BLOCK_N`` and
@@ -111,15 +116,16 @@ def _attend_block(
 
 @triton.jit
 def _bi_attention_kernel(
-    q_ptr, k_ptr, v_ptr, m_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, m_ptr, out_ptr, lse_ptr,
     Hq, Sq, Sk, D, Dv, GROUP, qk_scale,
     sqb, sqh, sqs, sqd,
     skb, skh, sks, skd,
     svb, svh, svs, svd,
     smb, smh, sms, smk,
     sob, soh, sos, sod,
+    slb, slh, sls,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr, AS_SUM: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    WITH_LSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -167,17 +173,24 @@ def _bi_attention_kernel(
     tl.store(out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * sos + offs_dv[None, :] * sod,
              out, mask=qmask[:, None] & (offs_dv < Dv)[None, :])
+    if WITH_LSE:  # after the output, from the same final state: the output's arithmetic is untouched
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("inf"))
+        tl.store(lse_ptr + b.to(tl.int64) * slb + h.to(tl.int64) * slh + offs_m.to(tl.int64) * sls, lse, mask=qmask)
 
 
-@custom_op("minite::bi_attention", mutates_args=())
-def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+def _launch(q, k, v, mask, scale, causal, out, lse):
+    """Run the kernel into ``out`` (fp32 [B, Hq, Sq, Dv]) and, if not None, ``lse`` (fp32 [B, Hq, Sq])."""
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty(b, hq, sq, dv, dtype=torch.float32, device=q.device)
-    if min(b, hq, sq, dv) == 0:
-        return out
-    if sk == 0:
-        return out.zero_()
+    if min(b, hq, sq) == 0:
+        return
+    if sk == 0:  # no key at all: zeros, and the log of an empty sum (see bi_attention)
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("inf"))
+        return
+    if dv == 0 and lse is None:
+        return
     if mask is not None:
         mask = mask.expand(b, hq, sq, sk).view(torch.uint8)
         ms = mask.stride()
@@ -187,13 +200,20 @@ def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     block_m, block_n, warps, stages = block_config()
     grid = (triton.cdiv(sq, block_m), b * hq)
     _bi_attention_kernel[grid](
-        q, k, v, mask if mask is not None else out, out,
+        q, k, v, mask if mask is not None else out, out, lse if lse is not None else out,
         hq, sq, sk, d, dv, hq // hkv, scale * LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)),
         CAUSAL=causal, HAS_MASK=mask is not None, CAST_FP32=cast, PRECISION="ieee" if cast else "tf32", AS_SUM=interpreting(),
-        BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)),
-        num_warps=warps, num_stages=stages,
+        WITH_LSE=lse is not None, BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(d)),
+        BDV=max(16, triton.next_power_of_2(dv)), num_warps=warps, num_stages=stages,
     )
+
+
+@custom_op("minite::bi_attention", mutates_args=())
+def _bi_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     causal: bool) -> torch.Tensor:
+    out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float32, device=q.device)
+    _launch(q, k, v, mask, scale, causal, out, None)
     return out
 
 
@@ -202,9 +222,30 @@ def _(q, k, v, mask, scale, causal):
     return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32)
 
 
+@custom_op("minite::bi_attention_lse", mutates_args=())
+def _bi_attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+    _launch(q, k, v, mask, scale, causal, out, lse)
+    return out, lse
+
+
+@_bi_attention_lse_op.register_fake
+def _(q, k, v, mask, scale, causal):
+    return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=torch.float32),
+            q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32))
+
+
 def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                 scale: float | None = None, causal: bool = True) -> torch.Tensor:
+                 scale: float | None = None, causal: bool = True, return_lse: bool = False):
     """Batch- and prefill/decode-invariant attention -> fp32 [B, Hq, Sq, Dv] (module docstring).
+
+    With ``return_lse`` also the fp32 log-sum-exp [B, Hq, Sq] (contiguous): the natural log of
+    ``sum_j exp(scale * q.k_j)`` over the visible keys, the softmax statistic torch's SDPA
+    backends save for their backward; ``+inf`` for a query with no visible key (as flash
+    attention stores it: a backward then recomputes probabilities ``exp(s - inf) = 0``, the
+    gradient of that query's constant zero output). The output is the same bits with or without it.
 
     Raises ValueError for mismatched shapes, ``Sq > Sk`` or ``Hq % Hkv != 0``; TypeError for a
     non-bool mask.
@@ -220,4 +261,7 @@ def bi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         raise ValueError(f"bi_attention: {sq} queries but {k.shape[2]} keys")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"bi_attention: mask must be bool (True = hidden), got {mask.dtype}")
-    return _bi_attention_op(q, k, v, mask, float(d ** -0.5 if scale is None else scale), bool(causal))
+    scale = float(d ** -0.5 if scale is None else scale)
+    if return_lse:
+        return _bi_attention_lse_op(q, k, v, mask, scale, bool(causal))
+    return _bi_attention_op(q, k, v, mask, scale, bool(causal))

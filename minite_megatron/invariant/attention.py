@@ -25,13 +25,21 @@ key returns zeros. Visible non-finite values propagate (NaN).
 
 ``"triton"`` backend: ``minite_kernels.triton.bi_attention`` (one fixed KV-block order for
 prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
-Backward: the gradients of :func:`sdpa_attention`, the ordinary attention with the same
-visibility (only forward values must agree between engines), recomputed through torch's SDPA
-(flash attention on a GPU: O(S) memory, no ``[Sq, Sk]`` fp32 matrices).
+Backward: the gradients of ordinary attention with the same visibility (only forward values must
+agree between engines; O(S) memory, no ``[Sq, Sk]`` fp32 matrices). With the Triton forward and
+no mask (the learner: causal, ``Sq == Sk``), bf16/fp16, one head dim: torch's fused backward --
+the cuDNN or flash op that SDPA picks for these inputs -- called directly on (q, k, v, O, LSE),
+with the forward's own output and its log-sum-exp (:func:`fused_attention_backward`; issue 16:
+the recompute cost a whole cuDNN forward per layer). Elsewhere (CPU, masks, fp32, causal with
+``1 < Sq < Sk``, an op that refuses) and with :data:`DIRECT_BACKWARD` off: the gradients of
+:func:`sdpa_attention`, recomputing its forward for autograd's saved state. The two differ by
+the bf16 rounding of the two forwards' outputs (:func:`minite_megatron.testing.attention_grad_gap_bound`).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 
 import torch
@@ -198,25 +206,145 @@ def sdpa_attention(
 
 
 
+DIRECT_BACKWARD = os.environ.get("MINITE_ATTENTION_BACKWARD", "direct") != "recompute"
+"""The switch for the backward of :func:`attention` (issue 16): True (default) = the fused backward
+op of torch's SDPA (cuDNN / flash) called directly with the forward's output and log-sum-exp where
+it can run (:func:`direct_backward_op`); False = the previous path everywhere, a recompute of the
+forward through :func:`sdpa_attention` for autograd's saved state and then its backward. Set it
+here (a module-level flag, read at each forward) or start the process with
+``MINITE_ATTENTION_BACKWARD=recompute``."""
+if os.environ.get("MINITE_ATTENTION_BACKWARD", "direct") not in ("direct", "recompute"):
+    raise ValueError(f"MINITE_ATTENTION_BACKWARD={os.environ['MINITE_ATTENTION_BACKWARD']!r}; "
+                     "expected 'direct' or 'recompute'")
+
+# torch.nn.attention.SDPBackend values (torch._fused_sdp_choice returns them as ints) -> direct op
+_SDPA_FLASH, _SDPA_CUDNN = 1, 3
+_FAILED: set = set()  # (op, shape key) that raised once: the recompute path from then on
+
+
+def direct_backward_op(q, k, v, mask, causal: bool, which: str):
+    """``(op, is_causal)`` for the fused backward that can take (q, k, v, O, LSE) directly, or None.
+
+    ``op`` is ``"cudnn"`` / ``"flash"`` (the op torch's SDPA itself picks for these inputs, so the
+    backward kernel is the one the recompute path ran) or ``"flash_cpu"`` (CPU tensors with the
+    Triton kernel interpreted: the tests). None -- the recompute path -- where a direct op cannot run
+    or would compute something else; each condition says why. (No dropout here: the strict module
+    refuses it and the aligned one runs SDPA itself when training with dropout.)
+    """
+    if not DIRECT_BACKWARD:
+        return None
+    if which != "triton":  # only bi_attention returns the LSE (the torch formulation is the CPU reference)
+        return None
+    if mask is not None:  # the fused backwards take an additive bias at best, not our bool visibility
+        return None
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if min(b, hq, sq, sk, d) == 0 or dv != d:  # empty calls; flash needs one head dim for q, k and v
+        return None
+    if causal and sq not in (1, sk):  # flash / cuDNN causal is the top-left diagonal: ours only when Sq == Sk
+        return None                   # (a single query is the last position: it sees every key, non-causal)
+    is_causal = causal and sq > 1
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16):
+        return None  # flash / cuDNN run bf16 / fp16 only
+    if any(t.stride(-1) != 1 for t in (q, k, v)):  # their kernels need a unit head-dim stride
+        return None
+    if q.device.type == "cpu":
+        op = "flash_cpu"
+    else:
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=hkv != hq)
+        op = {_SDPA_CUDNN: "cudnn", _SDPA_FLASH: "flash"}.get(int(choice))
+        if op is None:  # SDPA would run memory-efficient / math here (head dim, GPU): their LSE layouts differ
+            return None
+    if (op, _shape_key(q, k, v)) in _FAILED:
+        return None
+    return op, is_causal
+
+
+def _shape_key(q, k, v):
+    return tuple(q.shape), tuple(k.shape), q.dtype, q.device.type
+
+
+_CUDNN_LSE_RANK: list = []  # the rank of the LSE torch's cuDNN forward returns (its backward expects the same)
+
+
+def _cudnn_lse(lse: torch.Tensor) -> torch.Tensor:
+    if not _CUDNN_LSE_RANK:  # [B, H, Sq, 1] in torch 2.11, [B, H, Sq] in later ones: ask the op's meta kernel
+        t = torch.empty(1, 1, 2, 8, dtype=torch.bfloat16, device="meta")
+        _CUDNN_LSE_RANK.append(torch.ops.aten._scaled_dot_product_cudnn_attention(t, t, t, None, True)[1].dim())
+    return lse.unsqueeze(-1) if _CUDNN_LSE_RANK[0] == 4 else lse
+
+
+def fused_attention_backward(op: str, grad_out, q, k, v, out, lse, scale: float, is_causal: bool):
+    """``(dq, dk, dv)`` of attention at (q, k, v) from torch's fused backward ``op`` (see
+    :func:`direct_backward_op`), given the forward's output ``out`` ([B, Hq, Sq, D], q's dtype) and
+    log-sum-exp ``lse`` (fp32 [B, Hq, Sq], natural log); GQA: dk, dv have k's Hkv heads.
+
+    The call is the one SDPA's own autograd makes: ``out`` allocated like q (``empty_like(q)``, as
+    cuDNN's forward allocates O) and ``grad_out`` as it comes -- cuDNN keys its cached backward
+    graphs on the q, k, v layouts only, so O and dO must not look different from SDPA's calls."""
+    if grad_out.dtype != out.dtype:
+        grad_out = grad_out.to(out.dtype)
+    sq, sk = q.shape[2], k.shape[2]
+    aten = torch.ops.aten
+    if op == "cudnn":
+        unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed / offset: no dropout
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, _cudnn_lse(lse), unused, unused, None, None, None, sq, sk, 0.0, is_causal,
+            scale=scale)
+    if op == "flash":
+        unused = torch.empty((), dtype=torch.int64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, None, None, sq, sk, 0.0, is_causal, unused, unused, scale=scale)
+    if op == "flash_cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, is_causal,
+                                                                         scale=scale)
+    raise ValueError(f"fused_attention_backward: unknown op {op!r}")
+
+
+def _recompute_grads(grad_out, q, k, v, mask, scale, causal):
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = sdpa_attention(qq, kk, vv, scale=scale, causal=causal, mask=mask)
+        return torch.autograd.grad(out, (qq, kk, vv), grad_out.to(out.dtype))
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal, which):
+        direct = direct_backward_op(q, k, v, mask, causal, which) if any(ctx.needs_input_grad[:3]) else None
+        ctx.direct, ctx.scale, ctx.causal = direct, scale, causal
+        if direct is not None:
+            out32, lse = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal, return_lse=True)
+            out = torch.empty_like(q)  # the O layout cuDNN's own forward returns (see fused_attention_backward)
+            out.copy_(out32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         if which == "triton":
             out = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal)
         else:
             out = attention_torch(q, k, v, scale, causal, mask)
         ctx.save_for_backward(q, k, v, mask if mask is not None else torch.empty(0))
-        ctx.has_mask, ctx.scale, ctx.causal = mask is not None, scale, causal
+        ctx.has_mask = mask is not None
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.direct is not None:
+            q, k, v, out, lse = ctx.saved_tensors
+            op, is_causal = ctx.direct
+            try:
+                dq, dk, dv = fused_attention_backward(op, grad_out, q, k, v, out, lse, ctx.scale, is_causal)
+            except torch.cuda.OutOfMemoryError:
+                raise  # not a refusal (and the recompute needs more memory)
+            except RuntimeError as e:  # an op that refuses these inputs after all: say so once, then recompute
+                _FAILED.add((op, _shape_key(q, k, v)))
+                warnings.warn(f"attention backward: torch's {op} backward refused q {tuple(q.shape)}, k {tuple(k.shape)}"
+                              f" {q.dtype} ({str(e).splitlines()[0][:200]}); recomputing through SDPA for these shapes")
+                dq, dk, dv = _recompute_grads(grad_out, q, k, v, None, ctx.scale, ctx.causal)
+            return dq, dk, dv, None, None, None, None
         q, k, v, mask = ctx.saved_tensors
         mask = mask if ctx.has_mask else None
-        with torch.enable_grad():
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            out = sdpa_attention(qq, kk, vv, scale=ctx.scale, causal=ctx.causal, mask=mask)
-            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad_out.to(out.dtype))
+        dq, dk, dv = _recompute_grads(grad_out, q, k, v, mask, ctx.scale, ctx.causal)
         return dq, dk, dv, None, None, None, None
 
 

@@ -133,6 +133,54 @@ def test_bi_attention_mask_gqa_and_empty_rows():
         bi_attention(q[:, :5], k, v)
 
 
+def _exact_lse(q, k, mask=None, causal=True):
+    group = q.shape[1] // k.shape[1]
+    sq, sk = q.shape[2], k.shape[2]
+    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+    if mask is not None:
+        hidden = hidden | mask
+    return torch.logsumexp(s.masked_fill(hidden, float("-inf")), -1)
+
+
+def _lse_bound(exact, d, sk):
+    """fp32: a D-term dot product and exp2/log2 per score, an Sk-term sum: (D + Sk + 8) ulps of |lse| + 1."""
+    return (d + sk + 8) * 2.0**-24 * (1 + exact.abs())
+
+
+def test_bi_attention_lse_accurate_and_output_bits_unchanged():
+    """Pins issue 16's LSE: the natural log-sum-exp of the scaled visible scores (+inf for a query
+    with no visible key); with it the output is the same bits as without it; a decode step's LSE is
+    the bits of the prefill's row (the same final state)."""
+    from minite_kernels.triton.bi_attention import bi_attention, block_config
+
+    BLOCK_M, BLOCK_N = block_config()[:2]
+    t_len = max(BLOCK_N, BLOCK_M) + 9
+    q, k, v = _qkv(2, 4, 2, t_len, 16, seed=5)
+    out, lse = bi_attention(q, k, v, return_lse=True)
+    assert lse.shape == (2, 4, t_len) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert_bitwise_equal(out, bi_attention(q, k, v))
+    exact = _exact_lse(q, k)
+    assert bool(((lse.double() - exact).abs() <= _lse_bound(exact, 16, t_len)).all())
+    for t in (0, BLOCK_N, t_len - 1):
+        o1, l1 = bi_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], return_lse=True)
+        assert_bitwise_equal(o1, out[:, :, t : t + 1], f"decode step {t}")
+        assert_bitwise_equal(l1, lse[:, :, t : t + 1], f"decode step {t} LSE")
+    q, k, v = _qkv(1, 6, 2, 10, 8, seed=3)
+    mask = torch.zeros(1, 1, 10, 10, dtype=torch.bool, device=DEV)
+    mask[..., 3] = True
+    mask[..., 0, 0] = True
+    for causal in (True, False):
+        out, lse = bi_attention(q, k, v, mask=mask, causal=causal, return_lse=True)
+        assert_bitwise_equal(out, bi_attention(q, k, v, mask=mask, causal=causal))
+        exact = _exact_lse(q, k, mask[0, 0], causal)
+        seen = torch.isfinite(exact)
+        assert bool((lse[~seen] == float("inf")).all()) and int((~seen).sum()) == (6 if causal else 0)
+        assert bool(((lse.double() - exact).abs() <= _lse_bound(exact, 8, 10))[seen].all())
+
+
 def test_strict_ops_dispatch_to_the_triton_kernels():
     """The strict API with the triton backend forced: invariant and close to the torch one."""
     from minite_megatron.invariant.attention import attention
