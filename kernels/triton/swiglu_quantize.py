@@ -137,10 +137,12 @@ def _swiglu_quantize_kernel(
     R, F, stride_w,
     IS_FP16: tl.constexpr, WITH_IMAGE: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, WEIGHTED: tl.constexpr = False,
+    QUANTIZE: tl.constexpr = True,
 ):
     """BLOCK_R rows per program, BLOCK_NB threads (one output block each) per row and chunk;
     tiles ``[BLOCK_NB, BLOCK_R, 4]`` words as in :mod:`.quantize_rows`. ``stride_w``: h's row
-    stride in int32 words. See the module docstring."""
+    stride in int32 words. ``QUANTIZE=False``: only ``a`` is written (:mod:`.weighted_swiglu`;
+    the quantization pointers are not touched). See the module docstring."""
     pid = tl.program_id(0)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R))[None, :]  # [1, BR]
     rmask = rows < R
@@ -175,28 +177,29 @@ def _swiglu_quantize_kernel(
             aa, ab, bm = _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
                                        ACCURATE_EXP, WEIGHTED)
             m = tl.maximum(m, bm, propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
-    s_enc, s_dec = global_scales_from_amax(amax)
-    tl.store(sdec_ptr + rows, canonical_nan_f32(s_dec), mask=rmask)
-    scale_mul = s_enc * ONE_SIXTH
-    if CHUNKS > 0:
-        _quantize_chunk(aa0, ab0, bm0, rows, 0, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr,
-                        0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 1:
-            _quantize_chunk(aa1, ab1, bm1, rows, 1, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 2:
-            _quantize_chunk(aa2, ab2, bm2, rows, 2, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 3:
-            _quantize_chunk(aa3, ab3, bm3, rows, 3, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-    else:
-        tl.debug_barrier()  # a's stores are visible to the loads below (they are the same threads' anyway)
-        for c in range(0, F // (16 * BLOCK_NB)):
-            aa, ab = _load_chunk(a_row, jw, c, BLOCK_NB, rmask3)
-            _quantize_chunk(aa, ab, _chunk_block_max(aa, ab, IS_FP16), rows, c, rmask, F, scale_mul, s_dec, inner,
-                            codes_ptr, scales_ptr, image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+    if QUANTIZE:
+        amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows, canonical_nan_f32(s_dec), mask=rmask)
+        scale_mul = s_enc * ONE_SIXTH
+        if CHUNKS > 0:
+            _quantize_chunk(aa0, ab0, bm0, rows, 0, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr,
+                            0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 1:
+                _quantize_chunk(aa1, ab1, bm1, rows, 1, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 2:
+                _quantize_chunk(aa2, ab2, bm2, rows, 2, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 3:
+                _quantize_chunk(aa3, ab3, bm3, rows, 3, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+        else:
+            tl.debug_barrier()  # a's stores are visible to the loads below (they are the same threads' anyway)
+            for c in range(0, F // (16 * BLOCK_NB)):
+                aa, ab = _load_chunk(a_row, jw, c, BLOCK_NB, rmask3)
+                _quantize_chunk(aa, ab, _chunk_block_max(aa, ab, IS_FP16), rows, c, rmask, F, scale_mul, s_dec, inner,
+                                codes_ptr, scales_ptr, image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
 
 
 @custom_op("minite::swiglu_quantize", mutates_args=())
