@@ -209,8 +209,8 @@ def weighted_swiglu_backward_bounds(dy: torch.Tensor, h: torch.Tensor, probs: to
     16 bits): ``(F + 16 + 2 max|gate|) eps32 sum|dy * silu * up|`` (any summation order of F
     terms: ``(F - 1) eps32 sum|t|``, plus each term's own error)."""
     f = h.shape[1] // 2
-    g, u = (t.double() for t in torch.chunk(h.cpu(), 2, -1))
-    dyd, p = dy.cpu().double(), probs.cpu().double().unsqueeze(-1)
+    g, u = (t.double() for t in torch.chunk(h, 2, -1))  # on h's device (the GPU test's full shapes)
+    dyd, p = dy.to(h.device).double(), probs.to(h.device).double().unsqueeze(-1)
     sig = 1.0 / (1.0 + torch.exp(-g))
     silu, da = g * sig, dyd * p
     exact_dh = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * silu], -1)
@@ -228,8 +228,9 @@ def weighted_swiglu_backward_bounds(dy: torch.Tensor, h: torch.Tensor, probs: to
 def assert_weighted_swiglu_backward(dh: torch.Tensor, dp: torch.Tensor, dy, h, probs, name: str) -> None:
     """``dh`` / ``dp`` within :func:`weighted_swiglu_backward_bounds`' rule of the exact gradient
     (finite inputs), with a report of how many elements miss it and the first one."""
+    h = h.to(dh.device)
     exact_dh, exact_dp, bound_dh, bound_dp = weighted_swiglu_backward_bounds(dy, h, probs)
-    dhd, dpd = dh.cpu().double(), dp.cpu().double()
+    dhd, dpd = dh.double(), dp.double()
     tol = _half_ulp(torch.maximum(dhd.abs(), exact_dh.abs()), h.dtype) + bound_dh
     err = (dhd - exact_dh).abs()
     bad = ~(err <= tol)

@@ -9,7 +9,7 @@ backward in one kernel. Everything else is ``TEGroupedMLP.forward``: whenever a 
 path does not implement is on, it falls back to it (:meth:`MiniteGroupedMLP.why_unfused` names
 the reason). Switched off with the recipe field ``fused_moe_activation`` (``Recipe(...,
 fused_moe_activation=False)``) or, on a built model, by setting ``fuse_activation = False`` on
-the module.
+the module. Experts in fp32 (or any dtype but bf16 / fp16) run Megatron's forward too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from ..ops.moe_activation import weighted_swiglu
 from ..recipe import Recipe
 from .activation import MiniteActivation
 from .naming import names_nonfinite
+
+
+#: fc1 output dtypes the fused kernels read (fp32 experts, e.g. CPU tests, keep Megatron's autograd chain)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class MiniteGroupedMLP(TEGroupedMLP):
@@ -54,6 +58,7 @@ class MiniteGroupedMLP(TEGroupedMLP):
             (bool(c.fp8 or c.fp4), "TE fp8/fp4 padding is on"),
             (c.moe_apply_probs_on_input, "moe_apply_probs_on_input is set"),
             (bool(getattr(c, "moe_paged_stash", False)), "moe_paged_stash is set"),
+            ((c.moe_ffn_hidden_size or 0) % 16 != 0, "the per-expert FFN size is not a multiple of 16"),
         )
         return next((why for bad, why in checks if bad), None)
 
@@ -61,7 +66,8 @@ class MiniteGroupedMLP(TEGroupedMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer=None,
                 grad_input_buffer=None):
         """``TEGroupedMLP.forward`` (same arguments and result) with the fused activation."""
-        if not self.fuse_activation or output_buffer is not None or grad_input_buffer is not None:
+        if (not self.fuse_activation or output_buffer is not None or grad_input_buffer is not None
+                or permuted_local_hidden_states.dtype not in _KERNEL_DTYPES):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer,
                                    grad_input_buffer)
         # one host list for fc1 and fc2, as Megatron passes it (they share its device index tensors)

@@ -27,21 +27,21 @@ def _bf16_config(**overrides):
     return tiny_config(**{**dict(use_te_activation_func=True, params_dtype=torch.bfloat16, bf16=True), **overrides})
 
 
-def _build(recipe: Recipe, cfg=None):
+def _build(recipe: Recipe, cfg=None, device: str = "cpu"):
     from minite_megatron.specs import get_gpt_decoder_block_minite_spec
 
     from .minite_tiny import build_gpt, init_single_process
 
     init_single_process()
     cfg = cfg if cfg is not None else _bf16_config()
-    return build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe)
+    return build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe).to(device)
 
 
-def _run(recipe: Recipe):
+def _run(recipe: Recipe, device: str = "cpu"):
     """One forward + backward: (loss, {name: grad}, experts' fc2 handoffs taken)."""
     from .minite_tiny import causal_mask, lm_batch
 
-    model = _build(recipe)
+    model = _build(recipe, device=device)
     slots = {id(m.offer_to) for m in model.modules() if isinstance(m, MiniteGroupedMLP) and m.offer_to is not None}
     taken = []
     real_take = handoff.Handoff.take
@@ -52,36 +52,37 @@ def _run(recipe: Recipe):
             taken.append(q is not None)
         return q
 
-    tokens, labels = lm_batch(3)
-    pos = torch.arange(32).unsqueeze(0).expand(4, -1)
+    tokens, labels = (t.to(device) for t in lm_batch(3))
+    pos = torch.arange(32, device=device).unsqueeze(0).expand(4, -1)
     handoff.Handoff.take = spy
     try:
-        loss = model(tokens, pos, causal_mask(32), labels=labels).float().mean()
+        loss = model(tokens, pos, causal_mask(32).to(device), labels=labels).float().mean()
     finally:
         handoff.Handoff.take = real_take
     loss.backward()
     return loss.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()}, taken
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """Per precision: the fused run (backward kernel under the interpreter), Megatron's unfused
-    run, and the fused forward with the exact (fp64) activation backward."""
+def three_runs(device: str = "cpu") -> dict:
+    """Per precision: the fused run (on a CPU the backward kernel under the interpreter),
+    Megatron's unfused run, and the fused forward with the exact (fp64) activation backward."""
     out = {}
-    mp = pytest.MonkeyPatch()
-    try:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe_activation, "KERNEL_ON_CPU", True)
         for name, kw in RECIPES.items():
-            fused = _run(Recipe(**kw))
-            unfused = _run(Recipe(fused_moe_activation=False, **kw))
+            fused = _run(Recipe(**kw), device)
+            unfused = _run(Recipe(fused_moe_activation=False, **kw), device)
             with pytest.MonkeyPatch.context() as m2:
                 m2.setattr(moe_activation, "weighted_swiglu_backward",
                            lambda dy, h, p: moe_activation.weighted_swiglu_backward_reference(dy, h, p, torch.float64))
-                exact = _run(Recipe(**kw))
+                exact = _run(Recipe(**kw), device)
             out[name] = fused, unfused, exact
-    finally:
-        mp.undo()
     return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return three_runs("cpu")
 
 
 @pytest.mark.parametrize("precision", list(RECIPES))
