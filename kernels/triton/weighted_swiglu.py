@@ -207,3 +207,23 @@ def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Ten
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     return weighted_swiglu_backward_op(dy, h, probs.contiguous())
+
+
+def aot_kernels(r: int = 131072, f: int = 768, dtype: str = "bf16"):
+    """``(forward, backward)`` at their GPU launch configs for [r, 2f] ``dtype``, compiled for
+    sm_90a on this machine (needs a process without ``TRITON_INTERPRET``)."""
+    from ._aot import compile_for
+
+    block_nb, block_r, warps, chunks = config(r, f)
+    fwd_sig = {"h_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "codes_ptr": f"*{dtype}", "scales_ptr": f"*{dtype}",
+               "sdec_ptr": "*fp32", "image_ptr": f"*{dtype}", "p_ptr": "*fp32", "R": "i32", "F": "i32", "stride_w": "i32"}
+    fwd = compile_for(_swiglu_quantize_kernel, fwd_sig,
+                      dict(IS_FP16=dtype == "fp16", WITH_IMAGE=False, BITWISE_BF16=False, ACCURATE_EXP=True,
+                           BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=True, QUANTIZE=False),
+                      num_warps=warps, divisible=("F", "stride_w"), **LAUNCH)
+    bwd_sig = {"dy_ptr": "*i16", "h_ptr": "*i16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32", "R": "i32",
+               "F": "i32", "stride_dy": "i32", "stride_h": "i32", "stride_dh": "i32"}
+    bwd = compile_for(_weighted_swiglu_bwd_kernel, bwd_sig,
+                      dict(IS_FP16=dtype == "fp16", BITWISE_BF16=False, BLOCK_R=BWD_BLOCK_R, BLOCK_F=backward_block_f(f)),
+                      num_warps=BWD_WARPS, divisible=("F", "stride_dy", "stride_h", "stride_dh"))
+    return fwd, bwd
