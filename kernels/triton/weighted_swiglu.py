@@ -12,6 +12,9 @@ probabilities ``p`` [R]::
   libdevice ``expf``, the IEEE division, the RNE roundings). The BF16 twin runs it; NVFP4
   layers run :func:`~.swiglu_quantize.swiglu_quantize` with ``probs=`` (the same ``y`` plus its
   per-token NVFP4 for fc2). Under the interpreter ``exp`` is numpy's (see that module).
+  ``inline_glu=True`` adds ``0.0`` to ``up`` first, as Megatron's inline GLU
+  (``use_te_activation_func`` off) does with its ``glu_linear_offset`` (an ``up`` of -0.0
+  becomes +0.0; nothing else changes).
 * :func:`weighted_swiglu_backward` ``(dy, h, p) -> (dh [R, 2F] h.dtype, dp [R] fp32)``: the
   gradient of ``y = silu(gate) * up * p`` in fp32 from the 16-bit ``dy``, ``h`` and fp32 ``p``,
   one rounding of each ``dh`` element::
@@ -69,7 +72,7 @@ def _check(h: torch.Tensor, probs: torch.Tensor, what: str) -> None:
 
 # ---- forward: the swiglu_quantize kernel without its quantization -----------------------------
 @custom_op("minite::weighted_swiglu", mutates_args=())
-def weighted_swiglu_op(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def weighted_swiglu_op(h: torch.Tensor, probs: torch.Tensor, inline_glu: bool = False) -> torch.Tensor:
     """Kernel launch: ``h`` [R, 2F] bf16/fp16 (unit stride along the last dim, rows on 4-byte
     boundaries), ``probs`` [R] fp32 contiguous -> ``y`` [R, F] in ``h.dtype``."""
     m, f2 = h.shape
@@ -83,31 +86,32 @@ def weighted_swiglu_op(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         h, y, y, y, probs, y, probs, m, f, h.stride(0) // 2,
         IS_FP16=h.dtype == torch.float16, WITH_IMAGE=False, BITWISE_BF16=interp and h.dtype == torch.bfloat16,
         ACCURATE_EXP=not interp, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=True, QUANTIZE=False,
-        num_warps=warps,
+        UP_PLUS_ZERO=inline_glu, num_warps=warps,
         **({} if interp else LAUNCH),
     )
     return y
 
 
 @weighted_swiglu_op.register_fake
-def _(h, probs):
+def _(h, probs, inline_glu=False):
     return h.new_empty((h.shape[0], h.shape[1] // 2))
 
 
-def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, *, inline_glu: bool = False) -> torch.Tensor:
     """``round(fp32(swiglu(h)) * probs[:, None])`` [R, F] in ``h.dtype`` (module docstring).
 
     Args:
         h: ``[R, 2F]`` bf16 / fp16, F a positive multiple of 16, R >= 0 (made contiguous if its
             rows are not word aligned).
         probs: ``[R]`` fp32 on h's device.
+        inline_glu: ``up + 0.0`` first (Megatron's inline GLU: :func:`.swiglu_quantize.swiglu_quantize`).
     Raises:
         TypeError / ValueError naming ``h`` or ``probs``.
     """
     _check(h, probs, "weighted_swiglu")
     if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:
         h = h.contiguous()
-    return weighted_swiglu_op(h, probs.contiguous())
+    return weighted_swiglu_op(h, probs.contiguous(), bool(inline_glu))
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -209,7 +213,7 @@ def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Ten
     return weighted_swiglu_backward_op(dy, h, probs.contiguous())
 
 
-def aot_kernels(r: int = 131072, f: int = 768, dtype: str = "bf16"):
+def aot_kernels(r: int = 131072, f: int = 768, dtype: str = "bf16", inline_glu: bool = False):
     """``(forward, backward)`` at their GPU launch configs for [r, 2f] ``dtype``, compiled for
     sm_90a on this machine (needs a process without ``TRITON_INTERPRET``)."""
     from ._aot import compile_for
@@ -219,7 +223,8 @@ def aot_kernels(r: int = 131072, f: int = 768, dtype: str = "bf16"):
                "sdec_ptr": "*fp32", "image_ptr": f"*{dtype}", "p_ptr": "*fp32", "R": "i32", "F": "i32", "stride_w": "i32"}
     fwd = compile_for(_swiglu_quantize_kernel, fwd_sig,
                       dict(IS_FP16=dtype == "fp16", WITH_IMAGE=False, BITWISE_BF16=False, ACCURATE_EXP=True,
-                           BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=True, QUANTIZE=False),
+                           BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=True, QUANTIZE=False,
+                           UP_PLUS_ZERO=inline_glu),
                       num_warps=warps, divisible=("F", "stride_w"), **LAUNCH)
     bwd_sig = {"dy_ptr": "*i16", "h_ptr": "*i16", "p_ptr": "*fp32", "dh_ptr": "*i16", "dp_ptr": "*fp32", "R": "i32",
                "F": "i32", "stride_dy": "i32", "stride_h": "i32", "stride_dh": "i32"}

@@ -3,7 +3,9 @@
 :class:`MiniteGroupedMLP` is Megatron's ``TEGroupedMLP`` whose forward, where it applies, computes
 fc1's activation times the routing probabilities in one op
 (:func:`minite_megatron.ops.moe_activation.weighted_swiglu`: the same bits as Megatron's
-``activation_func(h)``, ``* permuted_probs``, ``.to(dtype)``; with an NVFP4 ``linear_fc2`` it
+``activation_func(h)``, ``* permuted_probs``, ``.to(dtype)`` -- the minite activation module under
+``use_te_activation_func``, else Megatron's inline GLU with its ``up + glu_linear_offset``
+(bias-activation fusion off); with an NVFP4 ``linear_fc2`` it
 also hands fc2 its per-token quantization through their ``Handoff``, ``offer_to=``) and its
 backward in one kernel. Everything else is ``TEGroupedMLP.forward``: whenever a feature the fused
 path does not implement is on, it falls back to it (:meth:`MiniteGroupedMLP.why_unfused` names
@@ -21,6 +23,12 @@ from ..ops.moe_activation import weighted_swiglu
 from ..recipe import Recipe
 from .activation import MiniteActivation
 from .naming import names_nonfinite
+
+
+def _inline_glu(x: torch.Tensor) -> torch.Tensor:
+    """``TEGroupedMLP``'s inline ``glu`` for SwiGLU without clamp or offset (``use_te_activation_func`` off)."""
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return torch.nn.functional.silu(gate) * (up + 0.0)
 
 
 #: fc1 output dtypes the fused kernels read (fp32 experts, e.g. CPU tests, keep Megatron's autograd chain)
@@ -44,9 +52,11 @@ class MiniteGroupedMLP(TEGroupedMLP):
         c = self.config
         if not self.recipe.fused_moe_activation:
             return "the recipe's fused_moe_activation is off"
-        if not c.use_te_activation_func or not isinstance(self.activation_func, MiniteActivation):
-            return "the activation is not the minite activation module (use_te_activation_func)"
+        if c.use_te_activation_func and not isinstance(self.activation_func, MiniteActivation):
+            return "the activation submodule is not the minite activation module"
         checks = (
+            (not c.use_te_activation_func and c.bias_activation_fusion,
+             "Megatron's weighted bias-SwiGLU fusion (bias_activation_fusion) computes another rounding"),
             (not c.gated_linear_unit or c.activation_func is not torch.nn.functional.silu, "the activation is not SwiGLU"),
             (c.activation_func_clamp_value is not None, "activation_func_clamp_value is set"),
             (bool(c.glu_linear_offset), "glu_linear_offset is set"),
@@ -73,6 +83,9 @@ class MiniteGroupedMLP(TEGroupedMLP):
         # one host list for fc1 and fc2, as Megatron passes it (they share its device index tensors)
         sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         fc1_output, _ = self.linear_fc1(permuted_local_hidden_states, sizes)
-        act = weighted_swiglu(fc1_output, permuted_probs, self.offer_to, self.activation_func.activation)
+        if self.config.use_te_activation_func:
+            act = weighted_swiglu(fc1_output, permuted_probs, self.offer_to, self.activation_func.activation)
+        else:  # Megatron's inline GLU: silu(gate) * (up + glu_linear_offset), the offset 0
+            act = weighted_swiglu(fc1_output, permuted_probs, self.offer_to, _inline_glu, inline_glu=True)
         output, _ = self.linear_fc2(act, sizes)
         return output, None

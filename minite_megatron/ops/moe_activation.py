@@ -1,12 +1,16 @@
 """The routed experts' activation times the routing probabilities, fused (issue 16).
 
-Megatron's ``TEGroupedMLP`` (``use_te_activation_func``) computes, between fc1 and fc2,
-``(activation_func(h) * permuted_probs).to(h.dtype)``: a SwiGLU kernel, an fp32 product, a cast
+Megatron's ``TEGroupedMLP`` computes, between fc1 and fc2, ``(activation_func(h) *
+permuted_probs).to(h.dtype)`` (the activation module under ``use_te_activation_func``, else its
+inline GLU ``silu(gate) * (up + glu_linear_offset)``): a SwiGLU kernel, an fp32 product, a cast
 (measured on the H200 at 16384 tokens of the qwen3-moe preset: ~4.9 ms of the forward, ~3 ms of
 autograd's elementwise backward), and fc2 then reads the result again to quantize it.
 :func:`weighted_swiglu` computes it in one op, with the same bits::
 
     y = round(fp32(round(round(silu(gate)) * up)) * p)        h [R, 2F] -> y [R, F], p [R]
+
+(with ``inline_glu`` ``up + 0.0`` first, the inline GLU's add of its zero offset: it turns an
+``up`` of -0.0 into +0.0 and changes nothing else)
 
 * NVFP4 ``linear_fc2`` (``slot``: their :class:`~.handoff.Handoff`): on a backend with the fused
   kernel (``backend.swiglu_quantize(..., probs=p)``: Triton) one read of ``h`` writes ``y`` and
@@ -94,20 +98,20 @@ def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Ten
     return weighted_swiglu_backward_reference(dy, h, probs)
 
 
-def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn) -> torch.Tensor:
+def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, inline_glu: bool) -> torch.Tensor:
     """y (see the module docstring), offering its quantization to ``slot``."""
     if slot is not None:
         recipe = slot.recipe
         backend = backend_for(recipe, h.device)
         if _kernel_shape(h) and recipe.activation_scale == "row" and backend.supports(
                 "swiglu_quantize", dtype=h.dtype, width=h.shape[-1], global_scale="row") is None:
-            y, q = backend.swiglu_quantize(h, with_image=True, nonfinite=recipe.nonfinite, probs=p32)
+            y, q = backend.swiglu_quantize(h, with_image=True, nonfinite=recipe.nonfinite, probs=p32, inline_glu=inline_glu)
             slot.offer(y, q, activation_key(recipe, backend))
             return y
     if h.is_cuda and _kernel_shape(h):
         from minite_kernels.triton.weighted_swiglu import weighted_swiglu as kernel
 
-        y = kernel(h, p32)
+        y = kernel(h, p32, inline_glu=inline_glu)
     else:
         y = weighted_swiglu_reference(h, p32, act_fn)
     if slot is not None:
@@ -121,10 +125,10 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
     """``y = weighted_swiglu(h, probs)`` with the fused backward; ``h`` [R, 2F], ``probs`` [R]."""
 
     @staticmethod
-    def forward(ctx, h, probs, slot, act_fn):
+    def forward(ctx, h, probs, slot, act_fn, inline_glu):
         p32 = probs.detach().float()
         with torch.no_grad():
-            y = _forward(h, p32, slot, act_fn)
+            y = _forward(h, p32, slot, act_fn, inline_glu)
         ctx.save_for_backward(h, p32)
         ctx.probs_dtype = probs.dtype
         return y
@@ -133,10 +137,11 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         h, p32 = ctx.saved_tensors
         dh, dp = weighted_swiglu_backward(dy, h, p32)
-        return dh, dp.to(ctx.probs_dtype), None, None
+        return dh, dp.to(ctx.probs_dtype), None, None, None
 
 
-def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None = None, act_fn=None) -> torch.Tensor:
+def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None = None, act_fn=None, *,
+                    inline_glu: bool = False) -> torch.Tensor:
     """The experts' ``(swiglu(h) * probs[:, None]).to(h.dtype)`` in one op (module docstring).
 
     Args:
@@ -144,6 +149,9 @@ def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None =
         probs: ``[R]`` routing probabilities (fp32 or h's dtype; differentiable).
         slot: the NVFP4 ``linear_fc2``'s :class:`~.handoff.Handoff` (None: a BF16 fc2).
         act_fn: the module's unfused SwiGLU, for the composition where no kernel runs.
+        inline_glu: the activation is Megatron's inline GLU (``use_te_activation_func`` off):
+            ``silu(gate) * (up + 0.0)``, whose add turns an ``up`` of -0.0 into +0.0; the kernels
+            then do the same (``act_fn`` must be that composition).
     Returns:
         ``[R, F]`` in ``h.dtype``, bitwise Megatron's unfused result (on the GPU: the kernel
         reproduces torch's CUDA ``silu``; on the CPU it is that composition).
@@ -152,4 +160,4 @@ def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None =
     """
     if h.dim() != 2 or h.shape[-1] % 2 or probs.shape != (h.shape[0],):
         raise ValueError(f"weighted_swiglu: h must be [R, 2F] and probs [R], got {tuple(h.shape)} and {tuple(probs.shape)}")
-    return WeightedSwiGLUFunction.apply(h, probs, slot, act_fn)
+    return WeightedSwiGLUFunction.apply(h, probs, slot, act_fn, bool(inline_glu))

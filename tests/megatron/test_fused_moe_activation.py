@@ -1,6 +1,6 @@
 """The grouped experts' fused weighted SwiGLU in a model (issue 16): a tiny bf16 MoE GPT built
 from the minite spec computes the same loss bits with the fusion as without it (BF16 twin and
-NVFP4), its NVFP4 fc2 takes the activation's quantization from the handoff, and its gradients
+NVFP4; the minite activation module and Megatron's inline GLU), its NVFP4 fc2 takes the activation's quantization from the handoff, and its gradients
 follow the 2x rule (STYLE.md, quack's): each parameter's gradient is no farther from the
 gradient with the *exact* activation backward (fp64, the same forward) than twice the distance
 of Megatron's autograd chain from it. (The fused backward rounds once where the chain rounds
@@ -18,7 +18,14 @@ from minite_megatron.modules.grouped_mlp import MiniteGroupedMLP
 from minite_megatron.ops import handoff, moe_activation
 from minite_megatron.recipe import Recipe
 
-RECIPES = {"bf16": dict(precision="bf16"), "nvfp4": {}}
+#: case -> (recipe fields, config fields): the BF16 twin and NVFP4, each with the minite activation
+#: module (``use_te_activation_func``, the launcher's) and with Megatron's inline GLU (the benchmarks')
+CASES = {
+    "bf16": (dict(precision="bf16"), {}),
+    "nvfp4": ({}, {}),
+    "bf16-inline": (dict(precision="bf16"), dict(use_te_activation_func=False)),
+    "nvfp4-inline": ({}, dict(use_te_activation_func=False)),
+}
 
 
 def _bf16_config(**overrides):
@@ -37,11 +44,12 @@ def _build(recipe: Recipe, cfg=None, device: str = "cpu"):
     return build_gpt(cfg, get_gpt_decoder_block_minite_spec(cfg, recipe), finalize_recipe=recipe).to(device)
 
 
-def _run(recipe: Recipe, device: str = "cpu"):
+def _run(recipe: Recipe, device: str = "cpu", config: dict | None = None):
     """One forward + backward: (loss, {name: grad}, experts' fc2 handoffs taken)."""
     from .minite_tiny import causal_mask, lm_batch
 
-    model = _build(recipe, device=device)
+    model = _build(recipe, _bf16_config(**(config or {})), device=device)
+    assert all(m.fuse_activation == recipe.fused_moe_activation for m in model.modules() if isinstance(m, MiniteGroupedMLP))
     slots = {id(m.offer_to) for m in model.modules() if isinstance(m, MiniteGroupedMLP) and m.offer_to is not None}
     taken = []
     real_take = handoff.Handoff.take
@@ -64,18 +72,18 @@ def _run(recipe: Recipe, device: str = "cpu"):
 
 
 def three_runs(device: str = "cpu") -> dict:
-    """Per precision: the fused run (on a CPU the backward kernel under the interpreter),
-    Megatron's unfused run, and the fused forward with the exact (fp64) activation backward."""
+    """Per case: the fused run (on a CPU the backward kernel under the interpreter), Megatron's
+    unfused run, and the fused forward with the exact (fp64) activation backward."""
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(moe_activation, "KERNEL_ON_CPU", True)
-        for name, kw in RECIPES.items():
-            fused = _run(Recipe(**kw), device)
-            unfused = _run(Recipe(fused_moe_activation=False, **kw), device)
+        for name, (kw, config) in CASES.items():
+            fused = _run(Recipe(**kw), device, config)
+            unfused = _run(Recipe(fused_moe_activation=False, **kw), device, config)
             with pytest.MonkeyPatch.context() as m2:
                 m2.setattr(moe_activation, "weighted_swiglu_backward",
                            lambda dy, h, p: moe_activation.weighted_swiglu_backward_reference(dy, h, p, torch.float64))
-                exact = _run(Recipe(**kw), device)
+                exact = _run(Recipe(**kw), device, config)
             out[name] = fused, unfused, exact
     return out
 
@@ -85,7 +93,7 @@ def runs():
     return three_runs("cpu")
 
 
-@pytest.mark.parametrize("precision", list(RECIPES))
+@pytest.mark.parametrize("precision", list(CASES))
 def test_same_loss_bits_and_the_handoff(runs, precision):
     """The fused forward is Megatron's, bit for bit (the loss; the last layer's fc2 weight
     gradients, computed before the activation's backward); in NVFP4 both MoE layers' fc2 take
@@ -96,11 +104,12 @@ def test_same_loss_bits_and_the_handoff(runs, precision):
     assert len(last_fc2) == 4
     for n in last_fc2:
         assert torch.equal(gf[n], gu[n]), n
-    assert tf == ([True, True] if precision == "nvfp4" else []), tf
-    assert tu == ([False, False] if precision == "nvfp4" else []), tu
+    nvfp4 = precision.startswith("nvfp4")
+    assert tf == ([True, True] if nvfp4 else []), tf
+    assert tu == ([False, False] if nvfp4 else []), tu
 
 
-@pytest.mark.parametrize("precision", list(RECIPES))
+@pytest.mark.parametrize("precision", list(CASES))
 def test_gradients_follow_the_2x_rule(runs, precision):
     """Every parameter: ``|g_fused - g_exact| <= 2 |g_megatron - g_exact|`` (norms), where
     g_exact has the exact activation backward and the same forward; the router's gradient
@@ -119,7 +128,7 @@ def test_gradients_follow_the_2x_rule(runs, precision):
 @pytest.mark.parametrize(
     "overrides,reason",
     [
-        (dict(use_te_activation_func=False), "not the minite activation module"),
+        (dict(use_te_activation_func=False, bias_activation_fusion=True), "bias_activation_fusion"),
         (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
         (dict(moe_mlp_glu_interleave_size=16), "moe_mlp_glu_interleave_size"),
         (dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True), "recomputed"),
@@ -129,7 +138,7 @@ def test_unsupported_configurations_fall_back_to_megatrons_forward(overrides, re
     """Each feature the fused path does not implement turns it off, with the reason; the model
     then runs Megatron's own forward (the activation module is called; not run for the
     recomputed activation: Megatron 0.19.2's ``CheckpointWithoutOutput`` needs Transformer
-    Engine, nor for Megatron's inline activation, which has no module)."""
+    Engine; with Megatron's weighted bias-SwiGLU fusion no module runs, Megatron's function does)."""
     from .minite_tiny import causal_mask, lm_batch
 
     model = _build(Recipe(), _bf16_config(**overrides))
@@ -137,13 +146,23 @@ def test_unsupported_configurations_fall_back_to_megatrons_forward(overrides, re
     assert len(experts) == 2
     for m in experts:
         assert not m.fuse_activation and reason in m.why_unfused(), m.why_unfused()
-    if overrides.get("use_te_activation_func") is False or "recompute_modules" in overrides:
+    if "recompute_modules" in overrides:
         return
     calls = []
-    for m in experts:
-        m.activation_func.register_forward_hook(lambda *a: calls.append(1))
+    if overrides.get("bias_activation_fusion"):
+        from megatron.core.transformer.moe import experts as megatron_experts
+
+        real = megatron_experts.weighted_bias_swiglu_impl
+        megatron_experts.weighted_bias_swiglu_impl = lambda *a, **k: calls.append(1) or real(*a, **k)
+    else:
+        for m in experts:
+            m.activation_func.register_forward_hook(lambda *a: calls.append(1))
     tokens, labels = lm_batch(0)
-    model(tokens, torch.arange(32).unsqueeze(0).expand(4, -1), causal_mask(32), labels=labels).float().mean().backward()
+    try:
+        model(tokens, torch.arange(32).unsqueeze(0).expand(4, -1), causal_mask(32), labels=labels).float().mean().backward()
+    finally:
+        if overrides.get("bias_activation_fusion"):
+            megatron_experts.weighted_bias_swiglu_impl = real
     assert len(calls) >= 2
 
 

@@ -2,7 +2,8 @@
 tokens x top-8 = 131072 routed rows of fc1 output [R, 2 x 768].
 
 * forward: ``weighted_swiglu`` and ``swiglu_quantize(probs=)``'s ``a`` bitwise Megatron's unfused
-  ``(F.silu(gate) * up * p[:, None]).to(bf16)`` (fresh data and the hard rows of the CPU test);
+  ``(F.silu(gate) * up * p[:, None]).to(bf16)`` (fresh data and the hard rows of the CPU test; and
+  its inline GLU, ``up + 0.0``, with ``inline_glu=True``);
   the offered quantization bitwise ``quantize_reference`` of that unfused output;
 * backward: within the rule of ``_testing.weighted_swiglu_backward_bounds`` of the exact (fp64)
   gradient, dp too;
@@ -35,13 +36,18 @@ def _data(seed: int, dtype=torch.bfloat16):
     return h, p
 
 
-def _megatron(h, p):
+def _megatron(h, p, inline_glu=False):
+    """Megatron's unfused path: the activation module's ``silu(gate) * up``, or its inline GLU's
+    ``silu(gate) * (up + glu_linear_offset)`` (offset 0), times p, cast."""
     gate, up = torch.chunk(h, 2, -1)
+    if inline_glu:
+        up = up + 0.0
     return ((torch.nn.functional.silu(gate) * up) * p.unsqueeze(-1)).to(h.dtype)
 
 
+@pytest.mark.parametrize("inline_glu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forward_bitwise_at_the_learner_shape(dtype):
+def test_forward_bitwise_at_the_learner_shape(dtype, inline_glu):
     from minite_kernels.triton.swiglu_quantize import swiglu_quantize
     from minite_kernels.triton.weighted_swiglu import weighted_swiglu
 
@@ -50,10 +56,10 @@ def test_forward_bitwise_at_the_learner_shape(dtype):
     h, p = _data(1, dtype)
     hh, hp = hard_rows(F, dtype)
     h[: hh.shape[0]], p[: hp.shape[0]] = hh.cuda(), hp.cuda()
-    expected = _megatron(h, p)
-    y = weighted_swiglu(h, p)
+    expected = _megatron(h, p, inline_glu)
+    y = weighted_swiglu(h, p, inline_glu=inline_glu)
     assert_bitwise_equal(y, expected, f"weighted_swiglu {dtype}", nan_equal=True)
-    a, q = swiglu_quantize(h, probs=p)
+    a, q = swiglu_quantize(h, probs=p, inline_glu=inline_glu)
     assert_bitwise_equal(a, expected, f"swiglu_quantize(probs=).a {dtype}", nan_equal=True)
     ref = nvfp4.quantize_reference(expected, global_scale="row", with_image=True)
     assert_bitwise_equal(q.codes, ref.codes, "codes")
@@ -92,13 +98,13 @@ def test_the_op_hands_fc2_the_quantization_of_megatrons_output():
 
 @pytest.fixture(scope="module")
 def gpu_runs():
-    """The CPU test's three runs per precision, on the GPU (kernel forward and backward)."""
+    """The CPU test's three runs per case, on the GPU (kernel forward and backward)."""
     from tests.megatron.test_fused_moe_activation import three_runs
 
     return three_runs("cuda")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4", "bf16-inline", "nvfp4-inline"])
 def test_model_same_loss_bits_handoff_and_2x_rule_on_the_gpu(gpu_runs, precision):
     from tests.megatron import test_fused_moe_activation as cpu
 

@@ -55,18 +55,26 @@ def _probs(r: int, seed: int) -> torch.Tensor:
     return p
 
 
-def _numpy_exp_weighted(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _inline(h: torch.Tensor) -> torch.Tensor:
+    """Megatron's inline GLU (``use_te_activation_func`` off), SwiGLU with ``glu_linear_offset`` 0."""
+    g, u = torch.chunk(h, 2, -1)
+    return torch.nn.functional.silu(g) * (u + 0.0)
+
+
+def _numpy_exp_weighted(h: torch.Tensor, p: torch.Tensor, inline_glu: bool = False) -> torch.Tensor:
     """The forward with numpy's fp32 exp (the interpreter's ``tl.exp``)."""
     g, u = torch.chunk(h, 2, -1)
+    u = u + 0.0 if inline_glu else u
     gf = g.float()
     with np.errstate(all="ignore"):
         e = torch.from_numpy(np.exp((-gf).numpy()))
     return (((gf / (1.0 + e)).to(h.dtype) * u) * p.unsqueeze(-1)).to(h.dtype)
 
 
-def _candidates(h: torch.Tensor, p: torch.Tensor, k: int = 2) -> list[torch.Tensor]:
+def _candidates(h: torch.Tensor, p: torch.Tensor, inline_glu: bool, k: int = 2) -> list[torch.Tensor]:
     """The forward for an fp32 silu moved by -k..k ulps from torch's CPU one."""
     g, u = torch.chunk(h, 2, -1)
+    u = u + 0.0 if inline_glu else u
     gf = g.float()
     s = gf / (1.0 + torch.exp(-gf))
     out = []
@@ -78,22 +86,25 @@ def _candidates(h: torch.Tensor, p: torch.Tensor, k: int = 2) -> list[torch.Tens
     return out
 
 
-def check_forward(h: torch.Tensor, p: torch.Tensor, name: str) -> torch.Tensor:
-    y = weighted_swiglu(h.to(DEVICE), p.to(DEVICE))
-    a, _q = swiglu_quantize(h.to(DEVICE), probs=p.to(DEVICE))
+def check_forward(h: torch.Tensor, p: torch.Tensor, name: str, inline_glu: bool = False) -> torch.Tensor:
+    """The kernel's y vs swiglu_quantize's a and Megatron's unfused path (module docstring);
+    ``inline_glu``: Megatron's inline GLU (``up + 0.0``) instead of the activation module's."""
+    act_fn = _inline if inline_glu else None
+    y = weighted_swiglu(h.to(DEVICE), p.to(DEVICE), inline_glu=inline_glu)
+    a, _q = swiglu_quantize(h.to(DEVICE), probs=p.to(DEVICE), inline_glu=inline_glu)
     assert_bitwise_equal(y.cpu(), a.cpu(), f"{name}: y vs swiglu_quantize's a", nan_equal=True)
     if HAS_CUDA:
-        megatron = moe_activation.weighted_swiglu_reference(h.to(DEVICE), p.to(DEVICE))
+        megatron = moe_activation.weighted_swiglu_reference(h.to(DEVICE), p.to(DEVICE), act_fn)
         assert_bitwise_equal(y.cpu(), megatron.cpu(), f"{name}: y vs Megatron's unfused path", nan_equal=True)
         return y.cpu()
     y = y.cpu()
-    assert_bitwise_equal(y, _numpy_exp_weighted(h, p), f"{name}: y (numpy exp)", nan_equal=True)
-    expected = moe_activation.weighted_swiglu_reference(h, p)
+    assert_bitwise_equal(y, _numpy_exp_weighted(h, p, inline_glu), f"{name}: y (numpy exp)", nan_equal=True)
+    expected = moe_activation.weighted_swiglu_reference(h, p, act_fn)
     nan = torch.isnan(y.float()) & torch.isnan(expected.float())
     diff = (y.view(torch.int16) != expected.view(torch.int16)) & ~nan
     if bool(diff.any()):
         ok = torch.zeros_like(diff)
-        for cand in _candidates(h, p):
+        for cand in _candidates(h, p, inline_glu):
             ok |= y.view(torch.int16) == cand.view(torch.int16)
         bad = diff & ~ok
         assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements beyond 2 fp32 ulps of torch's silu"
@@ -110,6 +121,7 @@ def hard_rows(f: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     h[1, :f] = torch.linspace(-big, big, f).to(dtype)
     h[2, :f] = torch.linspace(-104.0, 104.0, f).to(dtype)
     h[3, :f] = tiny
+    h[3, f:] = -0.0  # up = -0.0: Megatron's inline GLU makes it +0.0
     h[4, f:] = tiny
     h[5, :f] = -0.0
     h[6, :f] = torch.linspace(-1.5, -1.0, f).to(dtype)  # around silu's minimum (d silu = 0 at -1.278)
@@ -128,8 +140,15 @@ def test_forward_random(dtype, r, f):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_forward_hard_cases(dtype):
+    """Also Megatron's inline GLU (``inline_glu``): the same bits but for its +0.0 where up is -0.0."""
     h, p = hard_rows(48, dtype)
     y = check_forward(h, p, f"hard {dtype}")
+    y_inline = check_forward(h, p, f"hard {dtype} inline GLU", inline_glu=True)
+    assert bool((y[3].view(torch.int16) == torch.tensor(-0.0, dtype=dtype).view(torch.int16)).all())
+    assert not bool(y_inline[3].view(torch.int16).any())  # +0.0
+    same = torch.ones(8, dtype=torch.bool)
+    same[3] = False
+    assert_bitwise_equal(y_inline[same], y[same], "inline GLU elsewhere")
     assert not bool(y[0].float().any()) and not bool(y[5].float().any())  # zeros in (gate 0), zeros out
     assert not bool(y[6].float().any())  # p = 0
     y_pos = check_forward(h[7:], p[7:].abs(), f"hard {dtype}, |p|")
@@ -251,14 +270,17 @@ from minite_kernels.triton._aot import loop_opcode_counts, report, sass
 from minite_kernels.triton.weighted_swiglu import aot_kernels
 
 fwd, bwd = aot_kernels(131072, 768, "bf16")
-out = {"fwd": report(fwd), "bwd": report(bwd), "bwd_loop": loop_opcode_counts(sass(bwd))}
+inline, _ = aot_kernels(131072, 768, "bf16", inline_glu=True)
+out = {"fwd": report(fwd), "bwd": report(bwd), "bwd_loop": loop_opcode_counts(sass(bwd)),
+       "adds_of_zero": [k.asm["ptx"].count(", 0f00000000;") for k in (fwd, inline)]}
 print("JSON" + json.dumps(out))
 """
 
 
 def test_kernels_compile_for_sm90a_without_spills():
     """Both kernels at the learner's launch config ([131072, 1536] bf16) compile for sm_90a
-    (the interpreter checks no typing), without spills; the backward's column loop reads dy,
+    (the interpreter checks no typing), without spills; the inline GLU build keeps its
+    ``up + 0.0``; the backward's column loop reads dy,
     gate and up with one wide load each and writes d gate, d up with one store each (8
     elements per thread: memory bound at ~31 SASS instructions per element)."""
     from minite_kernels.triton._testing import run_aot_script
@@ -267,3 +289,5 @@ def test_kernels_compile_for_sm90a_without_spills():
     for k in ("fwd", "bwd"):
         assert r[k]["spill_bytes"] == 0 and r[k]["LDL"] == 0 and r[k]["STL"] == 0, r[k]
     assert r["bwd_loop"].get("LDG") == 3 and r["bwd_loop"].get("STG") == 2, r["bwd_loop"]
+    # the inline GLU's up + 0.0 is kept (not folded away: it is what turns -0.0 into +0.0)
+    assert r["adds_of_zero"][1] > r["adds_of_zero"][0], r["adds_of_zero"]
