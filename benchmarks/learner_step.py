@@ -24,8 +24,10 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 
 A variant may carry design switches after a ``+`` (A/B runs of the memory design), e.g.
 ``nvfp4+keep_images`` (the weight caches keep BF16 images in training, the design before
-issue 16; recipe field ``keep_weight_images``) or ``nvfp4+keep_codes`` (``keep_weight_codes``: the
-quantized weights stay after the backward, for the next micro-batch).
+issue 16; recipe field ``keep_weight_images``), ``nvfp4+keep_codes`` (``keep_weight_codes``: the
+quantized weights stay after the backward, for the next micro-batch) or ``bf16+unfused_moe_act``
+/ ``nvfp4+unfused_moe_act`` (``fused_moe_activation=False``: Megatron's unfused expert activation
+x routing probability, the design before the fused kernel).
 
 A step is one forward (``model(tokens, position_ids, None, labels=labels)``, mean token loss)
 and its backward, ``tokens`` tokens as ``tokens / seq_length`` sequences. With
@@ -297,6 +299,7 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
 SWITCHES = {
     "keep_images": {"keep_weight_images": True},
     "keep_codes": {"keep_weight_codes": True},
+    "unfused_moe_act": {"fused_moe_activation": False},
 }
 
 

@@ -104,6 +104,11 @@ class Recipe:
     )
     keep_weight_images: bool = field(default=False, metadata={"help": "weight caches keep BF16 images in training too (before issue 16)"})
     keep_weight_codes: bool = field(default=False, metadata={"help": "keep quantized weights after the backward (once per optimizer step)"})
+    fused_moe_activation: bool = field(
+        default=True,
+        metadata={"help": "routed experts: SwiGLU times the routing probability in one kernel (NVFP4: also fc2's "
+                          "input quantization), fused backward; off: Megatron's unfused ops (A/B runs)"},
+    )
 
     def __post_init__(self):
         for f in fields(self):  # types first: "auto" fields are resolved from others below

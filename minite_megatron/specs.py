@@ -24,7 +24,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -41,6 +41,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .modules.attention import MiniteDotProductAttention
 from .modules.grouped_linear import NVFP4GroupedLinear
+from .modules.grouped_mlp import MiniteGroupedMLP
 from .modules.moe import MiniteMoELayer
 from .modules.linear import MiniteConfigError, NVFP4ColumnParallelLinear, NVFP4RowParallelLinear, check_multiple_of_16
 from .modules.activation import MiniteActivation
@@ -93,7 +94,9 @@ class MiniteSpecProvider(BackendSpecProvider):
 
     # ---- experts --------------------------------------------------------------------------------
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = True):
-        """All local experts in one grouped NVFP4 op behind Megatron's grouped-MLP module; with
+        """All local experts in one grouped NVFP4 op behind Megatron's grouped-MLP module (its
+        activation times the routing probabilities fused, handing an NVFP4 fc2 its quantized
+        input: :class:`~.modules.grouped_mlp.MiniteGroupedMLP`); with
         ``moe_use_grouped_gemm=False`` Megatron's ``SequentialMLP`` of NVFP4 column/row linears
         (one expert MLP after the other, as Megatron's local provider builds them). Both write
         the same checkpoint keys (``NVFP4GroupedLinear.sharded_state_dict``)."""
@@ -106,14 +109,18 @@ class MiniteSpecProvider(BackendSpecProvider):
                     activation_func=MiniteActivation,  # no handoff: the router probabilities come first
                 ),
             )
+        # the fused activation x routing probability hands an NVFP4 fc2 its quantization (modules.grouped_mlp)
+        fc2 = Handoff(self.recipe) if self.expert_precision == "nvfp4" else None
         return partial(
-            TEGroupedMLP,
+            MiniteGroupedMLP,
             submodules=GroupedMLPSubmodules(
                 linear_fc1=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="column", precision=self.expert_precision),
-                linear_fc2=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="row", precision=self.expert_precision),
-                # no handoff: Megatron multiplies the router probabilities before linear_fc2
+                linear_fc2=partial(NVFP4GroupedLinear, recipe=self.recipe, parallel_mode="row", precision=self.expert_precision,
+                                   handoff=fc2),
                 activation_func=MiniteActivation,
             ),
+            recipe=self.recipe,
+            offer_to=fc2,
         )
 
     # ---- the rest: fallback, or the strict (batch-invariant) modules -----------------------------

@@ -183,3 +183,63 @@ def run_ptx(asm, operands: dict) -> dict:
         val = [int(x, 0) if x[0].isdigit() else regs[x] for x in args[1:]]
         regs[args[0]] = PTX_OPS[op](*val) & M32
     return regs
+
+
+# ---- the fused weighted-SwiGLU backward (minite_kernels.triton.weighted_swiglu) ------------------
+EPS32 = 2.0**-24  # fp32 unit roundoff
+
+
+def _half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half a 16-bit ulp at |x| (fp64): ``2^(e - mantissa bits - 1)``, floored at the subnormal step."""
+    mant, emin = (7, -126) if dtype == torch.bfloat16 else (10, -14)
+    e = torch.floor(torch.log2(x.abs().clamp_min(2.0**emin)))
+    return torch.exp2(e - mant - 1)
+
+
+def weighted_swiglu_backward_bounds(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor):
+    """``(exact dh, exact dp, bound dh, bound dp)`` in fp64 for the fused backward's formula.
+
+    Rule (one rounding to h's dtype of an fp32 evaluation): ``|dh - exact| <= half an ulp of
+    h's dtype at max(|dh|, |exact|) + (16 + 2|gate|) eps32 S``, with S the magnitude of the
+    formula's factors (``|da * up| * sig * (1 + |gate| (1 - sig))`` for d gate, ``|da * silu|``
+    for d up): the product chain costs a few fp32 roundings, ``exp(-gate)`` up to ``|gate|``
+    ulps (argument reduction; 1 + that from the fast ``ex2``), and ``1 + gate * (1 - sig)``
+    cancels near gate = -1.28, which the absolute term S covers; plus ``(|da| + |da * up|)
+    (1 + |gate|) 2^-126`` where a GPU flushes an fp32 subnormal ``sig`` (gate < -87) to zero. ``dp`` (fp32, never rounded to
+    16 bits): ``(F + 16 + 2 max|gate|) eps32 sum|dy * silu * up|`` (any summation order of F
+    terms: ``(F - 1) eps32 sum|t|``, plus each term's own error)."""
+    f = h.shape[1] // 2
+    g, u = (t.double() for t in torch.chunk(h, 2, -1))  # on h's device (the GPU test's full shapes)
+    dyd, p = dy.to(h.device).double(), probs.to(h.device).double().unsqueeze(-1)
+    sig = 1.0 / (1.0 + torch.exp(-g))
+    silu, da = g * sig, dyd * p
+    exact_dh = torch.cat([da * u * sig * (1.0 + g * (1.0 - sig)), da * silu], -1)
+    exact_dp = (dyd * silu * u).sum(-1)
+    slack = (16.0 + 2.0 * g.abs()) * EPS32
+    s = torch.cat([(da * u).abs() * sig * (1.0 + g.abs() * (1.0 - sig)) * slack, (da * silu).abs() * slack], -1)
+    # a GPU's fast exp / division may flush fp32 subnormals: sig below 2^-126 (gate < -87) reads as 0
+    flush = ((da * u).abs() + da.abs()) * (1.0 + g.abs()) * 2.0**-126
+    bound_dh = s + torch.cat([flush, flush], -1)
+    bound_dp = (f + 16.0 + 2.0 * g.abs().amax(-1)) * EPS32 * (dyd * silu * u).abs().sum(-1)
+    bound_dp = bound_dp + ((dyd * u).abs() * (1.0 + g.abs())).sum(-1) * 2.0**-126
+    return exact_dh, exact_dp, bound_dh, bound_dp
+
+
+def assert_weighted_swiglu_backward(dh: torch.Tensor, dp: torch.Tensor, dy, h, probs, name: str) -> None:
+    """``dh`` / ``dp`` within :func:`weighted_swiglu_backward_bounds`' rule of the exact gradient
+    (finite inputs), with a report of how many elements miss it and the first one."""
+    h = h.to(dh.device)
+    exact_dh, exact_dp, bound_dh, bound_dp = weighted_swiglu_backward_bounds(dy, h, probs)
+    dhd, dpd = dh.double(), dp.double()
+    tol = _half_ulp(torch.maximum(dhd.abs(), exact_dh.abs()), h.dtype) + bound_dh
+    err = (dhd - exact_dh).abs()
+    bad = ~(err <= tol)
+    if bool(bad.any()):
+        i = tuple(int(v) for v in bad.nonzero()[0])
+        raise AssertionError(f"{name}.dh: {int(bad.sum())} of {bad.numel()} beyond the bound; first {i}: got "
+                             f"{dhd[i].item()!r}, exact {exact_dh[i].item()!r}, tolerance {tol[i].item()!r}")
+    bad = ~((dpd - exact_dp).abs() <= bound_dp)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{name}.dp: {int(bad.sum())} of {bad.numel()} rows beyond the bound; first {i}: got "
+                             f"{dpd[i].item()!r}, exact {exact_dp[i].item()!r}, tolerance {bound_dp[i].item()!r}")

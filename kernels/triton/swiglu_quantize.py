@@ -19,6 +19,10 @@
   by its row's probability as Megatron's ``TEGroupedMLP`` does after the activation,
   ``round(fp32(a) * p)`` (``(x * permuted_probs).to(dtype)``: one fp32 product, one rounding to
   ``h.dtype``; no add follows, so contraction cannot touch it), and quantized after that.
+* with ``inline_glu``: ``up + 0.0`` first, as Megatron's inline GLU ``silu(gate) * (up +
+  glu_linear_offset)`` does with the offset 0 (exact; turns -0.0 into +0.0, and is kept in the
+  PTX: no-signed-zeros folding is off). :mod:`.weighted_swiglu` launches this kernel without the
+  quantization (``QUANTIZE=False``) for BF16 layers.
 
 Reference (CPU path without a GPU): :func:`minite_megatron.nvfp4.producers.swiglu_quantize_reference`.
 
@@ -101,11 +105,15 @@ def silu_f32(g, ACCURATE_EXP: tl.constexpr):
 
 @triton.jit
 def _swiglu_half(gw, uw, p, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                 WEIGHTED: tl.constexpr):
+                 WEIGHTED: tl.constexpr, UP_PLUS_ZERO: tl.constexpr):
     """Words of gate and up -> words of ``a = round(round(silu(gate)) * up)`` (times the row's
-    probability ``p``, rounded again, when ``WEIGHTED``)."""
+    probability ``p``, rounded again, when ``WEIGHTED``); ``UP_PLUS_ZERO``: ``up + 0.0`` first
+    (Megatron's inline GLU with ``glu_linear_offset`` 0: exact, except -0.0 -> +0.0)."""
     g_lo, g_hi = _unpack(gw, IS_FP16)
     u_lo, u_hi = _unpack(uw, IS_FP16)
+    if UP_PLUS_ZERO:
+        u_lo = u_lo + 0.0
+        u_hi = u_hi + 0.0
     _b, s_lo = round_half(silu_f32(g_lo, ACCURATE_EXP), IS_FP16, BITWISE_BF16)
     _b2, s_hi = round_half(silu_f32(g_hi, ACCURATE_EXP), IS_FP16, BITWISE_BF16)
     a_lo, va_lo = round_half(s_lo * u_lo, IS_FP16, BITWISE_BF16)
@@ -119,12 +127,12 @@ def _swiglu_half(gw, uw, p, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr, A
 @triton.jit
 def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p,
                   BLOCK_NB: tl.constexpr, IS_FP16: tl.constexpr, BITWISE_BF16: tl.constexpr,
-                  ACCURATE_EXP: tl.constexpr, WEIGHTED: tl.constexpr):
+                  ACCURATE_EXP: tl.constexpr, WEIGHTED: tl.constexpr, UP_PLUS_ZERO: tl.constexpr):
     """a of chunk ``c``: stored, and returned as words (0-3, 4-7 of each block) with the block amax."""
     ga, gb = _load_chunk(g_row, jw, c, BLOCK_NB, rmask3)
     ua, ub = _load_chunk(g_row + F // 2, jw, c, BLOCK_NB, rmask3)
-    aa = _swiglu_half(ga, ua, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED)
-    ab = _swiglu_half(gb, ub, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED)
+    aa = _swiglu_half(ga, ua, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
+    ab = _swiglu_half(gb, ub, p, IS_FP16, BITWISE_BF16, ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
     off = a_row + c * (BLOCK_NB * 8) + jw
     tl.store(off, aa, mask=rmask3)
     tl.store(off + 4, ab, mask=rmask3)
@@ -137,10 +145,12 @@ def _swiglu_quantize_kernel(
     R, F, stride_w,
     IS_FP16: tl.constexpr, WITH_IMAGE: tl.constexpr, BITWISE_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
     BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, WEIGHTED: tl.constexpr = False,
+    QUANTIZE: tl.constexpr = True, UP_PLUS_ZERO: tl.constexpr = False,
 ):
     """BLOCK_R rows per program, BLOCK_NB threads (one output block each) per row and chunk;
     tiles ``[BLOCK_NB, BLOCK_R, 4]`` words as in :mod:`.quantize_rows`. ``stride_w``: h's row
-    stride in int32 words. See the module docstring."""
+    stride in int32 words. ``QUANTIZE=False``: only ``a`` is written (:mod:`.weighted_swiglu`;
+    the quantization pointers are not touched). See the module docstring."""
     pid = tl.program_id(0)
     rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R))[None, :]  # [1, BR]
     rmask = rows < R
@@ -155,53 +165,54 @@ def _swiglu_quantize_kernel(
         p = tl.load(p_ptr + rows, mask=rmask, other=0.0)[:, :, None]
     if CHUNKS > 0:  # a of the whole row in registers
         aa0, ab0, bm0 = _swiglu_chunk(g_row, a_row, F, jw, 0, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16, ACCURATE_EXP,
-                                      WEIGHTED)
+                                      WEIGHTED, UP_PLUS_ZERO)
         m = bm0
         if CHUNKS > 1:
             aa1, ab1, bm1 = _swiglu_chunk(g_row, a_row, F, jw, 1, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP, WEIGHTED)
+                                          ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
             m = tl.maximum(m, bm1, propagate_nan=tl.PropagateNan.ALL)
         if CHUNKS > 2:
             aa2, ab2, bm2 = _swiglu_chunk(g_row, a_row, F, jw, 2, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP, WEIGHTED)
+                                          ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
             m = tl.maximum(m, bm2, propagate_nan=tl.PropagateNan.ALL)
         if CHUNKS > 3:
             aa3, ab3, bm3 = _swiglu_chunk(g_row, a_row, F, jw, 3, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                          ACCURATE_EXP, WEIGHTED)
+                                          ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
             m = tl.maximum(m, bm3, propagate_nan=tl.PropagateNan.ALL)
     else:  # long rows: a stored chunk by chunk, read back below by the same threads
         m = tl.zeros((BLOCK_NB, BLOCK_R), tl.float32)
         for c in range(0, F // (16 * BLOCK_NB)):
             aa, ab, bm = _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p, BLOCK_NB, IS_FP16, BITWISE_BF16,
-                                       ACCURATE_EXP, WEIGHTED)
+                                       ACCURATE_EXP, WEIGHTED, UP_PLUS_ZERO)
             m = tl.maximum(m, bm, propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
-    s_enc, s_dec = global_scales_from_amax(amax)
-    tl.store(sdec_ptr + rows, canonical_nan_f32(s_dec), mask=rmask)
-    scale_mul = s_enc * ONE_SIXTH
-    if CHUNKS > 0:
-        _quantize_chunk(aa0, ab0, bm0, rows, 0, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr,
-                        0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 1:
-            _quantize_chunk(aa1, ab1, bm1, rows, 1, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 2:
-            _quantize_chunk(aa2, ab2, bm2, rows, 2, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-        if CHUNKS > 3:
-            _quantize_chunk(aa3, ab3, bm3, rows, 3, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
-                            image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
-    else:
-        tl.debug_barrier()  # a's stores are visible to the loads below (they are the same threads' anyway)
-        for c in range(0, F // (16 * BLOCK_NB)):
-            aa, ab = _load_chunk(a_row, jw, c, BLOCK_NB, rmask3)
-            _quantize_chunk(aa, ab, _chunk_block_max(aa, ab, IS_FP16), rows, c, rmask, F, scale_mul, s_dec, inner,
-                            codes_ptr, scales_ptr, image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+    if QUANTIZE:
+        amax = tl.reduce(m, 0, max_propagate_nan, keep_dims=True)  # [1, BR]
+        s_enc, s_dec = global_scales_from_amax(amax)
+        tl.store(sdec_ptr + rows, canonical_nan_f32(s_dec), mask=rmask)
+        scale_mul = s_enc * ONE_SIXTH
+        if CHUNKS > 0:
+            _quantize_chunk(aa0, ab0, bm0, rows, 0, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr, image_ptr,
+                            0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 1:
+                _quantize_chunk(aa1, ab1, bm1, rows, 1, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 2:
+                _quantize_chunk(aa2, ab2, bm2, rows, 2, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+            if CHUNKS > 3:
+                _quantize_chunk(aa3, ab3, bm3, rows, 3, rmask, F, scale_mul, s_dec, inner, codes_ptr, scales_ptr,
+                                image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
+        else:
+            tl.debug_barrier()  # a's stores are visible to the loads below (they are the same threads' anyway)
+            for c in range(0, F // (16 * BLOCK_NB)):
+                aa, ab = _load_chunk(a_row, jw, c, BLOCK_NB, rmask3)
+                _quantize_chunk(aa, ab, _chunk_block_max(aa, ab, IS_FP16), rows, c, rmask, F, scale_mul, s_dec, inner,
+                                codes_ptr, scales_ptr, image_ptr, 0, False, WITH_IMAGE, False, IS_FP16, BLOCK_NB)
 
 
 @custom_op("minite::swiglu_quantize", mutates_args=())
 def swiglu_quantize_op(
-    h: torch.Tensor, with_image: bool, probs: torch.Tensor | None = None,
+    h: torch.Tensor, with_image: bool, probs: torch.Tensor | None = None, inline_glu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch: ``h`` [M, 2F] bf16/fp16 (unit stride along the last dim, rows on 4-byte
     boundaries), ``probs`` None or [M] fp32 contiguous. Returns ``(a [M, F], codes [M, F/2] uint8, scales [M, F/16] uint8 (E4M3 bits),
@@ -223,14 +234,14 @@ def swiglu_quantize_op(
         m, f, h.stride(0) // 2,
         IS_FP16=h.dtype == torch.float16, WITH_IMAGE=with_image, BITWISE_BF16=interp and h.dtype == torch.bfloat16,
         ACCURATE_EXP=not interp, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=probs is not None,
-        num_warps=warps,
+        UP_PLUS_ZERO=inline_glu, num_warps=warps,
         **({} if interp else LAUNCH),
     )
     return a, codes, scales, sdec, image
 
 
 @swiglu_quantize_op.register_fake
-def _(h, with_image, probs=None):
+def _(h, with_image, probs=None, inline_glu=False):
     m, f2 = h.shape
     f = f2 // 2
     return (h.new_empty((m, f)), h.new_empty((m, f // 2), dtype=torch.uint8),
@@ -244,6 +255,7 @@ def swiglu_quantize(
     with_image: bool = True,
     nonfinite: str = "propagate",
     probs: torch.Tensor | None = None,
+    inline_glu: bool = False,
 ) -> tuple[torch.Tensor, NVFP4Tensor]:
     """Megatron's SwiGLU fused with NVFP4 quantization of its output (per-row scales).
 
@@ -255,6 +267,9 @@ def swiglu_quantize(
             ``"raise"`` (ValueError naming the first non-finite element of h, then of a).
         probs: optional ``[M]`` fp32 routing probabilities: ``a`` is each row's SwiGLU times its
             probability (Megatron's grouped experts), rounded to ``h.dtype``.
+        inline_glu: Megatron's inline GLU (``use_te_activation_func`` off: ``silu(gate) * (up +
+            glu_linear_offset)``, offset 0): ``up + 0.0`` first, which turns an ``up`` of -0.0
+            into +0.0 (the sign of a zero in ``a``) and changes nothing else.
     Returns:
         ``(a, q)``: ``a`` [M, F] in ``h.dtype``, ``q`` the NVFP4Tensor of ``a``, bitwise
         ``quantize_reference(a, global_scale="row", with_image=with_image)``.
@@ -264,12 +279,13 @@ def swiglu_quantize(
     """
     validate_swiglu(h, nonfinite, probs)
     if not h.is_cuda and not interpreting():
-        return swiglu_quantize_reference(h, with_image=with_image, nonfinite=nonfinite, probs=probs)
+        return swiglu_quantize_reference(h, with_image=with_image, nonfinite=nonfinite, probs=probs, inline_glu=inline_glu)
     if h.stride(1) != 1 or h.stride(0) % 2 or h.data_ptr() % 4:
         h = h.contiguous()
     if nonfinite == "raise":
         check_finite(h)
-    a, codes, scales, sdec, image = swiglu_quantize_op(h, bool(with_image), None if probs is None else probs.contiguous())
+    a, codes, scales, sdec, image = swiglu_quantize_op(h, bool(with_image), None if probs is None else probs.contiguous(),
+                                                       bool(inline_glu))
     if nonfinite == "raise":
         checked_output(a, "swiglu_quantize: the activation a")
     return a, as_nvfp4(codes, scales, sdec, image, a.shape, with_image)

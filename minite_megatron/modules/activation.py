@@ -12,7 +12,10 @@ that linear the per-token quantization of its output (:mod:`minite_megatron.ops.
 fused SwiGLU -> NVFP4 kernel on the GPU). Not under tensor parallelism: ``linear_fc2`` is row
 parallel, its per-token amax spans the ranks, so the quantization waits for the all-reduce.
 MoE experts take the module without an offer: Megatron multiplies the router probabilities
-between the activation and ``linear_fc2``.
+between the activation and ``linear_fc2``. The grouped experts of the minite spec
+(:class:`~minite_megatron.modules.grouped_mlp.MiniteGroupedMLP`) instead compute activation x
+probabilities in one fused op, which makes that offer itself; they call :meth:`MiniteActivation.activation`
+only where no kernel runs (CPU tensors).
 """
 
 from __future__ import annotations

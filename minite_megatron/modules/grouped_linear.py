@@ -5,7 +5,7 @@ off) through its fc1/fc2 builders::
 
     NVFP4GroupedLinear(num_local_experts, input_size, output_size, *, config, init_method, bias,
                        skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection, name,
-                       recipe=..., parallel_mode="column" | "row")
+                       recipe=..., parallel_mode="column" | "row", precision=..., handoff=None)
     forward(x [T, K], tokens_per_expert: list[int]) -> (y [T, N], bias or None)
 
 One call runs all local experts: in NVFP4, or with ``precision="bf16"`` (the BF16 twin and the
@@ -69,6 +69,7 @@ class NVFP4GroupedLinear(MegatronModule):
         recipe: Recipe | None = None,
         parallel_mode: str = "column",
         precision: str = "nvfp4",
+        handoff=None,
     ):
         super().__init__(config=config)
         if parallel_mode not in ("column", "row"):
@@ -122,7 +123,10 @@ class NVFP4GroupedLinear(MegatronModule):
                     set_tensor_model_parallel_attributes(b, is_parallel=True, dim=0, stride=1)
                 setattr(b, "allreduce", not use_expert_pgs)
                 self.register_parameter(f"bias{i}", b)
-        self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode)
+        # handoff: the slot the experts' fused activation offers this (fc2) linear its input's
+        # quantization in (spec; ops.moe_activation)
+        self.minite_ctx = LinearContext(self.recipe, None, tp_group=self._tp_group, parallel_mode=parallel_mode,
+                                        handoff=handoff if precision == "nvfp4" else None)
         self._weights_cache = QuantizedWeightCache(self.recipe.keep_weight_images, self.recipe.keep_weight_codes)
         # the [G, N, K] buffer the weight{i} are slices of, while they still are (not a
         # registered buffer: the parameters are the state)

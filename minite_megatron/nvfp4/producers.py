@@ -97,9 +97,12 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     return (xf * r * w).to(x.dtype)
 
 
-def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
-    """Megatron's ``swiglu`` in eager torch: [M, 2F] -> [M, F] in ``h.dtype`` (module docstring)."""
+def swiglu_reference(h: torch.Tensor, inline_glu: bool = False) -> torch.Tensor:
+    """Megatron's ``swiglu`` in eager torch: [M, 2F] -> [M, F] in ``h.dtype`` (module docstring);
+    ``inline_glu``: its inline GLU's ``up + glu_linear_offset`` with the offset 0 (-0.0 -> +0.0)."""
     gate, up = torch.chunk(h, 2, -1)
+    if inline_glu:
+        up = up + 0.0
     if gate.is_cuda:
         s = torch.nn.functional.silu(gate)
     else:
@@ -144,6 +147,7 @@ def swiglu_quantize_reference(
     with_image: bool = True,
     nonfinite: str = "propagate",
     probs: torch.Tensor | None = None,
+    inline_glu: bool = False,
 ) -> tuple[torch.Tensor, NVFP4Tensor]:
     """Megatron's SwiGLU then NVFP4 with per-row global scales: ``(a [M, F] h.dtype, q)``.
 
@@ -153,6 +157,7 @@ def swiglu_quantize_reference(
         with_image, nonfinite: as :func:`rmsnorm_quantize_reference`.
         probs: optional ``[M]`` fp32: ``a = (swiglu(h) * probs[:, None]).to(h.dtype)``, what
             Megatron's grouped experts compute after the activation (the MoE routing weights).
+        inline_glu: as :func:`swiglu_reference`.
     Raises:
         TypeError (dtype), ValueError (shape, F, ``nonfinite``, non-finite values with
         ``nonfinite="raise"``).
@@ -160,7 +165,7 @@ def swiglu_quantize_reference(
     validate_swiglu(h, nonfinite, probs)
     if nonfinite == "raise":
         check_finite(h)
-    a = swiglu_reference(h)
+    a = swiglu_reference(h, inline_glu)
     if probs is not None:
         a = (a * probs.unsqueeze(-1)).to(h.dtype)
     if nonfinite == "raise":

@@ -172,6 +172,8 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lctx: LinearContext = ctx.lctx
+        if lctx.handoff is not None:
+            lctx.handoff.clear()  # an offer of a producer recomputed for this backward (nobody takes it)
         recipe = lctx.recipe
         backend = backend_for(recipe, grad_out.device)
         weights, rest = ctx.saved_tensors[: ctx.groups], ctx.saved_tensors[ctx.groups :]
