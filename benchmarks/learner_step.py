@@ -295,6 +295,39 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
     return result
 
 
+def host_profile(run, model, data, steps: int, refresh: str, path: str | None, top: int, cuda: bool) -> dict:
+    """Where a step's host (Python) time goes: ``cProfile`` over ``steps`` steps; the functions with the
+    most own time (``tottime``) and the step's host ms under the profiler (the GPU waits included)."""
+    import cProfile
+    import io
+    import pstats
+
+    if cuda:
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        _refresh(refresh)
+        run(*data).backward()
+        _zero_grads(model)
+    prof.disable()
+    host_ms = (time.perf_counter() - t0) * 1e3 / steps
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(((fn, st[1], st[2], st[3]) for fn, st in stats.stats.items()), key=lambda r: -r[2])
+    top_rows = [{"function": f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", "calls": n // steps,
+                 "tottime_ms": tt * 1e3 / steps, "cumtime_ms": ct * 1e3 / steps} for fn, n, tt, ct in rows[:top]]
+    if path:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(60)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+        with open(path, "w") as fh:
+            fh.write(buf.getvalue())
+    return {"host_ms_under_cprofile": host_ms, "top_tottime": top_rows}
+
+
 #: ``+switch`` -> the recipe fields it sets (the weight caches' options, read where a layer builds its cache)
 SWITCHES = {
     "keep_images": {"keep_weight_images": True},
@@ -365,6 +398,17 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
         run(*data).backward()
         _zero_grads(model)
     times, host = [], []
+    gc_runs = [0, 0, 0]
+    gc_ms = [0.0]
+
+    def _gc_cb(phase, info, _t0=[0.0]):  # collections (and their time) during the timed steps, per generation
+        if phase == "start":
+            _t0[0] = time.perf_counter()
+        else:
+            gc_runs[info["generation"]] += 1
+            gc_ms[0] += (time.perf_counter() - _t0[0]) * 1e3
+
+    gc.callbacks.append(_gc_cb)
     for _ in range(args.iters):
         _refresh(args.weight_refresh)
         start = clock.start()
@@ -375,11 +419,13 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
         times.append(clock.ms(start))
         del loss
         _zero_grads(model)
+    gc.callbacks.remove(_gc_cb)
     step_ms = statistics.median(times)
     row = {
         "variant": label, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
         "tokens_per_s": batch * seq / step_ms * 1e3, "host_ms": statistics.median(host),
         "first_step_s": first_s, "build_s": build_s,
+        "gc_collections_per_step": [n / max(1, args.iters) for n in gc_runs], "gc_ms_per_step": gc_ms[0] / max(1, args.iters),
         "loss_first_step": first_loss, "params_gib": params_gib,
     }
     if variant == "nvfp4" and args.weight_refresh == "step" and args.cached_too:
@@ -396,6 +442,9 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
     if args.profile:
         path = os.path.join(out_dir, f"profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
         row["profile"] = profile(run, model, data, args.profile, args.weight_refresh, path, args.top, args.trace)
+    if args.host_profile:
+        path = os.path.join(out_dir, f"host_profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
+        row["host_profile"] = host_profile(run, model, data, args.host_profile, args.weight_refresh, path, args.top, cuda)
     del run, model, data
     gc.collect()
     return row
@@ -429,6 +478,8 @@ def _main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels to list per variant")
     ap.add_argument("--trace", action="store_true",
                     help="with --profile: Python stacks, the Chrome trace and GPU time by call site (benchmarks.kernel_sites)")
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="cProfile N steps per variant: the Python functions with the most host time")
     ap.add_argument("--count-ops", action="store_true",
                     help="count aten ops (and on a GPU host syncs, H2D copies) of one more step per variant")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense BF16 peak for MFU")
