@@ -297,7 +297,9 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
 
 def host_profile(run, model, data, steps: int, refresh: str, path: str | None, top: int, cuda: bool) -> dict:
     """Where a step's host (Python) time goes: ``cProfile`` over ``steps`` steps; the functions with the
-    most own time (``tottime``) and the step's host ms under the profiler (the GPU waits included)."""
+    most own time (``tottime``) and the step's host ms under the profiler (the GPU waits included).
+    The backward runs on the calling thread here (``set_multithreading_enabled(False)``; autograd's
+    device thread is invisible to ``cProfile``), so its Python is counted too."""
     import cProfile
     import io
     import pstats
@@ -306,12 +308,13 @@ def host_profile(run, model, data, steps: int, refresh: str, path: str | None, t
         torch.cuda.synchronize()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        _refresh(refresh)
-        run(*data).backward()
-        _zero_grads(model)
-    prof.disable()
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(steps):
+            _refresh(refresh)
+            run(*data).backward()
+            _zero_grads(model)
+        prof.disable()
     host_ms = (time.perf_counter() - t0) * 1e3 / steps
     if cuda:
         torch.cuda.synchronize()

@@ -30,6 +30,7 @@ Elsewhere every op raises :class:`BackendUnavailable` with :meth:`why_not`'s rea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,12 @@ def _grouped_image(b: NVFP4Tensor) -> torch.Tensor:
                     lin.block_scales.reshape(groups * n, k // BLOCK).view(torch.uint8)).view(groups, n, k)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability (fixed for the process: asked once, not at every op)."""
+    return torch.cuda.get_device_capability(index)
+
+
 #: The fused producers' operand limits: width multiple (RMSNorm H; SwiGLU 2F, so F % 16 == 0).
 _PRODUCER_WIDTH = {"rmsnorm_quantize": BLOCK, "swiglu_quantize": 2 * BLOCK}
 
@@ -168,7 +175,7 @@ class TritonBackend(Backend):
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return "no CUDA device is available"
-            cc = torch.cuda.get_device_capability(device)
+            cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
             if cc < (8, 0):
                 return f"needs a GPU of compute capability >= 8.0 (bf16 tensor cores); {device} has {cc[0]}.{cc[1]}"
             return None
