@@ -38,6 +38,23 @@ def ensure_minite_kernels() -> None:
     spec.loader.exec_module(module)
 
 
+def add_output_args(ap, bench_file: str) -> None:
+    """A benchmark's usual ``--out`` (extra JSON directory, default ``$OUT``), ``--json-dir`` (default
+    ``benchmarks/results`` beside ``bench_file``) and ``--smoke`` (CPU, tiny shapes, the interpreter)."""
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
+    ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(bench_file)), "results"))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+
+
+def smoke_on_the_interpreter() -> None:
+    """A ``--smoke`` run on the CPU: Triton's interpreter (``TRITON_INTERPRET=1`` unless set) with the
+    repository's interpreter fixes (:mod:`minite_kernels.triton._interpreter_compat`)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from minite_kernels.triton._interpreter_compat import install
+
+    install()
+
+
 def bench(fn, *, rep_ms: int = 100, warmup_ms: int = 25, graph: bool = False) -> float:
     """Median milliseconds of ``fn()`` (events; with ``graph=True`` a CUDA-graph replay)."""
     import triton.testing as tt

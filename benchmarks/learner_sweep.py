@@ -153,57 +153,49 @@ def sec_grouped(res: dict) -> None:
                 ["gemm", "config", "ms", "TFLOPs", "error"])
 
 
-def sec_rows(res: dict) -> None:
+def _sweep_dy_quantize(field: str, cfgs, quantize, passes: int) -> list[dict]:
+    """Time ``quantize(backend, dy)`` on the experts' ``dy`` of fc1 and fc2 at each ``QuantizeTiles``
+    setting of ``field``, bits compared with the first setting's; ``passes``: full bf16 reads or writes
+    of ``dy`` the operation makes (GB/s counts them and the codes and scales written)."""
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
     from minite_kernels.triton.quantize_tiles import QuantizeTiles
 
     rows = []
     for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
-        nbytes = dy.numel() * 2 * 3 + dy.numel() // 2 + dy.numel() // 16  # amax + quantize reads, image, codes, scales
+        nbytes = dy.numel() * 2 * passes + dy.numel() // 2 + dy.numel() // 16
         ref = None
-        for cfg in [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 4), (16, 2, 4)]:
-            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(rows_stochastic=cfg)))
+        for cfg in cfgs:
+            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(**{field: cfg})))
+            row = {"operand": name, field: str(cfg)}
             try:
-                run = lambda: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True)
-                q = run()
+                q = quantize(be, dy)
                 ref = ref if ref is not None else q
-                ms = bench(run)
-                rows.append({"operand": name, "rows_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6,
-                             "same_bits": _same_bits(q, ref)})
-            except Exception as e:
-                rows.append({"operand": name, "rows_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
+                ms = bench(lambda: quantize(be, dy))
+                row.update(ms=ms, GBps=nbytes / ms / 1e6, same_bits=_same_bits(q, ref))
+            except Exception as e:  # a setting that does not compile or fit: say so, keep sweeping
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+            rows.append(row)
         del dy
-    res["rows_quantize"] = rows
+    return rows
+
+
+def sec_rows(res: dict) -> None:
+    res["rows_quantize"] = rows = _sweep_dy_quantize(
+        "rows_stochastic", [(32, 1, 4), (16, 1, 4), (32, 2, 4), (8, 1, 4), (16, 2, 4)],
+        lambda be, dy: be.quantize(dy, global_scale="tensor", rounding="stochastic", seed=5, with_image=True),
+        passes=3)  # amax + quantize reads, the image written
     print_table(f"dgrad operand quantize of dy (tensor scale, SR, codes + scales + image; {ROWS} routed rows)", rows,
-                ["operand", "rows_tile", "ms", "GBps", "same_bits", "error"])
+                ["operand", "rows_stochastic", "ms", "GBps", "same_bits", "error"])
 
 
 def sec_cols(res: dict) -> None:
-    from minite_kernels.triton.backend import TritonBackend, TritonOptions
-    from minite_kernels.triton.quantize_tiles import QuantizeTiles
-
-    g = torch.Generator().manual_seed(0)
-    sizes = _skewed_sizes(g)
-    rows = []
-    for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
-        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
-        nbytes = dy.numel() * 2 * 2 + dy.numel() // 2 + dy.numel() // 16  # amax pass + quantize read, codes + scales
-        ref = None
-        for cfg in [(64, 4, 4), (32, 8, 4), (128, 4, 4), (64, 2, 2), (32, 4, 2)]:
-            be = TritonBackend(TritonOptions(quantize_tiles=QuantizeTiles(cols_tile=cfg)))
-            try:
-                run = lambda: be.quantize_wgrad_operand(dy, sizes, global_scale="tensor", rounding="stochastic",
-                                                        seed=5, rht_seed=7)
-                q = run()
-                ref = ref if ref is not None else q
-                ms = bench(run)
-                rows.append({"operand": name, "cols_tile": str(cfg), "ms": ms, "GBps": nbytes / ms / 1e6,
-                             "same_bits": _same_bits(q, ref)})
-            except Exception as e:
-                rows.append({"operand": name, "cols_tile": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
-        del dy
-    res["cols"] = rows
+    sizes = _skewed_sizes(torch.Generator().manual_seed(0))
+    res["cols"] = rows = _sweep_dy_quantize(
+        "cols_tile", [(64, 4, 4), (32, 8, 4), (128, 4, 4), (64, 2, 2), (32, 4, 2)],
+        lambda be, dy: be.quantize_wgrad_operand(dy, sizes, global_scale="tensor", rounding="stochastic", seed=5,
+                                                 rht_seed=7),
+        passes=2)  # the RHT amax pass and the quantize read
     print_table(f"wgrad operand quantize of dy (tensor, SR, RHT, padded groups; {ROWS} routed rows)", rows,
                 ["operand", "cols_tile", "ms", "GBps", "same_bits", "error"])
 

@@ -22,12 +22,11 @@ torch formulation before it is timed. One JSON line per run in ``benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+from ._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
 
 ensure_minite_kernels()
 
@@ -105,15 +104,10 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
-    ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    add_output_args(ap, __file__)
     args = ap.parse_args(argv)
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from minite_kernels.triton._interpreter_compat import install
-
-        install()
+        smoke_on_the_interpreter()
         args.tokens, args.experts, args.topk, args.hidden = "24", 8, 2, 32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
