@@ -17,6 +17,8 @@
   warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
 * ``rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
   codes and scales) at each ``QuantizeTiles.rows_stochastic``.
+* ``parts``: each pass of those two quantizations alone (amaxes given), with SR / the RHT / the
+  image on and off: what each feature of the recipe costs.
 * ``cols``: the wgrad operand quantize of the experts' ``dy`` (tensor scale, SR, RHT, each expert's
   tokens padded to 16; the column kernel's gather) at each ``QuantizeTiles.cols_tile``.
 
@@ -200,6 +202,48 @@ def sec_cols(res: dict) -> None:
                 ["operand", "cols_tile", "ms", "GBps", "same_bits", "error"])
 
 
+def sec_parts(res: dict) -> None:
+    """The passes of the experts' ``dy`` quantizations, each alone (amaxes given): the dgrad operand's
+    plain amax and row quantize (SR or not), the wgrad operand's RHT amax and column quantize with SR
+    and / or the RHT on or off, image or not -- what each feature of the recipe costs."""
+    from minite_kernels.triton import quantize_cols
+    from minite_kernels.triton.amax import amax_forward
+    from minite_kernels.triton.grouped_wgrad import pad_index
+    from minite_kernels.triton.quantize import quantize_op, rht_mask_of, sr_key
+
+    sizes = _skewed_sizes(torch.Generator().manual_seed(0))
+    key, rht = sr_key(5), rht_mask_of(7)
+    rows = []
+    for name, n in {"fc2 dy": HIDDEN}.items():  # the larger operand (fc1's: 3/4 of it)
+        dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
+        col_index, _, _ = pad_index(sizes, ROWS, torch.device("cuda"))
+        src = dy.t()
+        plain = amax_forward(dy, ROWS)
+        rht_amax = quantize_cols.amax_launch(src, col_index, n, rht)
+        cases = {
+            "amax, plain (dgrad operand)": lambda: amax_forward(dy, ROWS),
+            "amax, RHT along tokens (wgrad operand)": lambda: quantize_cols.amax_launch(src, col_index, n, rht),
+            "rows: nearest, image": lambda: quantize_op(dy, plain, None, ROWS, False, False, 0, True, False),
+            "rows: SR, image (dgrad operand)": lambda: quantize_op(dy, plain, None, ROWS, False, True, key, True, False),
+        }
+        for sr in (False, True):
+            for use_rht in (False, True):
+                a = rht_amax if use_rht else plain
+                m = rht if use_rht else -1
+                cases[f"cols: {'SR' if sr else 'nearest'}, {'RHT' if use_rht else 'no RHT'}, no image"] = (
+                    lambda a=a, m=m, sr=sr: quantize_op(src, a, col_index, n, False, sr, key if sr else 0, False, False, m))
+        cases["cols: SR, RHT, image (wgrad operand)"] = lambda: quantize_op(src, rht_amax, col_index, n, False, True, key,
+                                                                          True, False, rht)
+        read = dy.numel() * 2
+        for what, fn in cases.items():
+            ms = bench(fn)
+            rows.append({"operand": name, "pass": what, "ms": ms, "read GBps": read / ms / 1e6})
+        del dy
+    res["parts"] = rows
+    print_table(f"the dy quantize passes alone ({ROWS} routed rows; GB/s of dy read)", rows,
+                ["operand", "pass", "ms", "read GBps"])
+
+
 def main(argv=None):
     global ROWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -213,7 +257,7 @@ def main(argv=None):
            "command": "python -m benchmarks.learner_sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
     ROWS = res["rows"] = args.rows
     for sec in args.sections.split(","):
-        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad, "grouped": sec_grouped, "rows": sec_rows,
+        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad, "grouped": sec_grouped, "rows": sec_rows, "parts": sec_parts,
          "cols": sec_cols}[sec](res)
     save(res, "learner_sweep", [args.out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")])
     return res
