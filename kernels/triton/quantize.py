@@ -291,7 +291,6 @@ def _tensor_amax(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
     return amax_forward(x2d, rows_per_group)
 
 
-@functools.lru_cache(maxsize=64)
 @functools.lru_cache(maxsize=256)
 def rht_mask_of(rht_seed: int | None) -> int:
     """The RHT sign vector of ``rht_seed`` (``nvfp4.rht_signs``) as 16 bits (bit j: sign j is
