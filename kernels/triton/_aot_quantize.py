@@ -27,8 +27,10 @@ def rows_kernel(r: int = 1 << 20, k: int = 2048, stochastic: bool = False, row_a
                        divisible=("K", "stride_w", "scale_cols_padded"), **EXACT_LAUNCH)
 
 
-def cols_kernel(stochastic: bool = False, rht: bool = False, col_index: bool = False, amax_only: bool = False):
-    """The column kernel at its GPU tile for a bf16 source (image written)."""
+def cols_kernel(stochastic: bool = False, rht: bool = False, col_index: bool = False, amax_only: bool = False,
+                plain_amax: bool = False):
+    """The column kernel at its GPU tile for a bf16 source (image written; ``plain_amax``: the amax
+    pass that also reduces the untransformed values, ``amax_launch(plain=True)``)."""
     from . import quantize_cols as qc
 
     bh, nb, warps = qc.DEFAULT.cols_tile
@@ -37,7 +39,7 @@ def cols_kernel(stochastic: bool = False, rht: bool = False, col_index: bool = F
            "rows_per_group": "i32", "key": "i32", "rht_mask": "i32", "scale_cols_padded": "i32",
            "groups_per_prog": "i32"}
     ce = dict(HAS_COL_INDEX=col_index, STOCHASTIC=stochastic, WITH_IMAGE=True, SWIZZLED=False, RHT=rht,
-              AMAX_ONLY=amax_only, BLOCK_H=bh, BLOCK_NB=nb)
+              AMAX_ONLY=amax_only, BLOCK_H=bh, BLOCK_NB=nb, PLAIN_AMAX=plain_amax)
     return compile_for(qc._quantize_cols_kernel, sig, ce, num_warps=warps,
                        divisible=("R", "K", "stride_s", "scale_cols_padded"), **EXACT_LAUNCH)
 
@@ -49,3 +51,5 @@ def all_kernels():
     yield "quantize 16x16 weight tiles K=2048 (codes only)", rows_kernel(k=2048, row_amax=False, tile16=True,
                                                                          with_image=False)
     yield "quantize cols SR RHT gather", cols_kernel(stochastic=True, rht=True, col_index=True)
+    yield "amax cols RHT gather + plain amax (dy_amaxes)", cols_kernel(rht=True, col_index=True, amax_only=True,
+                                                                       plain_amax=True)

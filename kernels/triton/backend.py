@@ -51,7 +51,7 @@ from . import decode_grouped_idot as _idot
 from .decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
 from .gemm import OUT_DTYPES, gemm_forward
 from .grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
-from .grouped_wgrad import grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
+from .grouped_wgrad import dy_amaxes, grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
 from .image import image_2d, image_op
 from .norm_quantize import rmsnorm_quantize
 from .quantize import quantize_forward
@@ -422,6 +422,11 @@ class TritonBackend(Backend):
         place through a gather, no padded copy (:func:`.grouped_wgrad.quantize_wgrad_operand_forward`)."""
         self._require(t.device)
         return quantize_wgrad_operand_forward(t, group_sizes, **kwargs)
+
+    def dy_amaxes(self, dy: torch.Tensor, group_sizes: Sequence[int], rht_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One read of ``dy`` for its dgrad and wgrad operands' amaxes (:func:`.grouped_wgrad.dy_amaxes`)."""
+        self._require(dy.device)
+        return dy_amaxes(dy, group_sizes, rht_seed)
 
     def grouped_wgrad_gemm(
         self,

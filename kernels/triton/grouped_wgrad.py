@@ -123,18 +123,20 @@ def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, 
     return src.to(torch.int32), poffs.to(torch.int32), t_pad
 
 
-def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed, with_image=True):
+def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed, with_image=True, amax=None):
     """Quantize ``pad_groups(x).t()`` ([H, T_pad]): ``(codes, scales, global decode, image)``.
 
     One kernel reads ``x.t()`` in place: the gather pads each expert's tokens and the RHT (if
     any) runs fused in the column kernel; a tensor scale takes one read-only amax pass first
-    (of the transformed, padded blocks when there is an RHT: the zero padding changes them)."""
+    (of the transformed, padded blocks when there is an RHT: the zero padding changes them), unless
+    the caller gives that ``amax`` (e.g. from :func:`dy_amaxes`' shared pass)."""
     x = x.contiguous()
     src, h = x.t(), x.shape[1]
     rht = rht_mask_of(rht_seed)
     if global_scale == "tensor":
         rpg = max(h, 1)
-        amax = quantize_cols.amax_launch(src, col_index, rpg, rht) if rht >= 0 else amax_forward(x, max(x.shape[0], 1))
+        if amax is None:
+            amax = quantize_cols.amax_launch(src, col_index, rpg, rht) if rht >= 0 else amax_forward(x, max(x.shape[0], 1))
     else:
         amax, rpg = None, 1
     return quantize_op(src, amax, col_index, rpg, False, stochastic, sr_key(seed) if stochastic else 0, with_image,
@@ -160,10 +162,13 @@ def quantize_wgrad_operand_forward(
     rht_seed: int | None = None,
     nonfinite: str = "propagate",
     with_image: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """``nvfp4.quantize_wgrad_operand``, bit for bit, without the padded copy: ``t`` [T, H] rows
     sorted by group (list of ints) -> NVFP4 ``[H, T_pad]`` along tokens, each group zero-padded
-    to a multiple of 16, read in place through the gather of the column kernel (RHT fused)."""
+    to a multiple of 16, read in place through the gather of the column kernel (RHT fused).
+    ``amax``: the tensor scale's fp32 ``[1]`` amax of the padded, transformed operand if the
+    caller already has it (:func:`dy_amaxes`), else one amax pass runs first."""
     group_sizes = GroupSizes.of(group_sizes)
     if t.dim() != 2 or group_sizes.total != t.shape[0]:
         raise ValueError(f"quantize_wgrad_operand: t {tuple(t.shape)} and group sizes summing to "
@@ -181,12 +186,27 @@ def quantize_wgrad_operand_forward(
         return quantize_wgrad_operand(t, group_sizes, global_scale=global_scale, rounding=rounding, seed=seed,
                                       rht_seed=rht_seed, nonfinite=nonfinite)
     codes, scales, sdec, image = _quantize_padded_t(t, col_index, t_pad, global_scale, rounding == "stochastic", seed,
-                                                    rht_seed, with_image)
+                                                    rht_seed, with_image, amax)
     return NVFP4Tensor(
         codes=codes, block_scales=scales.view(torch.float8_e4m3fn), global_decode=sdec, shape=torch.Size((h, t_pad)),
         global_scale=global_scale, tile=(1, BLOCK), layout="linear", rht_seed=rht_seed,
         image=image if with_image else None,
     )
+
+
+def dy_amaxes(dy: torch.Tensor, group_sizes, rht_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of a gradient ``dy`` [T, N] (rows sorted by group) for both of its tensor scales:
+    ``(amax of dy, amax of its wgrad operand)`` -- the dgrad operand's plain amax, and the amax of
+    ``pad_groups(dy).t()`` after the RHT of ``rht_seed`` (what :func:`quantize_wgrad_operand_forward`
+    and ``quantize_forward`` compute in their own passes), each fp32 ``[1]``, bitwise those passes'.
+    ``group_sizes``: host ints (a list or a ``GroupSizes``) summing to T."""
+    sizes = GroupSizes.of(group_sizes)
+    if dy.dim() != 2 or sizes.total != dy.shape[0]:
+        raise ValueError(f"dy_amaxes: dy {tuple(dy.shape)} and group sizes summing to {sizes.total} disagree")
+    x = dy.contiguous()
+    col_index = pad_index(sizes, x.shape[0], x.device)[0] if any(s % BLOCK for s in sizes) else None
+    wgrad, plain = quantize_cols.amax_launch(x.t(), col_index, max(x.shape[1], 1), rht_mask_of(rht_seed), plain=True)
+    return plain, wgrad
 
 
 def grouped_wgrad_forward(

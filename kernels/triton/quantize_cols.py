@@ -236,12 +236,15 @@ def _quantize_cols_kernel(
     R, K, stride_s, rows_per_group, key, rht_mask, scale_cols_padded, groups_per_prog,
     HAS_COL_INDEX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
     RHT: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr,
+    PLAIN_AMAX: tl.constexpr = False,
 ):
     """Program (token range, feature group): BLOCK_H features x ``groups_per_prog`` groups of
     BLOCK_NB blocks of 16 tokens (the per-feature set-up is paid once per program).
 
     ``AMAX_ONLY``: the same reads (and transform) but only the amax per run of rows, max-reduced
-    into ``amax_ptr`` (int32 bits of fp32, zero-initialised) with ``atomic_max``."""
+    into ``amax_ptr`` (int32 bits of fp32, zero-initialised) with ``atomic_max``; with ``PLAIN_AMAX``
+    also the amax of the values *before* the transform over the whole tensor, into ``sdec_ptr[0]``
+    (unused by this mode otherwise; the same int32 bits)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -251,10 +254,22 @@ def _quantize_cols_kernel(
     g0 = pid_t * groups_per_prog
     if AMAX_ONLY:
         m = tl.zeros((BLOCK_H, BLOCK_NB), tl.int32)
+        pm = tl.zeros((BLOCK_H, BLOCK_NB), tl.int32)
         for g in range(g0, g0 + groups_per_prog):
             blk = g * BLOCK_NB + tl.arange(0, BLOCK_NB)
-            xs = _load_block(s_ptr, col_ptr, (blk * 16)[None, :], h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, RHT)
+            if PLAIN_AMAX:
+                raw = _load_block(s_ptr, col_ptr, (blk * 16)[None, :], h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, False)
+                pm = tl.maximum(pm, _block_amax_bits(raw))
+                if RHT:
+                    xs = _rht16(raw[0], raw[1], raw[2], raw[3], raw[4], raw[5], raw[6], raw[7], raw[8], raw[9], raw[10],
+                                raw[11], raw[12], raw[13], raw[14], raw[15], rht_mask)
+                else:
+                    xs = raw
+            else:
+                xs = _load_block(s_ptr, col_ptr, (blk * 16)[None, :], h2, hm2, K, stride_s, rht_mask, HAS_COL_INDEX, RHT)
             m = tl.maximum(m, _block_amax_bits(xs))
+        if PLAIN_AMAX:
+            tl.atomic_max(sdec_ptr, tl.max(tl.max(pm, axis=1), axis=0))
         row_max = tl.max(m, axis=1)
         first = pid_h * BLOCK_H
         last = tl.minimum(first + BLOCK_H, R) - 1
@@ -304,19 +319,25 @@ def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, sto
     )
 
 
-def amax_launch(x2d, col_index, rows_per_group, rht_mask, tiles: QuantizeTiles = DEFAULT) -> torch.Tensor:
+def amax_launch(x2d, col_index, rows_per_group, rht_mask, tiles: QuantizeTiles = DEFAULT, plain: bool = False):
     """fp32 ``[ceil(R / rows_per_group)]`` amax of the (transformed) ``x2d`` [R, K] along the
-    same reads as :func:`launch` (NaN wins: bit-pattern max)."""
+    same reads as :func:`launch` (NaN wins: bit-pattern max). ``plain``: also the fp32 ``[1]`` amax
+    of the untransformed values of the whole tensor from the same pass (padding columns are zeros:
+    the amax of ``x2d`` itself), returned second."""
     src = x2d.t()
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     out = torch.zeros(-(-r // rows_per_group) if r else 1, dtype=torch.int32, device=x2d.device)
+    plain_out = torch.zeros(1, dtype=torch.int32, device=x2d.device) if plain else out
     if r and k:
         grid, per, bh, nb, warps = _grid(r, k, tiles)
         _quantize_cols_kernel[grid](
-            src, col_index if col_index is not None else out, out, out, out, out, out,
+            src, col_index if col_index is not None else out, out, out, out, plain_out, out,
             r, k, src.stride(0), rows_per_group, 0, rht_mask, 0, per,
             HAS_COL_INDEX=col_index is not None, STOCHASTIC=False, WITH_IMAGE=False, SWIZZLED=False,
-            RHT=rht_mask >= 0, AMAX_ONLY=True, BLOCK_H=bh, BLOCK_NB=nb, num_warps=warps, **exact_launch(),
+            RHT=rht_mask >= 0, AMAX_ONLY=True, BLOCK_H=bh, BLOCK_NB=nb, PLAIN_AMAX=plain,
+            num_warps=warps, **exact_launch(),
         )
+    if plain:
+        return out.view(torch.float32), plain_out.view(torch.float32)
     return out.view(torch.float32)

@@ -47,7 +47,7 @@ class OpNotSupported(NotImplementedError):
 #: composition where :meth:`Backend.supports` gives a reason.
 OPS = (
     "quantize", "gemm", "gemm_nt", "grouped_gemm", "grouped_gemm_nt", "grouped_wgrad", "grouped_wgrad_gemm",
-    "quantize_wgrad_operand", "decode_grouped_gemm", "rmsnorm_quantize", "swiglu_quantize",
+    "quantize_wgrad_operand", "dy_amaxes", "decode_grouped_gemm", "rmsnorm_quantize", "swiglu_quantize",
 )
 
 
@@ -120,6 +120,11 @@ class Backend:
     def quantize_wgrad_operand(self, t: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> NVFP4Tensor:
         """:func:`~.grouped.quantize_wgrad_operand` read in place (no padded copy)."""
         self._refuse("quantize_wgrad_operand")
+
+    def dy_amaxes(self, dy: torch.Tensor, group_sizes: Sequence[int], rht_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gradient's two tensor-scale amaxes from one read: ``(amax of dy, amax of
+        quantize_wgrad_operand's padded, transformed operand)``, fp32 ``[1]`` each."""
+        self._refuse("dy_amaxes")
 
     def decode_grouped_gemm(self, a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert_ids: torch.Tensor,
                             out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False, *,

@@ -50,6 +50,7 @@ from .linear import (
     quantize_activation,
     quantize_dgrad_operand,
     quantize_wgrad_operand_for,
+    shared_dy_amaxes,
 )
 
 
@@ -183,15 +184,18 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         dws: list[torch.Tensor | None] = [None] * ctx.groups
         qw = expert_weights(ctx.cache, weights, recipe, backend, lctx, with_image=False, stacked=ctx.stacked)
         if recipe.full_update:
+            amax_dgrad = amax_wgrad = None
+            if ctx.needs_input_grad[0] and ctx.needs_wgrad:
+                amax_dgrad, amax_wgrad = shared_dy_amaxes(dy, sizes, lctx, backend)
             if ctx.needs_input_grad[0]:
-                qdy = quantize_dgrad_operand(dy, lctx, backend)
+                qdy = quantize_dgrad_operand(dy, lctx, backend, amax_dgrad)
                 dx = dgrad_gemm(backend, qdy, qw, ctx.cache, _transpose, grad_out.dtype, recipe.strict, group_sizes=sizes)
                 del qdy
             ctx.cache.release_after_backward()
             del qw
             if ctx.needs_wgrad:
                 qx_t = ctx.qx_t_meta.restore_from_saved(rest)
-                qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True)
+                qdy_t = quantize_wgrad_operand_for(dy, sizes, lctx, backend, gradient=True, amax=amax_wgrad)
                 dw = backend.grouped_wgrad_gemm(qdy_t, qx_t, sizes.padded(), wgrad_dtype(weights[0]), recipe.strict)
                 del qdy_t, qx_t
                 dws = add_wgrads(weights, dw, grad_out)

@@ -149,18 +149,45 @@ def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4
     return qx
 
 
-def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
-    """dgrad's gradient ``[M, N]`` along N (split under column parallelism), SR if the recipe says."""
-    return _quantize(gemm_role(lctx.recipe, "dgrad", "grad"), dy, lctx.recipe, lctx, backend)
+def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """dgrad's gradient ``[M, N]`` along N (split under column parallelism), SR if the recipe says;
+    ``amax``: its tensor amax if already known (:func:`shared_dy_amaxes`)."""
+    return _quantize(gemm_role(lctx.recipe, "dgrad", "grad"), dy, lctx.recipe, lctx, backend, amax=amax)
 
 
-def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool) -> NVFP4Tensor:
+#: The backward reads ``dy`` once for both of its tensor-scale amaxes (:func:`shared_dy_amaxes`) on
+#: CPU tensors (the interpreter: the tests); on a GPU once that ran there -- not yet (written after the
+#: session's device time was spent, 2026-12-01; the bits are the separate passes' by construction, a max
+#: being exact; the check: ``tests/kernels/triton/test_triton_quantize_cols.py`` and ``tests/ops`` on the
+#: GPU, then ``python -m benchmarks.learner_step --tokens 16384 --variants bf16,nvfp4``).
+SHARED_DY_AMAX_GPU_VERIFIED = False
+
+
+def shared_dy_amaxes(dy: torch.Tensor, group_sizes, lctx: LinearContext, backend):
+    """``(dgrad operand amax, wgrad operand amax)`` of the gradient ``dy`` [M, N] from one read
+    (``backend.dy_amaxes``), or ``(None, None)`` where each quantizer takes its own pass: a scale
+    that is not per tensor, a domain split across tensor-parallel ranks (their max-reduce), no
+    such kernel, no rows, or a GPU before :data:`SHARED_DY_AMAX_GPU_VERIFIED`."""
+    recipe = lctx.recipe
+    dgrad, wgrad = gemm_role(recipe, "dgrad", "grad"), gemm_role(recipe, "wgrad", "grad")
+    rows = lambda role: lctx.parallel_mode is not None and role.rows_split == lctx.parallel_mode  # noqa: E731
+    ks = lambda role: lctx.parallel_mode is not None and role.k_split == lctx.parallel_mode  # noqa: E731
+    if (dgrad.global_scale != "tensor" or wgrad.global_scale != "tensor" or dy.numel() == 0
+            or (dy.is_cuda and not SHARED_DY_AMAX_GPU_VERIFIED) or backend.supports("dy_amaxes") is not None
+            or needs_sync("tensor", lctx.tp_group, rows_sharded=rows(dgrad), k_sharded=ks(dgrad))
+            or needs_sync("tensor", lctx.tp_group, rows_sharded=rows(wgrad), k_sharded=False)):
+        return None, None
+    return backend.dy_amaxes(dy, group_sizes, wgrad.rht_seed)
+
+
+def quantize_wgrad_operand_for(t: torch.Tensor, group_sizes, lctx: LinearContext, backend, *, gradient: bool,
+                               amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """A wgrad operand along tokens: ``dy`` (``gradient``: SR) or ``x``, both with the RHT, each
     group's tokens zero-padded to a multiple of 16 (dW unchanged). Its rows (features) are split
     under column (dy) or row (x) parallelism. ``dy``'s comes with its BF16 image (the wgrad GEMM
     reads it right away: no separate image pass); ``x``'s is saved for the backward as codes."""
     role = gemm_role(lctx.recipe, "wgrad", "grad" if gradient else "input")
-    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes, wgrad_image=gradient)
+    return _quantize(role, t, lctx.recipe, lctx, backend, group_sizes=group_sizes, wgrad_image=gradient, amax=amax)
 
 
 class NVFP4LinearFunction(torch.autograd.Function):
@@ -205,15 +232,18 @@ class NVFP4LinearFunction(torch.autograd.Function):
         dx = dw_out = None
 
         if recipe.full_update:
+            amax_dgrad = amax_wgrad = None
+            if ctx.needs_input_grad[0] and ctx.needs_wgrad:
+                amax_dgrad, amax_wgrad = shared_dy_amaxes(dy, [dy.shape[0]], lctx, backend)
             if ctx.needs_input_grad[0]:
-                qdy = quantize_dgrad_operand(dy, lctx, backend)
+                qdy = quantize_dgrad_operand(dy, lctx, backend, amax_dgrad)
                 dx = dgrad_gemm(backend, qdy, qw, lctx.cache, lambda q: weight_transposed(q, weight, recipe, backend, lctx),
                                 grad_out.dtype, recipe.strict)
                 del qdy
             lctx.cache.release_after_backward()
             if ctx.needs_wgrad:
                 qx_t = ctx.qx_t_meta.restore_from_saved(rest)
-                qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True)
+                qdy_t = quantize_wgrad_operand_for(dy, [dy.shape[0]], lctx, backend, gradient=True, amax=amax_wgrad)
                 dw = backend.gemm(qdy_t, qx_t, None, out_dtype=wgrad_dtype(weight), batch_invariant=recipe.strict)
                 del qdy_t, qx_t
                 dw_out = add_wgrad(weight, dw, grad_out)

@@ -102,6 +102,7 @@ def quantize_role(
     with_image: bool = True,
     fprop_weight: NVFP4Tensor | None = None,
     wgrad_image: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """The NVFP4 operand of ``role`` from its source ``t`` (``[T, K]`` tokens x features, or the
     weight ``[N, K]`` / ``[G, N, K]``): the amax max-reduced over ``tp_group`` where the role's
@@ -110,7 +111,9 @@ def quantize_role(
     is ``fprop_weight.transpose()`` when that has 16x16 tiles. ``with_image`` does not apply to
     the wgrad operands: they carry their BF16 image only with ``wgrad_image`` (an operand the wgrad
     GEMM reads right away, written by the quantize pass itself; else the GEMM builds the image it
-    needs, e.g. from codes saved for the backward)."""
+    needs, e.g. from codes saved for the backward). ``amax``: the domain's fp32 amax when the caller
+    already has it (a tensor scale whose domain is not split across ranks: ``dy_amaxes``' shared
+    pass), instead of the quantizer's own amax pass."""
     if role.relayout_of_fprop and fprop_weight is not None and fprop_weight.tile == (16, 16):
         return fprop_weight.transpose()
     rows = parallel_mode is not None and role.rows_split == parallel_mode
@@ -122,12 +125,15 @@ def quantize_role(
         if (any(s % 16 for s in sizes) and backend.supports("quantize_wgrad_operand") is None
                 and not needs_sync(role.global_scale, tp_group, rows_sharded=rows, k_sharded=False)):
             # the backend pads each group's tokens through a gather (no padded copy); same bits
-            return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, with_image=wgrad_image, **common)
+            return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, with_image=wgrad_image, amax=amax,
+                                                  **common)
+        given = amax
         return quantize_wgrad_operand(
             t, sizes, rht_seed=role.rht_seed, quantize=backend.quantize, with_image=wgrad_image, **common,
-            amax_fn=lambda tt: synced_amax(tt, role.global_scale, tp_group, rows_sharded=rows, k_sharded=False,
-                                           rht_seed=role.rht_seed),
+            amax_fn=lambda tt: given if given is not None else synced_amax(
+                tt, role.global_scale, tp_group, rows_sharded=rows, k_sharded=False, rht_seed=role.rht_seed),
         )
-    amax = synced_amax(t, role.global_scale, tp_group, rows_sharded=rows, k_sharded=k)
+    if amax is None:
+        amax = synced_amax(t, role.global_scale, tp_group, rows_sharded=rows, k_sharded=k)
     source = t.t() if role.transposed else t
     return backend.quantize(source, tile=role.tile, amax=amax, with_image=with_image, **common)

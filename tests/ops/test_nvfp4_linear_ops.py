@@ -213,3 +213,43 @@ def test_sr_seeds_follow_the_megatron_iteration(monkeypatch):
     assert len(set(first)) == 3
     args.curr_iteration = 8
     assert seeds.next_sr_seed(0) not in first
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_backward_reads_dy_once_for_both_amaxes(grouped, monkeypatch):
+    # the dgrad operand's tensor amax and the wgrad operand's (padded, RHT) amax from one read of dy
+    # (backend.dy_amaxes): the gradients bitwise those of the two separate amax passes
+    import minite_megatron.ops.grouped_linear as grouped_ops
+    import minite_megatron.ops.linear as linear_ops
+
+    recipe = Recipe(backend="triton", grad_stochastic_rounding=True, wgrad_rht=True, rht_seed=3)
+    sizes = [5, 0, 17, 10]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(sizes), 64, generator=g).to(torch.bfloat16)
+    ws = [torch.randn(32, 64, generator=g).to(torch.bfloat16) for _ in sizes]
+    dy = torch.randn(sum(sizes), 32, generator=g).to(torch.bfloat16)
+    backend = nvfp4.get_backend("triton")
+    calls = []
+    real = type(backend).dy_amaxes
+    monkeypatch.setattr(type(backend), "dy_amaxes", lambda self, *a: (calls.append(a[1]), real(self, *a))[1])
+
+    def grads():
+        xx = x.clone().requires_grad_()
+        ww = [w.clone().requires_grad_() for w in ws]
+        torch.manual_seed(9)
+        lctx = LinearContext(recipe, QuantizedWeightCache())
+        if grouped:
+            y = nvfp4_grouped_linear(xx, sizes, ww, None, lctx, QuantizedWeightCache())
+        else:
+            y = nvfp4_linear(xx, ww[0], None, lctx)
+        y.backward(dy)
+        return [xx.grad] + [w.grad for w in (ww if grouped else ww[:1])]
+
+    shared = grads()
+    assert len(calls) == 1
+    monkeypatch.setattr(linear_ops, "shared_dy_amaxes", lambda *a: (None, None))
+    monkeypatch.setattr(grouped_ops, "shared_dy_amaxes", lambda *a: (None, None))
+    separate = grads()
+    assert len(calls) == 1  # the separate passes ran instead
+    for i, (a, b) in enumerate(zip(shared, separate)):
+        assert_bitwise_equal(a, b, f"gradient {i}")

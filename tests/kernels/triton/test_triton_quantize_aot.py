@@ -48,6 +48,6 @@ def test_row_kernel_moves_16_byte_vectors(compiled):
 def test_exact_division_no_fma_no_flush(compiled):
     for name, rep in compiled.items():
         ops = rep["ptx"]
-        assert "div.rn.f32" in ops, (name, ops)
+        assert "div.rn.f32" in ops or name.startswith("amax "), (name, ops)  # an amax pass divides nothing
         assert not [o for o in ops if o.startswith(("div.full", "div.approx", "rcp.approx", "fma."))], (name, ops)
         assert not [o for o in ops if ".ftz" in o], (name, ops)

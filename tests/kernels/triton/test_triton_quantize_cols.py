@@ -146,3 +146,32 @@ def test_rht_and_gather_on_layouts_the_column_kernel_does_not_take():
     assert_bitwise_equal(scales.cpu().view(torch.float8_e4m3fn), ref.block_scales, "scales")
     assert_bitwise_equal(sdec.cpu(), ref.global_decode, "global decode")
     assert_bitwise_equal(image.cpu(), ref.image, "image")
+
+
+@pytest.mark.parametrize("rht_seed", [None, 4])
+def test_amax_pass_also_gives_the_untransformed_tensor_amax(rht_seed):
+    """``amax_launch(plain=True)``: one read of ``dy`` gives the wgrad operand's (transformed,
+    padded) amax and the dgrad operand's plain tensor amax, each bitwise the separate pass's
+    (``amax_forward``); NaN wins in both; the transformed amax is unchanged by the flag."""
+    from minite_kernels.triton.amax import amax_forward
+    from minite_kernels.triton.grouped_wgrad import pad_index
+
+    sizes = [0, 17, 1, 30, 16]
+    x = heavy_tailed(sum(sizes), 40, seed=12, dtype=torch.bfloat16)
+    col, _, _ = pad_index(sizes, x.shape[0], DEVICE)
+    for case in ("finite", "nan", "inf"):
+        xd = x.clone()
+        if case != "finite":
+            xd[20, 7] = float(case)
+        xd = xd.to(DEVICE)
+        alone = quantize_cols.amax_launch(xd.t(), col, 40, rht_mask_of(rht_seed))
+        both, plain = quantize_cols.amax_launch(xd.t(), col, 40, rht_mask_of(rht_seed), plain=True)
+        assert_bitwise_equal(both.cpu(), alone.cpu(), f"transformed amax ({case})", nan_equal=True)
+        ref = amax_forward(xd, xd.shape[0]).cpu()
+        assert plain.shape == (1,)
+        if case == "nan":
+            assert torch.isnan(plain).all() and torch.isnan(ref).all()
+        else:
+            assert_bitwise_equal(plain.cpu(), ref, f"plain amax ({case})")
+            assert_bitwise_equal(plain.cpu(), x.to(torch.float32).abs().amax().reshape(1) if case == "finite"
+                                 else torch.tensor([float("inf")]), f"plain amax vs torch ({case})")
