@@ -278,17 +278,11 @@ def profile(run, model, data, steps: int, refresh: str, path: str | None, top: i
     result = {"top_kernels": rows[:top], "gpu_ms_per_step": total / 1e3 / steps,
               "pct_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1]))}
     if trace and path:
-        import gzip
-        import shutil
-
         from .kernel_sites import _load, format_table, kernel_sites
 
-        raw = path.replace(".txt", "_trace.json")
-        prof.export_chrome_trace(raw)
-        sites = kernel_sites(_load(raw), depth=3, steps=steps)
-        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(raw)
+        trace_path = path.replace(".txt", "_trace.json.gz")
+        prof.export_chrome_trace(trace_path)  # gzipped by torch (the suffix)
+        sites = kernel_sites(_load(trace_path), depth=3, steps=steps)
         with open(path.replace(".txt", "_sites.txt"), "w") as fh:
             fh.write(format_table(sites, 200) + "\n")
         result["top_sites"] = sites[:top]

@@ -53,7 +53,7 @@ from ._nvfp4_math import (
     interpreting,
     max_propagate_nan,
 )
-from .quantize_tiles import DEFAULT, MAX_CHUNKS, QuantizeTiles
+from .quantize_tiles import DEFAULT, QuantizeTiles
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
@@ -91,7 +91,7 @@ def config(r: int, k: int, tile16: bool = False, tiles: QuantizeTiles = DEFAULT,
     if tile16:
         return block_nb, max(16, block_r), warps, 0
     chunks = nb // block_nb
-    return block_nb, block_r, warps, chunks if chunks <= min(row_tile[2], MAX_CHUNKS) else 0
+    return block_nb, block_r, warps, chunks if chunks <= row_tile[2] else 0  # rows[2] <= MAX_CHUNKS: QuantizeTiles checks
 
 
 @triton.jit

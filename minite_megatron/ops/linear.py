@@ -31,7 +31,7 @@ from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
 from .handoff import Handoff, activation_key
 from .amax_sync import needs_sync
-from .roles import gemm_role, quantize_role
+from .roles import domain_split, gemm_role, quantize_role
 from .seeds import next_sr_seed
 from .trace_hook import capture
 from .weight_cache import QuantizedWeightCache
@@ -170,12 +170,11 @@ def shared_dy_amaxes(dy: torch.Tensor, group_sizes, lctx: LinearContext, backend
     such kernel, no rows, or a GPU before :data:`SHARED_DY_AMAX_GPU_VERIFIED`."""
     recipe = lctx.recipe
     dgrad, wgrad = gemm_role(recipe, "dgrad", "grad"), gemm_role(recipe, "wgrad", "grad")
-    rows = lambda role: lctx.parallel_mode is not None and role.rows_split == lctx.parallel_mode  # noqa: E731
-    ks = lambda role: lctx.parallel_mode is not None and role.k_split == lctx.parallel_mode  # noqa: E731
+    (d_rows, d_k), (w_rows, _) = domain_split(dgrad, lctx.parallel_mode), domain_split(wgrad, lctx.parallel_mode)
     if (dgrad.global_scale != "tensor" or wgrad.global_scale != "tensor" or dy.numel() == 0
             or (dy.is_cuda and not SHARED_DY_AMAX_GPU_VERIFIED) or backend.supports("dy_amaxes") is not None
-            or needs_sync("tensor", lctx.tp_group, rows_sharded=rows(dgrad), k_sharded=ks(dgrad))
-            or needs_sync("tensor", lctx.tp_group, rows_sharded=rows(wgrad), k_sharded=False)):
+            or needs_sync("tensor", lctx.tp_group, rows_sharded=d_rows, k_sharded=d_k)
+            or needs_sync("tensor", lctx.tp_group, rows_sharded=w_rows, k_sharded=False)):  # (as quantize_role)
         return None, None
     return backend.dy_amaxes(dy, group_sizes, wgrad.rht_seed)
 

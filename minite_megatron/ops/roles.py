@@ -90,6 +90,14 @@ def gemm_role(recipe: Recipe, gemm: str, operand: str, *, grouped: bool = False)
     )
 
 
+def domain_split(role: GEMMRole, parallel_mode: str | None) -> tuple[bool, bool]:
+    """``(rows_sharded, k_sharded)``: is the amax source's row / K dimension of ``role`` split
+    across tensor-parallel ranks under ``parallel_mode`` (``"column"``, ``"row"`` or None)?"""
+    if parallel_mode is None:
+        return False, False
+    return role.rows_split == parallel_mode, role.k_split == parallel_mode
+
+
 def quantize_role(
     role: GEMMRole,
     t: torch.Tensor,
@@ -116,8 +124,7 @@ def quantize_role(
     pass), instead of the quantizer's own amax pass."""
     if role.relayout_of_fprop and fprop_weight is not None and fprop_weight.tile == (16, 16):
         return fprop_weight.transpose()
-    rows = parallel_mode is not None and role.rows_split == parallel_mode
-    k = parallel_mode is not None and role.k_split == parallel_mode
+    rows, k = domain_split(role, parallel_mode)
     seed = next_sr_seed(recipe.seed) if role.rounding == "stochastic" else None
     common = dict(global_scale=role.global_scale, rounding=role.rounding, seed=seed, nonfinite=recipe.nonfinite)
     if role.transposed and role.gemm == "wgrad":
@@ -127,10 +134,9 @@ def quantize_role(
             # the backend pads each group's tokens through a gather (no padded copy); same bits
             return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, with_image=wgrad_image, amax=amax,
                                                   **common)
-        given = amax
         return quantize_wgrad_operand(
             t, sizes, rht_seed=role.rht_seed, quantize=backend.quantize, with_image=wgrad_image, **common,
-            amax_fn=lambda tt: given if given is not None else synced_amax(
+            amax_fn=lambda tt: amax if amax is not None else synced_amax(
                 tt, role.global_scale, tp_group, rows_sharded=rows, k_sharded=False, rht_seed=role.rht_seed),
         )
     if amax is None:
