@@ -38,7 +38,9 @@ invalidated, as an optimizer step does), so the NVFP4 steps include quantizing e
 Reported per variant: the step time (CUDA events, after ``--warmup`` steps, median of
 ``--iters``), tokens/s, model TFLOP/s and MFU, peak memory (``max_memory_allocated``) by phase
 (parameters; forward; backward; what the weight caches hold), the host time of a step (until
-the backward call returns: launches, Python, and any host synchronization inside), with
+the backward call returns: launches, Python, and any host synchronization inside; ``host_forward_ms``
+until the forward returns; every step's ``step_ms_all`` / ``host_ms_all``), the caching allocator's
+``cudaMalloc`` / ``cudaFree`` calls per timed step (``allocator_per_step``), with
 ``--profile N`` the top kernels by GPU time over N profiled steps (torch.profiler; full tables,
 by GPU and by CPU time, under ``--out``), and with ``--count-ops`` what one more step asks of the
 host: ``aten_ops_per_step`` (aten and ``minite::`` ops dispatched, forward and backward:
@@ -175,6 +177,16 @@ def _refresh(mode: str) -> None:
         invalidate_weight_caches()
 
 
+def _allocator_counts(cuda: bool) -> dict:
+    """The caching allocator's device calls so far (``cudaMalloc`` / ``cudaFree``; a free waits for
+    the device) and its out-of-memory retries; empty on a CPU."""
+    if not cuda:
+        return {}
+    st = torch.cuda.memory_stats()
+    return {"cuda_mallocs": st.get("num_device_alloc", 0), "cuda_frees": st.get("num_device_free", 0),
+            "alloc_retries": st.get("num_alloc_retries", 0)}
+
+
 def _alloc(cuda: bool) -> float:
     return torch.cuda.memory_allocated() / GIB if cuda else 0.0
 
@@ -301,8 +313,15 @@ def host_profile(run, model, data, steps: int, refresh: str, path: str | None, t
     if cuda:
         torch.cuda.synchronize()
     prof = cProfile.Profile()
-    t0 = time.perf_counter()
     with torch.autograd.set_multithreading_enabled(False):
+        # one step first on this thread: per-thread caches (cuDNN's attention graphs are thread-local)
+        # are built here, not under the profiler (they showed as ~94 ms of "host" in the first profile)
+        _refresh(refresh)
+        run(*data).backward()
+        _zero_grads(model)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         prof.enable()
         for _ in range(steps):
             _refresh(refresh)
@@ -405,21 +424,27 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
             gc_runs[info["generation"]] += 1
             gc_ms[0] += (time.perf_counter() - _t0[0]) * 1e3
 
+    host_fwd = []
+    allocs0 = _allocator_counts(cuda)
     gc.callbacks.append(_gc_cb)
     for _ in range(args.iters):
         _refresh(args.weight_refresh)
         start = clock.start()
         t_host = time.perf_counter()
         loss = run(*data)
+        host_fwd.append((time.perf_counter() - t_host) * 1e3)
         loss.backward()
         host.append((time.perf_counter() - t_host) * 1e3)
         times.append(clock.ms(start))
         del loss
         _zero_grads(model)
     gc.callbacks.remove(_gc_cb)
+    allocs = {k: (v - allocs0[k]) / max(1, args.iters) for k, v in _allocator_counts(cuda).items()}
     step_ms = statistics.median(times)
     row = {
         "variant": label, "step_ms": step_ms, "step_ms_min": min(times), "step_ms_max": max(times),
+        "step_ms_all": times, "host_ms_all": host, "host_forward_ms": statistics.median(host_fwd),
+        "allocator_per_step": allocs,
         "tokens_per_s": batch * seq / step_ms * 1e3, "host_ms": statistics.median(host),
         "first_step_s": first_s, "build_s": build_s,
         "gc_collections_per_step": [n / max(1, args.iters) for n in gc_runs], "gc_ms_per_step": gc_ms[0] / max(1, args.iters),

@@ -215,20 +215,25 @@ def test_sr_seeds_follow_the_megatron_iteration(monkeypatch):
     assert seeds.next_sr_seed(0) not in first
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_backward_reads_dy_once_for_both_amaxes(grouped, monkeypatch):
+def test_backward_reads_dy_once_for_both_amaxes(grouped, device, monkeypatch):
     # the dgrad operand's tensor amax and the wgrad operand's (padded, RHT) amax from one read of dy
-    # (backend.dy_amaxes): the gradients bitwise those of the two separate amax passes
+    # (backend.dy_amaxes): the gradients bitwise those of the two separate amax passes; on a GPU with
+    # the gate (SHARED_DY_AMAX_GPU_VERIFIED) forced open -- the check that sets it
     import minite_megatron.ops.grouped_linear as grouped_ops
     import minite_megatron.ops.linear as linear_ops
+
+    if device == "cuda":
+        monkeypatch.setattr(linear_ops, "SHARED_DY_AMAX_GPU_VERIFIED", True)
 
     recipe = Recipe(backend="triton", grad_stochastic_rounding=True, wgrad_rht=True, rht_seed=3)
     sizes = [5, 0, 17, 10]
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(sum(sizes), 64, generator=g).to(torch.bfloat16)
-    ws = [torch.randn(32, 64, generator=g).to(torch.bfloat16) for _ in sizes]
-    dy = torch.randn(sum(sizes), 32, generator=g).to(torch.bfloat16)
-    backend = nvfp4.get_backend("triton")
+    x = torch.randn(sum(sizes), 64, generator=g).to(device, torch.bfloat16)
+    ws = [torch.randn(32, 64, generator=g).to(device, torch.bfloat16) for _ in sizes]
+    dy = torch.randn(sum(sizes), 32, generator=g).to(device, torch.bfloat16)
+    backend = nvfp4.get_backend("triton", torch.device(device))
     calls = []
     real = type(backend).dy_amaxes
     monkeypatch.setattr(type(backend), "dy_amaxes", lambda self, *a: (calls.append(a[1]), real(self, *a))[1])
