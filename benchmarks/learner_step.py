@@ -336,6 +336,7 @@ def host_profile(run, model, data, steps: int, refresh: str, path: str | None, t
     top_rows = [{"function": f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", "calls": n // steps,
                  "tottime_ms": tt * 1e3 / steps, "cumtime_ms": ct * 1e3 / steps} for fn, n, tt, ct in rows[:top]]
     if path:
+        prof.dump_stats(path.replace(".txt", ".prof"))  # for callers / callees (pstats) later
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(60)
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)

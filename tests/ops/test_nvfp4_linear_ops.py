@@ -1,5 +1,7 @@
 """The NVFP4 linear and grouped-expert autograd ops equal the contract composed by hand, bitwise."""
 
+import os
+
 import pytest
 import torch
 
@@ -226,6 +228,8 @@ def test_backward_reads_dy_once_for_both_amaxes(grouped, device, monkeypatch):
 
     if device == "cuda":
         monkeypatch.setattr(linear_ops, "SHARED_DY_AMAX_GPU_VERIFIED", True)
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU tensors runs under TRITON_INTERPRET=1 only")
 
     recipe = Recipe(backend="triton", grad_stochastic_rounding=True, wgrad_rht=True, rht_seed=3)
     sizes = [5, 0, 17, 10]
