@@ -51,6 +51,9 @@ def smoke_on_the_interpreter() -> None:
     repository's interpreter fixes (:mod:`minite_kernels.triton._interpreter_compat`)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from minite_kernels.triton._interpreter_compat import install
+    from minite_megatron.nvfp4.backends import triton_interpreting
+
+    triton_interpreting.cache_clear()
 
     install()
 

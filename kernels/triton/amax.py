@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._nvfp4_math import exact_launch, interpreting
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 #: Elements per program iteration of the flat kernel on the GPU, and its num_warps.
 GPU_FLAT_BLOCK = 4096
@@ -92,7 +93,7 @@ def _amax_kernel(
 
 
 def _blocks(r: int, k: int) -> tuple[int, int]:
-    block_k = min(triton.next_power_of_2(max(k, 16)), 256)
+    block_k = min(next_pow2(max(k, 16)), 256)
     block_r = max(1, min(64, 8192 // block_k))
     return block_r, block_k
 
@@ -105,10 +106,10 @@ def _flat_launch(x2d: torch.Tensor, out: torch.Tensor, rows_per_group: int) -> N
         block, warps, programs = 256, 4, 4
     else:
         block, warps, programs = GPU_FLAT_BLOCK, GPU_FLAT_WARPS, GPU_FLAT_PROGRAMS
-    chunks_per_group = triton.cdiv(group_len, block)
+    chunks_per_group = cdiv(group_len, block)
     per_group = max(1, programs // groups)
-    iters = triton.cdiv(chunks_per_group, min(per_group, chunks_per_group))
-    grid = (triton.cdiv(chunks_per_group, iters), groups)
+    iters = cdiv(chunks_per_group, min(per_group, chunks_per_group))
+    grid = (cdiv(chunks_per_group, iters), groups)
     _amax_flat_kernel[grid](x2d, out, group_len, r * k, iters, BLOCK=block, IS_FP16=x2d.dtype == torch.float16,
                             num_warps=warps, **exact_launch())
 
@@ -124,7 +125,7 @@ def amax_forward(x2d: torch.Tensor, rows_per_group: int) -> torch.Tensor:
             _flat_launch(x2d, out, rows_per_group)
         else:
             block_r, block_k = _blocks(r, k)
-            _amax_kernel[(triton.cdiv(r, block_r),)](
+            _amax_kernel[(cdiv(r, block_r),)](
                 x2d, out, r, k, x2d.stride(0), x2d.stride(1), rows_per_group,
                 BLOCK_R=block_r, BLOCK_K=block_k, IS_FP16=x2d.dtype == torch.float16, **exact_launch(),
             )

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .bi_common import interpreting, tile_dot
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages): one config for every call on a GPU (the learner,
 #: prefill and decode alike) -- flash-attention-sized tiles for the wgmma tensor cores; the
@@ -198,14 +199,14 @@ def _launch(q, k, v, mask, scale, causal, out, lse):
         ms = (0, 0, 0, 0)
     cast = interpreting() or q.dtype == torch.float32 or not (q.dtype == k.dtype == v.dtype)
     block_m, block_n, warps, stages = block_config()
-    grid = (triton.cdiv(sq, block_m), b * hq)
+    grid = (cdiv(sq, block_m), b * hq)
     _bi_attention_kernel[grid](
         q, k, v, mask if mask is not None else out, out, lse if lse is not None else out,
         hq, sq, sk, d, dv, hq // hkv, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), *(lse.stride() if lse is not None else (0, 0, 0)),
         CAUSAL=causal, HAS_MASK=mask is not None, CAST_FP32=cast, PRECISION="ieee" if cast else "tf32", AS_SUM=interpreting(),
-        WITH_LSE=lse is not None, BM=block_m, BN=block_n, BD=max(16, triton.next_power_of_2(d)),
-        BDV=max(16, triton.next_power_of_2(dv)), num_warps=warps, num_stages=stages,
+        WITH_LSE=lse is not None, BM=block_m, BN=block_n, BD=max(16, next_pow2(d)),
+        BDV=max(16, next_pow2(dv)), num_warps=warps, num_stages=stages,
     )
 
 

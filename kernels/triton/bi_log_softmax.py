@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from ..custom_op import custom_op
+from ._host import next_pow2
 
 MAX_BLOCK = 4096
 
@@ -50,7 +51,7 @@ def _bi_log_softmax_op(x: torch.Tensor) -> torch.Tensor:
     m, v = x.shape
     out = torch.empty(m, v, dtype=torch.float32, device=x.device)
     if m and v:
-        block = min(triton.next_power_of_2(v), MAX_BLOCK)
+        block = min(next_pow2(v), MAX_BLOCK)
         _bi_log_softmax_kernel[(m,)](x, out, v, x.stride(0), x.stride(1), out.stride(0), BLOCK=block, num_warps=8)
     return out
 

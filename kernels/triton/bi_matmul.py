@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .bi_common import finish, interpreting, kernel_out_dtype, tile_dot
 from ..custom_op import custom_op
+from ._host import cdiv
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The tensor-core path (bf16 / fp16 operands of
 #: one dtype: strict mode's FP32-output LM head and router) ran the FMA tile until issue 16 round
@@ -87,7 +88,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dty
         return finish(out, out_dtype)
     cast = interpreting() or x.dtype != w.dtype or x.dtype == torch.float32
     block_m, block_n, block_k, warps, stages = config or tile_config(x.dtype, w.dtype)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _bi_matmul_kernel[grid](
         x, w, bias if bias is not None else out, out, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),

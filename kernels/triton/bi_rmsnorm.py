@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .bi_common import finish, kernel_out_dtype
 from ..custom_op import custom_op
+from ._host import next_pow2
 
 MAX_BLOCK = 4096
 
@@ -54,7 +55,7 @@ def _bi_rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
     m, h = x.shape
     out = torch.empty(m, h, dtype=kernel_out_dtype(x.dtype), device=x.device)
     if m and h:
-        block = min(triton.next_power_of_2(h), MAX_BLOCK)
+        block = min(next_pow2(h), MAX_BLOCK)
         _bi_rmsnorm_kernel[(m,)](
             x, weight, out, h, x.stride(0), x.stride(1), out.stride(0), eps,
             ZERO_CENTERED=zero_centered_gamma, BLOCK=block, num_warps=4,

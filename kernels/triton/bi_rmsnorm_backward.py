@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 MAX_H = 4096
 #: most programs (weight-gradient partials) of one call
@@ -59,9 +60,9 @@ def _bi_rmsnorm_backward_kernel(
 
 def launch_config(m: int, h: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_H, programs, warps): tiles of ~4096 elements, at most :data:`MAX_PROGRAMS`."""
-    block_h = triton.next_power_of_2(h)
+    block_h = next_pow2(h)
     block_m = max(1, min(64, 4096 // block_h))
-    tiles = triton.cdiv(m, block_m)
+    tiles = cdiv(m, block_m)
     return block_m, block_h, max(1, min(tiles, MAX_PROGRAMS)), 8 if block_h >= 2048 else 4
 
 

@@ -44,6 +44,7 @@ from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_g
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 MAX_M = 64
 MAX_SPLIT = 32
@@ -154,7 +155,7 @@ def strict_dense_entry() -> dict:
 
 
 def _m_pad(m: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(m))
+    return max(floor, next_pow2(m))
 
 
 def default_config(m: int, n: int, k: int, sm_count: int, entry: dict) -> dict:
@@ -162,14 +163,14 @@ def default_config(m: int, n: int, k: int, sm_count: int, entry: dict) -> dict:
     grid ``per_sm`` programs per SM with at most ``MAX_CHUNKS`` steps per program (at least one
     step per split, at most :data:`MAX_SPLIT` splits)."""
     bn, bk = entry["BLOCK_N"], entry["BLOCK_K"]
-    steps = triton.cdiv(k, bk)
-    tiles = max(triton.cdiv(n, bn), 1)
-    split = max(1, min(steps, MAX_SPLIT, triton.cdiv(entry["per_sm"] * sm_count, tiles)))
-    nchunk = min(triton.cdiv(steps, split), entry["MAX_CHUNKS"])
-    split = triton.cdiv(steps, nchunk)
+    steps = cdiv(k, bk)
+    tiles = max(cdiv(n, bn), 1)
+    split = max(1, min(steps, MAX_SPLIT, cdiv(entry["per_sm"] * sm_count, tiles)))
+    nchunk = min(cdiv(steps, split), entry["MAX_CHUNKS"])
+    split = cdiv(steps, nchunk)
     if split > MAX_SPLIT:  # very long K: more steps per program
         split = MAX_SPLIT
-        nchunk = triton.cdiv(steps, split)
+        nchunk = cdiv(steps, split)
     cfg = {key: v for key, v in entry.items() if key not in ("per_sm", "min_m_pad", "MAX_CHUNKS")}
     return dict(cfg, M_PAD=_m_pad(m, entry.get("min_m_pad", 16)), SPLIT=split, NCHUNK=nchunk)
 
@@ -178,7 +179,7 @@ def strict_config(m: int, k: int, entry: dict) -> dict:
     """A strict launch from a :data:`GPU_STRICT_DECODE`-style entry: one program per N tile runs
     the whole K (``M_PAD`` None: the natural padding, >= 16)."""
     mp = entry.get("M_PAD") or _m_pad(m, 16)
-    return dict(entry, M_PAD=mp, SPLIT=1, NCHUNK=triton.cdiv(k, entry["BLOCK_K"]))
+    return dict(entry, M_PAD=mp, SPLIT=1, NCHUNK=cdiv(k, entry["BLOCK_K"]))
 
 
 def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) -> dict:
@@ -187,11 +188,11 @@ def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) 
         # BLOCK_K = 16 and no split in strict mode: the interpreter's fp32 dot then adds exact
         # block partials in K order, the contract's order (the learner's strict GEMM there)
         if batch_invariant:
-            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=_m_pad(m, 16), SPLIT=1, NCHUNK=triton.cdiv(k, 16), DEPTH=2,
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=_m_pad(m, 16), SPLIT=1, NCHUNK=cdiv(k, 16), DEPTH=2,
                         num_warps=4)
-        steps = triton.cdiv(k, 32)
+        steps = cdiv(k, 32)
         split = max(1, min(2, steps))
-        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=split, NCHUNK=triton.cdiv(steps, split),
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=split, NCHUNK=cdiv(steps, split),
                     DEPTH=1, num_warps=4)
     if batch_invariant:
         return strict_config(m, k, strict_dense_entry())
@@ -229,8 +230,8 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         out.copy_(out_pad[:m])
         return
     bn, bk, nchunk = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NCHUNK"]
-    split = triton.cdiv(k, nchunk * bk)  # (cfg's SPLIT, recomputed: NCHUNK steps per program cover K)
-    num_n = triton.cdiv(n, bn)
+    split = cdiv(k, nchunk * bk)  # (cfg's SPLIT, recomputed: NCHUNK steps per program cover K)
+    num_n = cdiv(n, bn)
     part = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
     cnt = split_counters(a.device, num_n) if split > 1 else part
     _decode_gemm_kernel[(num_n, split)](
@@ -239,7 +240,7 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
-        SPLIT_MAX=triton.next_power_of_2(split), ASM=(not interpreting()) if asm is None else asm,
+        SPLIT_MAX=next_pow2(split), ASM=(not interpreting()) if asm is None else asm,
         DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
         num_stages=1, **exact_launch(),
     )

@@ -36,6 +36,7 @@ from ._nvfp4_math import exact_launch, interpreting, round_to
 from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 
 @triton.jit
@@ -155,11 +156,11 @@ def grouped_config(r: int, k: int, experts: int, entry: dict) -> dict:
     ``MAX_CHUNKS`` K steps per program, M padded for the expected rows per expert (>= 16, wgmma)."""
     slots = max(1, min(r, experts))
     bk = entry["BLOCK_K"]
-    steps = triton.cdiv(k, bk)
+    steps = cdiv(k, bk)
     nchunk = max(1, min(steps, entry["MAX_CHUNKS"]))
-    m_pad = max(16, min(32, triton.next_power_of_2(triton.cdiv(r, slots))))
+    m_pad = max(16, min(32, next_pow2(cdiv(r, slots))))
     return dict(BLOCK_N=entry["BLOCK_N"], BLOCK_K=bk, num_warps=entry["num_warps"], DEPTH=min(entry["DEPTH"], nchunk),
-                NCHUNK=nchunk, SPLIT=triton.cdiv(steps, nchunk), M_PAD=m_pad)
+                NCHUNK=nchunk, SPLIT=cdiv(steps, nchunk), M_PAD=m_pad)
 
 
 #: The strict (batch-invariant) launch: ``GPU_STRICT_DECODE``'s tile, the whole K per program in the
@@ -190,10 +191,10 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
     """Launch parameters (as :func:`.decode_gemm.select_config`; the grid counts expert slots)."""
     if interpreting():
         if batch_invariant:
-            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, NCHUNK=triton.cdiv(k, 16), DEPTH=2, num_warps=4)
-        steps = triton.cdiv(k, 32)
+            return dict(BLOCK_N=16, BLOCK_K=16, M_PAD=16, SPLIT=1, NCHUNK=cdiv(k, 16), DEPTH=2, num_warps=4)
+        steps = cdiv(k, 32)
         split = max(1, min(2, steps))
-        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=split, NCHUNK=triton.cdiv(steps, split), DEPTH=1,
+        return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=split, NCHUNK=cdiv(steps, split), DEPTH=1,
                     num_warps=4)
     if batch_invariant:
         return strict_config(16, k, strict_grouped_entry())
@@ -206,9 +207,9 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
     r, k = a.shape
     n = out.shape[1]
     bn, bk, nchunk = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NCHUNK"]
-    split = triton.cdiv(k, nchunk * bk)
+    split = cdiv(k, nchunk * bk)
     slots = min(r, experts)
-    num_n = triton.cdiv(n, bn)
+    num_n = cdiv(n, bn)
     part = torch.empty((split, r, n) if split > 1 else (1,), dtype=torch.float32, device=a.device)
     cnt = split_counters(a.device, slots * num_n) if split > 1 else part
     _decode_grouped_kernel[(slots, num_n, split)](
@@ -216,8 +217,8 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         r, n, k, experts, w_codes.stride(0), w_scales.stride(0), a.stride(0), out.stride(0), split,
         SA_ROWS=a_scale.numel() != 1 or r == 1, SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1),
         MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
-        DEPTH=cfg["DEPTH"], SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
-        E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
+        DEPTH=cfg["DEPTH"], SPLIT_MAX=next_pow2(split), R_POW2=next_pow2(r),
+        E_POW2=next_pow2(experts), ASM=(not interpreting()) if asm is None else asm,
         DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
         num_stages=1, **exact_launch(),
     )

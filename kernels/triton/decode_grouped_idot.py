@@ -61,6 +61,7 @@ from ._nvfp4_math import e2m1_value, e4m3_value, interpreting, round_to
 from .decode_grouped_gemm import _chunk_rows, _slot_expert
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 # $0, $1: int8 magnitudes (2 * |e2m1|) of nibbles 0-3 / 4-7 of the code word $4 where the code is
 # positive, else 0; $2, $3: the same where the code is negative. $5, $6: IDOT_TABLES. A selector
@@ -368,8 +369,8 @@ def idot_config(k: int, entry: dict | None = None) -> dict:
     if entry is None:
         entry = INTERPRETER_IDOT if interpreting() else GPU_IDOT
     kb = k // 16
-    bkb = min(entry["BLOCK_KB"], triton.next_power_of_2(kb))
-    nsteps = triton.cdiv(kb, bkb)
+    bkb = min(entry["BLOCK_KB"], next_pow2(kb))
+    nsteps = cdiv(kb, bkb)
     unroll = max(1, min(entry["UNROLL"], nsteps))
     while nsteps % unroll:
         unroll -= 1
@@ -394,9 +395,9 @@ def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_
     cfg = idot_config(k) if cfg is None else cfg
     sorted_rows = offsets is not None or dense
     if dense:
-        grid = (triton.cdiv(r, 2 if cfg["PAIRS"] else 1), triton.cdiv(n, cfg["BLOCK_N"]))
+        grid = (cdiv(r, 2 if cfg["PAIRS"] else 1), cdiv(n, cfg["BLOCK_N"]))
     else:
-        grid = (experts if sorted_rows else min(r, experts), triton.cdiv(n, cfg["BLOCK_N"]))
+        grid = (experts if sorted_rows else min(r, experts), cdiv(n, cfg["BLOCK_N"]))
     # the kernel reads ids (unsorted) or offsets (sorted), never both, nothing in dense mode
     rows = expert_ids if expert_ids is not None else offsets if offsets is not None else out
     xc = _int64_rows(a_codes)
@@ -408,8 +409,8 @@ def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_
         SORTED=sorted_rows and not dense, DENSE=dense, HAS_BIAS=bias is not None, SA_ROWS=a_scale.numel() != 1 or r == 1,
         SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1), MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
-        R_POW2=1 if sorted_rows else triton.next_power_of_2(max(r, 1)),  # (sorted: unused; one compile for any R)
-        E_POW2=1 if sorted_rows else triton.next_power_of_2(experts),
+        R_POW2=1 if sorted_rows else next_pow2(max(r, 1)),  # (sorted: unused; one compile for any R)
+        E_POW2=1 if sorted_rows else next_pow2(experts),
         ASM=(not interpreting()) if asm is None else asm, BITWISE_BF16=interpreting(),
         num_warps=cfg["num_warps"], num_stages=1,
     )

@@ -29,6 +29,7 @@ import triton.language as tl
 from ._gemm_common import epilogue, mma_k_loop, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from ..custom_op import custom_op
+from ._host import cdiv
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -184,7 +185,7 @@ def gemm_op(
     if k == 0:
         return out.zero_()
     bm, bn, bk, gm, warps, stages = select_config(m, n, k, batch_invariant, canonical)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
     common = dict(
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,

@@ -27,6 +27,7 @@ from ._gemm_common import epilogue, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 
 @triton.jit
@@ -155,12 +156,12 @@ def grouped_gemm_op(
         b_phys, b_kmajor = b_img.contiguous(), False
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(b_phys, [1, bk, bn] if b_kmajor else [1, bn, bk])
-    grid = ((triton.cdiv(m, bm) + groups) * triton.cdiv(n, bn),)
+    grid = ((cdiv(m, bm) + groups) * cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a_desc, b_desc, out, offsets, a_scale, b_scale, bias if bias is not None else b_scale,
         m, n, k, groups, out.stride(0),
         SA_ROWS=a_scale.numel() != 1 or m == 1, HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, G_POW2=triton.next_power_of_2(groups),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, G_POW2=next_pow2(groups),
         DOT_FP32=interpreting(), CANONICAL=canonical, num_warps=warps, num_stages=stages, **exact_launch(),
     )
     return out

@@ -35,6 +35,7 @@ from .grouped_gemm import group_offsets
 from . import quantize_cols
 from .quantize import quantize_op, rht_mask_of, sr_key
 from ..custom_op import custom_op
+from ._host import cdiv
 
 
 @triton.jit
@@ -273,7 +274,7 @@ def grouped_wgrad_op(
 
     a_desc = TensorDescriptor.from_tensor(a_img, [bm, bt])
     b_desc = TensorDescriptor.from_tensor(b_img, [bn, bt])
-    grid = (groups * triton.cdiv(n, bm) * triton.cdiv(kx, bn),)
+    grid = (groups * cdiv(n, bm) * cdiv(kx, bn),)
     _grouped_wgrad_kernel[grid](
         a_desc, b_desc, a_img, b_img, out, poffs, a_scale, b_scale, n, kx, t_pad,
         SA_ROWS=a_scale.numel() != 1 or n == 1, SB_ROWS=b_scale.numel() != 1 or kx == 1,

@@ -19,6 +19,7 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
 from ._nvfp4_math import bf16_image_bits, e2m1_value, e4m3_value, exact_launch
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 
 @triton.jit
@@ -48,9 +49,9 @@ def image_op(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     r, k = codes.shape[0], codes.shape[1] * 2
     image = torch.empty(r, k, dtype=torch.bfloat16, device=codes.device)
     if r and k:
-        block_k = min(triton.next_power_of_2(k), 256)
+        block_k = min(next_pow2(k), 256)
         block_r = max(1, min(64, 8192 // block_k))
-        grid = (triton.cdiv(r, block_r), triton.cdiv(k, block_k))
+        grid = (cdiv(r, block_r), cdiv(k, block_k))
         _image_kernel[grid](codes.contiguous(), scales.contiguous(), image.view(torch.int16), r, k,
                             BLOCK_R=block_r, BLOCK_K=block_k, **exact_launch())
     return image

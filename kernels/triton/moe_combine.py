@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .bi_common import interpreting
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_H = 2048
@@ -97,7 +98,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 def _config(h: int) -> tuple[int, int]:
-    block = min(triton.next_power_of_2(max(h, 1)), MAX_BLOCK_H)
+    block = min(next_pow2(max(h, 1)), MAX_BLOCK_H)
     return block, max(1, min(8, block // 256))  # 8 elements (16 bytes of bf16) per thread
 
 
@@ -119,7 +120,7 @@ def _moe_sum_rows_op(src: torch.Tensor, order: torch.Tensor, bounds: torch.Tenso
     out = torch.empty(t, h, dtype=src.dtype, device=src.device)
     if t and h:
         block, warps = _config(h)
-        _moe_sum_rows_kernel[(t, triton.cdiv(h, block))](
+        _moe_sum_rows_kernel[(t, cdiv(h, block))](
             src, order, bounds, out, h, s_row, s_slot, s_col, out.stride(0),
             K=k, BLOCK_H=block, DTYPE=_TL_DTYPE[src.dtype],
             EMULATE_BF16=interpreting() and src.dtype == torch.bfloat16, num_warps=warps,
@@ -139,7 +140,7 @@ def _moe_gather_rows_op(src: torch.Tensor, index: torch.Tensor, k: int, rows: in
     out = torch.empty(rows, h, dtype=src.dtype, device=src.device)
     if rows and h:
         block, warps = _config(h)
-        _moe_gather_rows_kernel[(rows, triton.cdiv(h, block))](
+        _moe_gather_rows_kernel[(rows, cdiv(h, block))](
             src, index, out, h, src.stride(0), src.stride(1), out.stride(0),
             K=k, CANONICAL=canonical, BLOCK_H=block, DTYPE=_TL_DTYPE[src.dtype], num_warps=warps,
         )

@@ -42,6 +42,7 @@ from triton.language.extra.cuda import libdevice
 
 from ..custom_op import custom_op
 from ._nvfp4_math import interpreting
+from ._host import next_pow2
 
 #: Largest T * E (padded to powers of two) one program routes.
 MAX_ELEMENTS = 16384
@@ -144,7 +145,7 @@ def _moe_route_kernel(
 def fits(tokens: int, experts: int, topk: int) -> bool:
     """Can one program route ``tokens`` x ``experts`` with this ``topk``?"""
     return (0 < topk <= min(experts, MAX_TOPK)
-            and triton.next_power_of_2(max(tokens, 1)) * triton.next_power_of_2(experts) <= MAX_ELEMENTS)
+            and next_pow2(max(tokens, 1)) * next_pow2(experts) <= MAX_ELEMENTS)
 
 
 @custom_op("minite::moe_route", mutates_args=())
@@ -162,10 +163,10 @@ def moe_route_op(logits: torch.Tensor, k: int, scaling: float) -> tuple[torch.Te
     if t == 0:
         return ids, tok, probs, comb, sizes.zero_(), offsets.zero_()
     interp = interpreting()
-    t_p, e_p = triton.next_power_of_2(t), triton.next_power_of_2(e)
+    t_p, e_p = next_pow2(t), next_pow2(e)
     _moe_route_kernel[(1,)](
         logits, ids, tok, probs, comb, sizes, offsets, t, e, logits.stride(0), logits.stride(1), float(scaling),
-        K=k, T_P=t_p, E_P=e_p, K_P=triton.next_power_of_2(k), HAS_SCALING=bool(scaling),
+        K=k, T_P=t_p, E_P=e_p, K_P=next_pow2(k), HAS_SCALING=bool(scaling),
         ACCURATE_EXP=not interp, num_warps=8 if t_p * e_p >= 4096 else 4, **({} if interp else LAUNCH),
     )
     return ids, tok, probs, comb, sizes, offsets

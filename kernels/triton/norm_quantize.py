@@ -77,6 +77,7 @@ from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, 
 from .bi_rmsnorm import MAX_BLOCK
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from ..custom_op import custom_op
+from ._host import next_pow2
 
 
 #: bi_rmsnorm's num_warps (part of the reduction layout: do not change one without the other).
@@ -89,7 +90,7 @@ def config(h: int) -> tuple[int, int, int]:
     """(BLOCK, BLOCK_NB, CHUNKS): BLOCK is bi_rmsnorm's; BLOCK_NB the largest power of two <=
     128 (the program's threads) dividing the row's block count; CHUNKS = blocks / BLOCK_NB if
     <= MAX_CHUNKS (y in registers), else 0 (e.g. H = 80: 5 chunks of one block; H = 16384)."""
-    block = min(triton.next_power_of_2(h), MAX_BLOCK)
+    block = min(next_pow2(h), MAX_BLOCK)
     nb = h // 16
     cap = 32 * NORM_WARPS
     block_nb = 1
@@ -385,7 +386,7 @@ def aot_bi_rmsnorm(h: int = 2048, dtype: str = "bf16"):
 
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "H": "i32", "sxm": "i32",
            "som": "i32", "eps": "fp32"}
-    return compile_for(_bi_rmsnorm_kernel, sig, dict(ZERO_CENTERED=False, BLOCK=min(triton.next_power_of_2(h),
+    return compile_for(_bi_rmsnorm_kernel, sig, dict(ZERO_CENTERED=False, BLOCK=min(next_pow2(h),
                                                                                     MAX_BLOCK), sxh=1),
                        num_warps=4, divisible=("H", "sxm", "som"))
 

@@ -46,6 +46,7 @@ from ..custom_op import custom_op
 from ._nvfp4_math import interpreting
 from .bi_rmsnorm import MAX_BLOCK
 from .norm_quantize import NORM_WARPS, _load_f32, round_half
+from ._host import next_pow2
 
 
 @triton.jit
@@ -145,7 +146,7 @@ def qk_norm_rope_cache_op(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PER=per, NG=groups, ROT=rot, NORM=norm, ZERO_CENTERED=zero_centered_gamma,
-        BLOCK=min(triton.next_power_of_2(d), MAX_BLOCK), IS_FP16=mixed.dtype == torch.float16,
+        BLOCK=min(next_pow2(d), MAX_BLOCK), IS_FP16=mixed.dtype == torch.float16,
         BITWISE_BF16=interpreting() and mixed.dtype == torch.bfloat16, num_warps=NORM_WARPS,
     )
     return q
@@ -225,7 +226,7 @@ def aot_kernel(d: int = 128, dtype: str = "bf16", per: int = 8, groups: int = 4)
            "sin_ptr": f"*{dtype}", "pos_ptr": "*i64", "q_ptr": f"*{dtype}", "kc_ptr": f"*{dtype}",
            "vc_ptr": f"*{dtype}", "H": "i32", "sxm": "i32", "eps": "fp32", "s_cos": "i32", "sq_b": "i32",
            "sq_h": "i32", "sk_s": "i32", "sk_b": "i32", "sk_g": "i32", "sv_s": "i32", "sv_b": "i32", "sv_g": "i32"}
-    ce = dict(PER=per, NG=groups, ROT=d, NORM=True, ZERO_CENTERED=False, BLOCK=min(triton.next_power_of_2(d), MAX_BLOCK),
+    ce = dict(PER=per, NG=groups, ROT=d, NORM=True, ZERO_CENTERED=False, BLOCK=min(next_pow2(d), MAX_BLOCK),
               IS_FP16=dtype == "fp16", BITWISE_BF16=False, sxh=1)
     return compile_for(_qk_norm_rope_kernel, sig, ce, num_warps=NORM_WARPS,
                        divisible=("H", "sxm", "s_cos", "sq_b", "sq_h", "sk_s", "sk_b", "sk_g", "sv_s", "sv_b", "sv_g"))

@@ -64,6 +64,7 @@ from . import quantize_cols, quantize_rows
 from .amax import amax_forward
 from .quantize_tiles import DEFAULT, QuantizeTiles
 from ..custom_op import custom_op
+from ._host import cdiv, next_pow2
 
 
 @triton.jit
@@ -259,12 +260,12 @@ def _quantize_t_kernel(
 def _config(r: int, k: int, tile16: bool, stochastic: bool, tiles: QuantizeTiles = DEFAULT) -> tuple[int, int, int, bool]:
     """(BLOCK_R, BLOCK_K, num_warps, SINGLE_PASS) of the row-major kernel."""
     if interpreting():
-        block_k = min(triton.next_power_of_2(k), 64)
-        block_r = 16 if tile16 else max(1, min(16, triton.next_power_of_2(r)))
+        block_k = min(next_pow2(k), 64)
+        block_r = 16 if tile16 else max(1, min(16, next_pow2(r)))
         return block_r, block_k, 4, block_k >= k
-    kp = triton.next_power_of_2(k)
+    kp = next_pow2(k)
     if r <= tiles.small_r and kp <= 16384 and not tile16:
-        block_r = min(triton.next_power_of_2(r), max(1, 8192 // kp))
+        block_r = min(next_pow2(r), max(1, 8192 // kp))
         return block_r, kp, 4 if block_r * kp <= 4096 else 8, True
     if kp <= tiles.single_pass_k:
         elems = tiles.single_pass_elems // (2 if stochastic else 1)
@@ -374,7 +375,7 @@ def quantize_op(
             amax = amax_forward(x2d, 1)
         bt, bh, warps = (16, 16, 4) if interpreting() else t.transposed_tile
         src = x2d.t()
-        _quantize_t_kernel[(triton.cdiv(k, bt), triton.cdiv(r, bh))](
+        _quantize_t_kernel[(cdiv(k, bt), cdiv(r, bh))](
             src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image.view(torch.int16),
             r, k, src.stride(0), src.shape[0], rows_per_group, key, cols_padded,
             HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
@@ -382,7 +383,7 @@ def quantize_op(
         )
         return codes, scales, sdec, image
     block_r, block_k, warps, single = _config(r, k, tile16, stochastic, t)
-    _quantize_kernel[(triton.cdiv(r, block_r),)](
+    _quantize_kernel[(cdiv(r, block_r),)](
         x2d, col_index if col_index is not None else codes, amax if amax is not None else sdec,
         codes, scales, sdec, image.view(torch.int16),
         r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, cols_padded,

@@ -39,6 +39,7 @@ from ._nvfp4_math import (
     interpreting,
 )
 from .quantize_tiles import DEFAULT, QuantizeTiles
+from ._host import cdiv
 
 
 def supported(x2d: torch.Tensor, tile16: bool) -> bool:
@@ -297,10 +298,10 @@ def _grid(r: int, k: int, tiles: QuantizeTiles) -> tuple[tuple[int, int], int, i
     """(grid, groups per program, BLOCK_H, BLOCK_NB, num_warps): enough programs to fill the
     GPU, each walking ``groups`` groups of BLOCK_NB token blocks."""
     bh, nb, warps = (32, 4, 1) if interpreting() else tiles.cols_tile
-    groups = triton.cdiv(k // 16, nb)
-    ph = triton.cdiv(r, bh)
+    groups = cdiv(k // 16, nb)
+    ph = cdiv(r, bh)
     per = 1 if interpreting() else max(1, min(tiles.cols_grid[0], groups * ph // tiles.cols_grid[1]))
-    return (triton.cdiv(groups, per), ph), per, bh, nb, warps
+    return (cdiv(groups, per), ph), per, bh, nb, warps
 
 
 def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, stochastic, key, rht_mask,

@@ -54,6 +54,7 @@ from ._nvfp4_math import (
     max_propagate_nan,
 )
 from .quantize_tiles import DEFAULT, QuantizeTiles
+from ._host import cdiv
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
@@ -305,7 +306,7 @@ def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, ke
     """Run the row kernel on ``x2d`` [R, K] (see :func:`supported`) into the given outputs."""
     r, k = x2d.shape
     block_nb, block_r, warps, chunks = config(r, k, tile16, tiles, stochastic)
-    _quantize_rows_kernel[(triton.cdiv(r, block_r),)](
+    _quantize_rows_kernel[(cdiv(r, block_r),)](
         x2d, amax if amax is not None else sdec, codes, scales, sdec, image,
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,
         ROW_AMAX=amax is None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0, SWIZZLED=swizzled,

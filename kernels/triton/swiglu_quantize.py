@@ -60,6 +60,7 @@ from ._nvfp4_math import ONE_SIXTH, canonical_nan_f32, global_scales_from_amax, 
 from .norm_quantize import as_nvfp4, round_half
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from ..custom_op import custom_op
+from ._host import cdiv
 
 
 #: Warps per program when a row takes at most 32 threads (quantize_rows' measured best: 1).
@@ -229,7 +230,7 @@ def swiglu_quantize_op(
         return a, codes, scales, sdec, image
     block_nb, block_r, warps, chunks = config(m, f)
     interp = interpreting()
-    _swiglu_quantize_kernel[(triton.cdiv(m, block_r),)](
+    _swiglu_quantize_kernel[(cdiv(m, block_r),)](
         h, a, codes, scales, sdec, image if with_image else codes, probs if probs is not None else sdec,
         m, f, h.stride(0) // 2,
         IS_FP16=h.dtype == torch.float16, WITH_IMAGE=with_image, BITWISE_BF16=interp and h.dtype == torch.bfloat16,

@@ -51,6 +51,7 @@ from ._nvfp4_math import interpreting
 from .norm_quantize import round_half
 from .swiglu_quantize import LAUNCH, _swiglu_quantize_kernel, config
 from ..custom_op import custom_op
+from ._host import cdiv
 
 _HALF = (torch.bfloat16, torch.float16)
 #: Backward tile: rows per program, widest column chunk, warps.
@@ -82,7 +83,7 @@ def weighted_swiglu_op(h: torch.Tensor, probs: torch.Tensor, inline_glu: bool = 
         return y
     block_nb, block_r, warps, chunks = config(m, f)
     interp = interpreting()
-    _swiglu_quantize_kernel[(triton.cdiv(m, block_r),)](
+    _swiglu_quantize_kernel[(cdiv(m, block_r),)](
         h, y, y, y, probs, y, probs, m, f, h.stride(0) // 2,
         IS_FP16=h.dtype == torch.float16, WITH_IMAGE=False, BITWISE_BF16=interp and h.dtype == torch.bfloat16,
         ACCURATE_EXP=not interp, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, WEIGHTED=True, QUANTIZE=False,
@@ -174,7 +175,7 @@ def weighted_swiglu_backward_op(dy: torch.Tensor, h: torch.Tensor, probs: torch.
     if m == 0:
         return dh, dp
     interp = interpreting()
-    _weighted_swiglu_bwd_kernel[(triton.cdiv(m, BWD_BLOCK_R),)](
+    _weighted_swiglu_bwd_kernel[(cdiv(m, BWD_BLOCK_R),)](
         dy.view(torch.int16), h.view(torch.int16), probs, dh.view(torch.int16), dp,
         m, f, dy.stride(0), h.stride(0), dh.stride(0),
         IS_FP16=h.dtype == torch.float16, BITWISE_BF16=interp and h.dtype == torch.bfloat16,

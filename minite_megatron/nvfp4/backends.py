@@ -15,6 +15,7 @@ package imports only torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from collections.abc import Sequence
@@ -27,9 +28,12 @@ from .quantize import quantize_reference
 from .tensor import NVFP4Tensor
 
 
+@functools.cache
 def triton_interpreting() -> bool:
     """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET`` read with
-    Triton's own rule: 1/true/on/yes)? Read without importing Triton."""
+    Triton's own rule: 1/true/on/yes)? Read without importing Triton, once: the launchers ask on
+    every launch (~600 times a learner step), and ``os.environ`` costs microseconds a read. Code
+    that sets the variable after the first call calls ``triton_interpreting.cache_clear()``."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
