@@ -109,15 +109,18 @@ def quantize_expert_weights(weights: Sequence[torch.Tensor], recipe, backend, lc
 
 
 def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=None,
-                   with_image: bool | None = None, stacked: torch.Tensor | None = None) -> NVFP4Tensor:
+                   with_image: bool | None = None, stacked: torch.Tensor | None = None,
+                   image_once: bool = False) -> NVFP4Tensor:
     """The ``[G, N, K]`` quantized expert weights from ``cache`` (once per weight version; the
-    BF16 image only where ``cache.keep_images()`` says). With ``stacked`` (the
+    BF16 image only where ``cache.keep_images()`` says; ``image_once``: as
+    :func:`~.linear.weight_operand`'s). With ``stacked`` (the
     experts' one-buffer view) the cache keys on that one tensor: a view shares its base's
     version counter, so any in-place change of an expert is seen."""
     with_image = cache.keep_images() if with_image is None else with_image
+    once = image_once and not with_image
     key = stacked if stacked is not None else weights
-    return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image, stacked),
-                     extra=backend.name)
+    return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image or once, stacked),
+                     extra=backend.name, image_once=once)
 
 
 _LAST_SIZES: list = [None, None]  # (the sequence a caller passed, its GroupSizes)
@@ -151,11 +154,12 @@ class NVFP4GroupedLinearFunction(torch.autograd.Function):
         backend = backend_for(recipe, x.device)
         groups = len(tokens_per_expert)
         weights, biases = params[:groups], (params[groups:] if has_bias else None)
-        qw = expert_weights(cache, weights, recipe, backend, lctx, with_image, stacked)
+        qw = expert_weights(cache, weights, recipe, backend, lctx, with_image, stacked, image_once=True)
         ctx.stacked = stacked
         qx = quantize_activation(x, lctx, backend)
         bias = torch.stack(biases) if has_bias else None
         y = backend.grouped_gemm(qx, qw, tokens_per_expert, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
+        del qw  # an image made for this GEMM goes now
 
         ctx.lctx, ctx.cache, ctx.groups, ctx.has_bias = lctx, cache, groups, has_bias
         ctx.tokens_per_expert = tokens_per_expert  # a GroupSizes: its device tensors serve the backward too

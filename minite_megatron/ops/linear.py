@@ -69,13 +69,18 @@ def quantize_weight(weight: torch.Tensor, recipe: Recipe, backend, lctx: "Linear
     return _quantize(gemm_role(recipe, "fprop", "weight"), weight, recipe, lctx, backend, with_image=with_image)
 
 
-def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None) -> NVFP4Tensor:
+def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_image: bool | None = None,
+                   image_once: bool = False) -> NVFP4Tensor:
     """The cached NVFP4 weight of a linear (quantized when its version changed); with its BF16
     image only where the cache's ``keep_images()`` says (``with_image``: that answer, taken
-    where autograd's grad mode is the caller's)."""
+    where autograd's grad mode is the caller's). ``image_once`` (the forward GEMM): a weight
+    quantized now comes with its image for this call, the cache keeping codes only
+    (:meth:`~.weight_cache.QuantizedWeightCache.get`)."""
     recipe = lctx.recipe
     with_image = lctx.cache.keep_images() if with_image is None else with_image
-    return lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx, with_image), extra=backend.name)
+    once = image_once and not with_image
+    return lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx, with_image or once),
+                          extra=backend.name, image_once=once)
 
 
 def dgrad_gemm(backend, qdy: NVFP4Tensor, qw: NVFP4Tensor, cache: QuantizedWeightCache, make_transposed,
@@ -198,9 +203,10 @@ class NVFP4LinearFunction(torch.autograd.Function):
         backend = backend_for(recipe, x.device)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        qw = weight_operand(lctx, weight, backend, with_image)
+        qw = weight_operand(lctx, weight, backend, with_image, image_once=True)
         qx = quantize_activation(x2, lctx, backend)
         y = backend.gemm(qx, qw, bias, out_dtype=x.dtype, batch_invariant=recipe.strict)
+        del qw  # an image made for this GEMM goes now
 
         ctx.lctx = lctx
         ctx.has_bias = bias is not None

@@ -24,6 +24,7 @@ recipe (``keep_weight_images``, ``keep_weight_codes``).
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -93,15 +94,20 @@ class QuantizedWeightCache:
         ws = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
         return (_GENERATION[0], extra) + tuple((w._version, w.data_ptr(), w.dtype, w.shape) for w in ws)
 
-    def get(self, weights, quantize, extra=None) -> NVFP4Tensor:
+    def get(self, weights, quantize, extra=None, image_once: bool = False) -> NVFP4Tensor:
         """The quantized weight(s); ``quantize(weights)`` (a detached tensor, or the list as
-        given) runs only when the key changed."""
+        given) runs only when the key changed. ``image_once``: ``quantize`` writes the BF16 image
+        too (the forward GEMM's operand, from the quantize pass itself instead of a separate image
+        pass over the codes); the caller gets it for this one call, the entry keeps codes and
+        scales only (a cache hit returns those)."""
         key = self._key_of(weights, extra)
         if key != self._key:
             with torch.no_grad():
-                self._q = quantize(weights.detach() if isinstance(weights, torch.Tensor) else weights)
+                q = quantize(weights.detach() if isinstance(weights, torch.Tensor) else weights)
+            self._q = replace(q, image=None) if image_once and q.image is not None else q
             self._qt = None
             self._key = key
+            return q
         return self._q
 
     def transposed(self, make) -> NVFP4Tensor:

@@ -70,6 +70,39 @@ def test_keep_images_keeps_the_image_in_training_with_the_same_bits():
         assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_forward_gemm_takes_the_image_of_a_fresh_quantization_and_the_cache_drops_it(grouped):
+    """A weight quantized by the forward comes with its BF16 image from the quantize pass itself
+    (no separate image pass); the cache keeps codes only; the forward on a cache hit (codes: the GEMM
+    builds the image) gives the same bits."""
+    from minite_megatron.ops.grouped_linear import nvfp4_grouped_linear
+
+    sizes = [5, 0, 11, 16]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(sizes) if grouped else 32, 64, generator=g).to(DEV, torch.bfloat16)
+    ws = [torch.randn(48, 64, generator=g).to(DEV, torch.bfloat16).requires_grad_() for _ in (sizes if grouped else [0])]
+    cache = QuantizedWeightCache(keep_codes=True)
+    ctx = LinearContext(RECIPE, cache if not grouped else QuantizedWeightCache())
+    quantized = []
+    real = cache.get
+
+    def spy(weights, quantize, extra=None, image_once=False):
+        def q(w):
+            out = quantize(w)
+            quantized.append(out.image is not None)
+            return out
+        return real(weights, q, extra, image_once)
+
+    cache.get = spy
+    run = (lambda: nvfp4_grouped_linear(x, sizes, ws, None, ctx, cache)) if grouped else (lambda: nvfp4_linear(x, ws[0], None, ctx))
+    fresh = run()
+    assert quantized == [True]  # the quantize pass wrote the image for the forward GEMM
+    assert cache._q is not None and cache._q.image is None  # the entry: codes and scales only
+    hit = run()
+    assert quantized == [True]  # a cache hit: no new quantization
+    assert_bitwise_equal(hit, fresh)
+
+
 def test_layers_build_their_caches_from_the_recipe_options():
     """The recipe fields ``keep_weight_images`` / ``keep_weight_codes`` (``--minite-keep-weight-*``)
     reach every weight cache a layer builds (dense linears and grouped experts), not a module global."""
