@@ -18,11 +18,12 @@ import triton
 import triton.language as tl
 from ..custom_op import custom_op
 from ._host import next_pow2
+from ._launch import fast_jit
 
 MAX_BLOCK = 4096
 
 
-@triton.jit
+@fast_jit
 def _bi_log_softmax_kernel(x_ptr, out_ptr, V, sxm, sxv, som, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)

@@ -21,11 +21,12 @@ import triton.language as tl
 from .bi_common import finish, kernel_out_dtype
 from ..custom_op import custom_op
 from ._host import next_pow2
+from ._launch import fast_jit
 
 MAX_BLOCK = 4096
 
 
-@triton.jit
+@fast_jit
 def _bi_rmsnorm_kernel(
     x_ptr, w_ptr, out_ptr, H, sxm, sxh, som, eps,
     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,

@@ -23,13 +23,14 @@ import triton.language as tl
 
 from ..custom_op import custom_op
 from ._host import cdiv, next_pow2
+from ._launch import fast_jit
 
 MAX_H = 4096
 #: most programs (weight-gradient partials) of one call
 MAX_PROGRAMS = 1024
 
 
-@triton.jit
+@fast_jit
 def _bi_rmsnorm_backward_kernel(
     g_ptr, x_ptr, w_ptr, gx_ptr, dwp_ptr, M, H, s_g, s_x, s_gx, eps, n_prog,
     ZERO_CENTERED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,

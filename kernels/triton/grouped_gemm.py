@@ -28,6 +28,7 @@ from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
 from ._host import cdiv, next_pow2
+from ._launch import fast_jit
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def _expert_of_tile(offs_ptr, tile_m, G, BLOCK_M: tl.constexpr, G_POW2: tl.const
     return valid, g, row_start, row_end, row_start + (tile_m - first_tile) * BLOCK_M
 
 
-@triton.jit
+@fast_jit
 def _grouped_gemm_kernel(
     a_desc, b_desc, c_ptr, offs_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, G, s_cm,

@@ -36,9 +36,10 @@ from . import quantize_cols
 from .quantize import quantize_op, rht_mask_of, sr_key
 from ..custom_op import custom_op
 from ._host import cdiv
+from ._launch import fast_jit
 
 
-@triton.jit
+@fast_jit
 def _grouped_wgrad_kernel(
     a_desc, b_desc, a_ptr, b_ptr, out_ptr, poffs_ptr, sa_ptr, sb_ptr,
     N, KX, T_PAD,

@@ -43,6 +43,7 @@ from triton.language.extra.cuda import libdevice
 from ..custom_op import custom_op
 from ._nvfp4_math import interpreting
 from ._host import next_pow2
+from ._launch import fast_jit
 
 #: Largest T * E (padded to powers of two) one program routes.
 MAX_ELEMENTS = 16384
@@ -67,7 +68,7 @@ def _pair_level(s, T_P: tl.constexpr, W: tl.constexpr):
     return tl.sum(tl.reshape(s, [T_P, W // 2, 2]), axis=2)
 
 
-@triton.jit
+@fast_jit
 def _moe_route_kernel(
     logits_ptr, ids_ptr, tok_ptr, probs_ptr, comb_ptr, sizes_ptr, offs_ptr,
     T, E, s_t, s_e, scaling,

@@ -78,6 +78,7 @@ from .bi_rmsnorm import MAX_BLOCK
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from ..custom_op import custom_op
 from ._host import next_pow2
+from ._launch import fast_jit
 
 
 #: bi_rmsnorm's num_warps (part of the reduction layout: do not change one without the other).
@@ -173,7 +174,7 @@ def _norm_chunk(x_row, y_row, w_ptr, jw, c, r, rmask3,
     return ya, yb, _chunk_block_max(ya, yb, IS_FP16)
 
 
-@triton.jit
+@fast_jit
 def _rmsnorm_quantize_kernel(
     x_ptr, w_ptr, y_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     H, sxm, sxh, eps,

@@ -47,9 +47,10 @@ from ._nvfp4_math import interpreting
 from .bi_rmsnorm import MAX_BLOCK
 from .norm_quantize import NORM_WARPS, _load_f32, round_half
 from ._host import next_pow2
+from ._launch import fast_jit
 
 
-@triton.jit
+@fast_jit
 def _qk_norm_rope_kernel(
     x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
     H, sxm, sxh, eps,

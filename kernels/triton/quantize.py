@@ -65,6 +65,7 @@ from .amax import amax_forward
 from .quantize_tiles import DEFAULT, QuantizeTiles
 from ..custom_op import custom_op
 from ._host import cdiv, next_pow2
+from ._launch import fast_jit
 
 
 @triton.jit
@@ -141,7 +142,7 @@ def _scale_offsets(r, c, cols, scale_cols_padded, SWIZZLED: tl.constexpr):
         return r.to(tl.int64) * cols + c
 
 
-@triton.jit(do_not_specialize=["key"])
+@fast_jit(do_not_specialize=["key"])
 def _quantize_kernel(
     x_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
@@ -194,7 +195,7 @@ def _quantize_kernel(
                            TILE16, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_R, BLOCK_K)
 
 
-@triton.jit(do_not_specialize=["key"])
+@fast_jit(do_not_specialize=["key"])
 def _quantize_t_kernel(
     s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_s, T_SRC, rows_per_group, key, scale_cols_padded,

@@ -55,6 +55,7 @@ from ._nvfp4_math import (
 )
 from .quantize_tiles import DEFAULT, QuantizeTiles
 from ._host import cdiv
+from ._launch import fast_jit
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
@@ -220,7 +221,7 @@ def _quantize_chunk(
         tl.store(iptr + 4, ib, mask=rmask[:, :, None])
 
 
-@triton.jit(do_not_specialize=["key"])
+@fast_jit(do_not_specialize=["key"])
 def _quantize_rows_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_w, rows_per_group, key, scale_cols_padded,

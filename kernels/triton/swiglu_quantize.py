@@ -61,6 +61,7 @@ from .norm_quantize import as_nvfp4, round_half
 from .quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from ..custom_op import custom_op
 from ._host import cdiv
+from ._launch import fast_jit
 
 
 #: Warps per program when a row takes at most 32 threads (quantize_rows' measured best: 1).
@@ -140,7 +141,7 @@ def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p,
     return aa, ab, _chunk_block_max(aa, ab, IS_FP16)
 
 
-@triton.jit
+@fast_jit
 def _swiglu_quantize_kernel(
     h_ptr, a_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr, p_ptr,
     R, F, stride_w,

@@ -52,6 +52,7 @@ from .norm_quantize import round_half
 from .swiglu_quantize import LAUNCH, _swiglu_quantize_kernel, config
 from ..custom_op import custom_op
 from ._host import cdiv
+from ._launch import fast_jit
 
 _HALF = (torch.bfloat16, torch.float16)
 #: Backward tile: rows per program, widest column chunk, warps.
@@ -125,7 +126,7 @@ def _widen(v, IS_FP16: tl.constexpr):
         return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@fast_jit
 def _weighted_swiglu_bwd_kernel(
     dy_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr,
     R, F, stride_dy, stride_h, stride_dh,
