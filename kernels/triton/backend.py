@@ -142,6 +142,7 @@ class TritonBackend(Backend):
     """NVFP4 contract on Triton kernels (see the module docstring)."""
 
     name = "triton"
+    device_group_sizes = True  # every grouped op takes a DeviceGroupSizes (device offsets, the width bound)
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options if options is not None else TritonOptions()
@@ -441,11 +442,11 @@ class TritonBackend(Backend):
         if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
             raise TypeError("grouped_wgrad_gemm takes two NVFP4Tensor operands")
         sizes = GroupSizes.of(padded_group_sizes)  # its offsets: those its sizes were padded from, if so
-        if any(s % BLOCK for s in sizes):
+        if sizes.padded() is not sizes:  # (DeviceGroupSizes: its padded view)
             raise ValueError(f"grouped_wgrad_gemm: padded group sizes must be multiples of {BLOCK}: {sizes}")
-        if a.k != b.k or a.k != sum(sizes):
+        if a.k != b.k or a.k != sizes.total:
             raise ValueError(
-                f"grouped_wgrad_gemm: operands have K={a.k} and K={b.k}, padded groups sum to {sum(sizes)}"
+                f"grouped_wgrad_gemm: operands have K={a.k} and K={b.k}, padded groups sum to {sizes.total}"
             )
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"grouped_wgrad_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minite_megatron.nvfp4.group_sizes import GroupSizes
+from minite_megatron.nvfp4.group_sizes import DeviceGroupSizes, GroupSizes
 
 from ._gemm_common import epilogue, mma_tile
 from ._nvfp4_math import exact_launch, interpreting, round_to
@@ -117,7 +117,8 @@ def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, ca
 def group_offsets(group_sizes, device: torch.device) -> torch.Tensor:
     """int32 ``[G + 1]`` prefix offsets on ``device`` from a (device) tensor of sizes, or from host
     sizes (a list, or a :class:`~minite_megatron.nvfp4.group_sizes.GroupSizes` whose offsets are
-    made once and shared): summed on the host, one pinned non-blocking copy, no host sync."""
+    made once and shared): summed on the host, one pinned non-blocking copy, no host sync; a
+    :class:`~minite_megatron.nvfp4.group_sizes.DeviceGroupSizes` gives its shared device offsets."""
     if isinstance(group_sizes, torch.Tensor):
         sizes = group_sizes.to(device=device, dtype=torch.int32).reshape(-1)
         return torch.nn.functional.pad(torch.cumsum(sizes, 0, dtype=torch.int32), (1, 0))
@@ -184,7 +185,8 @@ def grouped_gemm_forward(
     batch_invariant: bool = False,
     canonical: bool = False,
 ) -> torch.Tensor:
-    """Checked entry point: ``group_sizes`` is a list of ints or an int tensor (device: no sync)."""
+    """Checked entry point: ``group_sizes`` is a list of ints (or a ``GroupSizes``), or an int tensor
+    or a ``DeviceGroupSizes`` (device: no sync)."""
     if a_img.dim() != 2 or b_img.dim() != 3:
         raise ValueError(f"grouped_gemm: need a [M, K] and b [G, N, K], got {tuple(a_img.shape)}, {tuple(b_img.shape)}")
     if a_img.shape[1] != b_img.shape[2]:
@@ -197,8 +199,9 @@ def grouped_gemm_forward(
     if not isinstance(group_sizes, torch.Tensor):
         if len(group_sizes) != groups:
             raise ValueError(f"grouped_gemm: {len(group_sizes)} group sizes for {groups} groups")
-        if sum(group_sizes) != a_img.shape[0]:
-            raise ValueError(f"grouped_gemm: group sizes sum to {sum(group_sizes)}, a has {a_img.shape[0]} rows")
+        total = group_sizes.total if isinstance(group_sizes, (GroupSizes, DeviceGroupSizes)) else sum(group_sizes)
+        if total != a_img.shape[0]:
+            raise ValueError(f"grouped_gemm: group sizes sum to {total}, a has {a_img.shape[0]} rows")
     elif group_sizes.numel() != groups:
         raise ValueError(f"grouped_gemm: {group_sizes.numel()} group sizes for {groups} groups")
     if b_scale.numel() != groups:

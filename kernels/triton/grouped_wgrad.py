@@ -13,8 +13,9 @@ butterfly order on the gathered, zero-padded blocks).
 The GEMM: one program per (expert, N tile, K tile) runs over its expert's padded token range,
 TMA tiles of ``BLOCK_T`` tokens then one masked tail (a multiple of 16 tokens), in token
 order; epilogue ``fp32(s_a[n] * s_b[k]) * acc``, one rounding to ``out_dtype``; an expert
-without tokens gets zeros. ``group_sizes``: list of ints (exact padding) or an int tensor on
-the device (no host sync; the padded width is then the bound ``T + 15 G``).
+without tokens gets zeros. ``group_sizes``: list of ints (exact padding), or an int tensor or a
+``DeviceGroupSizes`` on the device (no host sync; the padded width is then the bound ``T + 15 G``
+rounded up to 16).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from minite_megatron.nvfp4.formats import BLOCK
-from minite_megatron.nvfp4.group_sizes import GroupSizes
+from minite_megatron.nvfp4.group_sizes import DeviceGroupSizes, GroupSizes
 from minite_megatron.nvfp4.quantize import check_finite
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
@@ -107,22 +108,15 @@ def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, 
 
     ``col_index[c]`` is the source token of padded column c, or -1 for padding. Host sizes (a
     list, or a :class:`~minite_megatron.nvfp4.group_sizes.GroupSizes`, whose tensors are made
-    once and shared) give the exact ``T_pad`` and cost one pinned non-blocking copy at most; an
-    int tensor on the device gives the bound ``T + 15 G`` and no copy.
+    once and shared) give the exact ``T_pad`` and cost one pinned non-blocking copy at most;
+    device sizes (a :class:`~minite_megatron.nvfp4.group_sizes.DeviceGroupSizes`, its tensors
+    shared the same way, or an int tensor of sizes summing to ``t``) give the bound
+    ``ceil16(T + 15 G)`` and no copy.
     """
-    if not isinstance(group_sizes, torch.Tensor):
-        sizes = GroupSizes.of(group_sizes)
-        return sizes.column_index(device), sizes.padded_offsets(device), sizes.padded().total
-    sizes = group_sizes.to(device=device, dtype=torch.int64).reshape(-1)
-    t_pad = -(-(t + (BLOCK - 1) * sizes.numel()) // BLOCK) * BLOCK
-    psizes = (sizes + BLOCK - 1) // BLOCK * BLOCK
-    offs = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
-    poffs = torch.nn.functional.pad(torch.cumsum(psizes, 0), (1, 0))
-    c = torch.arange(t_pad, device=device)
-    g = torch.searchsorted(poffs[1:], c, right=True).clamp(max=max(sizes.numel() - 1, 0))
-    local = c - poffs[g]
-    src = torch.where((local < sizes[g]) & (c < poffs[-1]), offs[g] + local, -1)
-    return src.to(torch.int32), poffs.to(torch.int32), t_pad
+    if isinstance(group_sizes, torch.Tensor):
+        group_sizes = DeviceGroupSizes(group_sizes.reshape(-1), t, check=False)
+    sizes = GroupSizes.of(group_sizes)
+    return sizes.column_index(device), sizes.padded_offsets(device), sizes.padded().total
 
 
 def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_seed, with_image=True, amax=None):
@@ -167,8 +161,10 @@ def quantize_wgrad_operand_forward(
     amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """``nvfp4.quantize_wgrad_operand``, bit for bit, without the padded copy: ``t`` [T, H] rows
-    sorted by group (list of ints) -> NVFP4 ``[H, T_pad]`` along tokens, each group zero-padded
-    to a multiple of 16, read in place through the gather of the column kernel (RHT fused).
+    sorted by group (host ints, or a ``DeviceGroupSizes``) -> NVFP4 ``[H, T_pad]`` along tokens,
+    each group zero-padded to a multiple of 16, read in place through the gather of the column
+    kernel (RHT fused). Device sizes give ``T_pad`` = their width bound: the columns past the
+    padded groups are zeros (the amax, codes and the wgrad GEMM of the groups unchanged).
     ``amax``: the tensor scale's fp32 ``[1]`` amax of the padded, transformed operand if the
     caller already has it (:func:`dy_amaxes`), else one amax pass runs first."""
     group_sizes = GroupSizes.of(group_sizes)
@@ -201,12 +197,14 @@ def dy_amaxes(dy: torch.Tensor, group_sizes, rht_seed: int | None) -> tuple[torc
     ``(amax of dy, amax of its wgrad operand)`` -- the dgrad operand's plain amax, and the amax of
     ``pad_groups(dy).t()`` after the RHT of ``rht_seed`` (what :func:`quantize_wgrad_operand_forward`
     and ``quantize_forward`` compute in their own passes), each fp32 ``[1]``, bitwise those passes'.
-    ``group_sizes``: host ints (a list or a ``GroupSizes``) summing to T."""
+    ``group_sizes``: host ints (a list or a ``GroupSizes``) or a ``DeviceGroupSizes``, summing to T
+    (device sizes: always through their column index, the zero columns changing no max)."""
     sizes = GroupSizes.of(group_sizes)
     if dy.dim() != 2 or sizes.total != dy.shape[0]:
         raise ValueError(f"dy_amaxes: dy {tuple(dy.shape)} and group sizes summing to {sizes.total} disagree")
     x = dy.contiguous()
-    col_index = pad_index(sizes, x.shape[0], x.device)[0] if any(s % BLOCK for s in sizes) else None
+    gather = isinstance(sizes, DeviceGroupSizes) or any(s % BLOCK for s in sizes)
+    col_index = pad_index(sizes, x.shape[0], x.device)[0] if gather else None
     wgrad, plain = quantize_cols.amax_launch(x.t(), col_index, max(x.shape[1], 1), rht_mask_of(rht_seed), plain=True)
     return plain, wgrad
 
@@ -231,7 +229,7 @@ def grouped_wgrad_forward(
     t = x.shape[0]
     if grad_out.dim() != 2 or x.dim() != 2 or grad_out.shape[0] != t:
         raise ValueError(f"grouped_wgrad: grad_out {tuple(grad_out.shape)} and x {tuple(x.shape)} disagree")
-    if not isinstance(group_sizes, torch.Tensor) and sum(int(s) for s in group_sizes) != t:
+    if not isinstance(group_sizes, (torch.Tensor, DeviceGroupSizes)) and sum(int(s) for s in group_sizes) != t:
         raise ValueError(
             f"grouped_wgrad: grad_out {tuple(grad_out.shape)}, x {tuple(x.shape)} and group sizes "
             f"summing to {sum(group_sizes)} disagree"

@@ -41,7 +41,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from .moe import IdentitySortSkip
+from .moe import DeviceTokenCounts
 from ..invariant.collectives import invariant_reduce_scatter
 
 
@@ -176,9 +176,10 @@ class StrictAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return hidden_states
 
 
-class StrictAlltoAllTokenDispatcher(IdentitySortSkip, MoEAlltoAllTokenDispatcher):
+class StrictAlltoAllTokenDispatcher(DeviceTokenCounts, MoEAlltoAllTokenDispatcher):
     """All-to-all dispatcher with :func:`deterministic_unpermute` and the deterministic
-    permutation backward (:func:`ordered_permute_backward`; the all-to-alls only move rows)."""
+    permutation backward (:func:`ordered_permute_backward`; the all-to-alls only move rows); the
+    identity sort skipped and the counts left on the device where they can be (:mod:`.moe`)."""
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         permuted, permuted_probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
@@ -237,6 +238,8 @@ class DeterministicMoELayer(MoELayer):
         dispatcher = cls(self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
         if self.use_shared_expert and self.shared_expert_overlap:
             dispatcher.set_shared_experts(self.shared_experts)
+        if isinstance(dispatcher, DeviceTokenCounts):
+            dispatcher.set_experts(self.experts)
         self.megatron_token_dispatcher = self.token_dispatcher  # Megatron's, for before/after comparisons
         self.token_dispatcher = dispatcher
         self.deterministic_combine = True

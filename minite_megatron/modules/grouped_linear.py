@@ -6,7 +6,8 @@ off) through its fc1/fc2 builders::
     NVFP4GroupedLinear(num_local_experts, input_size, output_size, *, config, init_method, bias,
                        skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection, name,
                        recipe=..., parallel_mode="column" | "row", precision=..., handoff=None)
-    forward(x [T, K], tokens_per_expert: list[int]) -> (y [T, N], bias or None)
+    forward(x [T, K], tokens_per_expert: list[int] | DeviceGroupSizes) -> (y [T, N], bias or None)
+    why_host_counts(dtype=None, device=None) -> None, or why the counts must reach the host
 
 One call runs all local experts: in NVFP4, or with ``precision="bf16"`` (the BF16 twin and the
 recipe's BF16 layers) through ``torch._grouped_mm`` (:func:`~minite_megatron.ops.grouped_linear.
@@ -33,7 +34,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 
-from ..ops.grouped_linear import bf16_grouped_linear, expert_weights, nvfp4_grouped_linear
+from ..ops.grouped_linear import (
+    bf16_grouped_linear,
+    bf16_why_host_sizes,
+    expert_weights,
+    nvfp4_grouped_linear,
+    nvfp4_why_host_sizes,
+)
 from ..ops.weight_cache import QuantizedWeightCache
 from ..ops.linear import LinearContext
 from ..recipe import Recipe
@@ -164,10 +171,28 @@ class NVFP4GroupedLinear(MegatronModule):
     def trace_name(self, name: str | None) -> None:
         self.minite_ctx.trace_name = name
 
+    def why_host_counts(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> str | None:
+        """None if :meth:`forward` takes ``tokens_per_expert`` as a ``DeviceGroupSizes`` (counts
+        left on the device: no host wait) for inputs of ``dtype`` (default: the weights') on
+        ``device`` (default: the weights'), else the reason it needs them on the host."""
+        w = self.weight0
+        dtype = w.dtype if dtype is None else dtype
+        device = w.device if device is None else torch.device(device)
+        if self.use_bias:
+            return "the expert linears have biases"
+        if _pg_size(self._tp_group) > 1:
+            return "expert tensor parallelism"
+        if self.recipe.strict:
+            return "strict mode (its experts are kept on the host sizes' path)"
+        if self.precision == "nvfp4":
+            return nvfp4_why_host_sizes(self.recipe, device)
+        return bf16_why_host_sizes(dtype, device, w.dtype)
+
     @names_nonfinite
     def forward(self, x: torch.Tensor, tokens_per_expert):
         # Megatron's grouped MLP passes one host list to fc1 and fc2: kept as it is, so that the
-        # two linears share its device index tensors (ops.grouped_linear.shared_group_sizes)
+        # two linears share its device index tensors (ops.grouped_linear.shared_group_sizes); a
+        # DeviceGroupSizes (the MoE layer without its routing wait) is passed on the same way
         sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else tokens_per_expert
         fused_bias = self.biases if (self.use_bias and not self.skip_bias_add) else None
         if self.precision == "nvfp4":

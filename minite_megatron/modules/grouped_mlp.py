@@ -12,6 +12,10 @@ path does not implement is on, it falls back to it (:meth:`MiniteGroupedMLP.why_
 the reason). Switched off with the recipe field ``fused_moe_activation`` (``Recipe(...,
 fused_moe_activation=False)``) or, on a built model, by setting ``fuse_activation = False`` on
 the module. Experts in fp32 (or any dtype but bf16 / fp16) run Megatron's forward too.
+
+In the fused path the experts also take their token counts left on the device
+(:meth:`MiniteGroupedMLP.why_host_counts`; the MoE layer's dispatcher then neither copies them to
+the host nor waits: :mod:`.moe`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from ..nvfp4.group_sizes import DeviceGroupSizes
 from ..ops.moe_activation import weighted_swiglu
 from ..recipe import Recipe
 from .activation import MiniteActivation
@@ -72,16 +77,42 @@ class MiniteGroupedMLP(TEGroupedMLP):
         )
         return next((why for bad, why in checks if bad), None)
 
+    def why_host_counts(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> str | None:
+        """None if :meth:`forward` takes the token counts left on the device (a
+        ``DeviceGroupSizes``: no host wait; the token dispatcher asks before it dispatches) for
+        tokens of ``dtype`` on ``device`` (defaults: fc1's weights'), else the reason the counts
+        must reach the host (Megatron's forward, or a linear that needs host sizes)."""
+        if not self.fuse_activation:
+            return f"the experts run Megatron's forward ({self.why_unfused() or 'fuse_activation is off'})"
+        dtype = self.linear_fc1.weight0.dtype if dtype is None else dtype
+        if dtype not in _KERNEL_DTYPES:
+            return f"the experts run Megatron's forward on {dtype} tokens"
+        if self.recipe.strict:
+            return "strict mode (its router waits for its NaN check in every MoE layer anyway)"
+        for name in ("linear_fc1", "linear_fc2"):
+            linear = getattr(self, name)
+            ask = getattr(linear, "why_host_counts", None)
+            why = f"{type(linear).__name__} takes host counts" if ask is None else ask(dtype, device)
+            if why is not None:
+                return f"{name}: {why}"
+        return None
+
     @names_nonfinite
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer=None,
                 grad_input_buffer=None):
-        """``TEGroupedMLP.forward`` (same arguments and result) with the fused activation."""
+        """``TEGroupedMLP.forward`` (same arguments and result) with the fused activation;
+        ``tokens_per_expert`` may be a ``DeviceGroupSizes`` (where :meth:`why_host_counts` is
+        None; Megatron's forward, if it runs after all, brings it to the host: its ``tolist()``)."""
         if (not self.fuse_activation or output_buffer is not None or grad_input_buffer is not None
                 or permuted_local_hidden_states.dtype not in _KERNEL_DTYPES):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, output_buffer,
                                    grad_input_buffer)
-        # one host list for fc1 and fc2, as Megatron passes it (they share its device index tensors)
-        sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        # one host list for fc1 and fc2, as Megatron passes it (they share its device index tensors),
+        # or the counts left on the device, shared the same way
+        if isinstance(tokens_per_expert, DeviceGroupSizes):
+            sizes = tokens_per_expert
+        else:
+            sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         fc1_output, _ = self.linear_fc1(permuted_local_hidden_states, sizes)
         if self.config.use_te_activation_func:
             act = weighted_swiglu(fc1_output, permuted_probs, self.offer_to, self.activation_func.activation)

@@ -55,6 +55,11 @@ OPS = (
 )
 
 
+#: The ops that take group sizes (``supports(op, device_sizes=True)``: may they stay on the device?).
+GROUPED_OPS = ("grouped_gemm", "grouped_gemm_nt", "grouped_wgrad", "grouped_wgrad_gemm", "quantize_wgrad_operand",
+               "dy_amaxes")
+
+
 class Backend:
     """Base class of the NVFP4 backends: every op with the reference's signature.
 
@@ -65,6 +70,9 @@ class Backend:
     """
 
     name = "backend"
+    #: Do its grouped ops take a :class:`~.group_sizes.DeviceGroupSizes` (counts left on the device)?
+    #: Asked through ``supports(op, device_sizes=True)``.
+    device_group_sizes = False
 
     def why_not(self, device: torch.device | str | None = None) -> str | None:
         """None if the backend runs on ``device``, else the reason."""
@@ -75,12 +83,15 @@ class Backend:
 
     def supports(self, op: str, **shape) -> str | None:
         """None if ``op`` runs here for operands described by ``shape`` (``tile=``, ``dtype=``,
-        ``width=``, ``global_scale=``, as the op's callers pass them), else why not. Raises
+        ``width=``, ``global_scale=``, ``device_sizes=`` (group sizes as a ``DeviceGroupSizes``), as
+        the op's callers pass them), else why not. Raises
         ValueError for an unknown op name. Subclasses add their own limits after this check."""
         if op not in OPS:
             raise ValueError(f"unknown NVFP4 backend op {op!r}; known: {', '.join(OPS)}")
         if getattr(type(self), op) is getattr(Backend, op) and op != "grouped_wgrad_gemm":
             return f"the {self.name} backend has no {op} kernel"
+        if shape.get("device_sizes") and op in GROUPED_OPS and not self.device_group_sizes:
+            return f"the {self.name} backend's {op} takes host group sizes, not counts left on the device"
         return None
 
     def _refuse(self, op: str, why: str | None = None):

@@ -26,7 +26,11 @@ synchronizes once per MoE layer to bring them there) and become a
 :class:`~minite_megatron.nvfp4.group_sizes.GroupSizes` (:func:`shared_group_sizes`): the device
 offsets and wgrad column index the kernels read are made once per MoE layer, in one pinned
 non-blocking copy, and shared by fc1 and fc2 and by their backward (before: ten copies per MoE
-layer and step, four of them blocking).
+layer and step, four of them blocking). Or they never leave the device (the MoE layer without its
+routing wait: ``modules.moe``): a :class:`~minite_megatron.nvfp4.group_sizes.DeviceGroupSizes`,
+its offsets summed on the device, the wgrad operands ``ceil16(T + 15 G)`` columns wide (zero
+columns past the padded groups: the same bits). Both ops say where they cannot take those
+(:func:`nvfp4_why_host_sizes`, :func:`bf16_why_host_sizes`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from dataclasses import replace
 
 import torch
 
-from ..nvfp4.group_sizes import GroupSizes
+from ..nvfp4.backends import BackendUnavailable
+from ..nvfp4.group_sizes import DeviceGroupSizes, GroupSizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache
 from .roles import gemm_role
@@ -126,13 +131,13 @@ def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=N
 _LAST_SIZES: list = [None, None]  # (the sequence a caller passed, its GroupSizes)
 
 
-def shared_group_sizes(tokens_per_expert: Sequence[int]) -> GroupSizes:
+def shared_group_sizes(tokens_per_expert: Sequence[int]) -> GroupSizes | DeviceGroupSizes:
     """:class:`GroupSizes` of ``tokens_per_expert``: the one made for the previous call when the
     caller passes the very same sequence object again with the same values (Megatron's grouped
     MLP passes one list to fc1 and fc2), so both linears and their backward read one set of device
-    index tensors. A new list (the next layer, the next step) gets new ones. Raises ValueError for
-    a negative count."""
-    if isinstance(tokens_per_expert, GroupSizes):
+    index tensors. A new list (the next layer, the next step) gets new ones. A ``GroupSizes`` or a
+    ``DeviceGroupSizes`` is returned as it is. Raises ValueError for a negative count."""
+    if isinstance(tokens_per_expert, (GroupSizes, DeviceGroupSizes)):
         return tokens_per_expert
     source, sizes = _LAST_SIZES
     if source is tokens_per_expert and sizes is not None and sizes == tuple(tokens_per_expert):
@@ -140,6 +145,24 @@ def shared_group_sizes(tokens_per_expert: Sequence[int]) -> GroupSizes:
     sizes = GroupSizes(tokens_per_expert)
     _LAST_SIZES[:] = [tokens_per_expert, sizes]
     return sizes
+
+
+def nvfp4_why_host_sizes(recipe, device: torch.device | str) -> str | None:
+    """None if :func:`nvfp4_grouped_linear` takes its counts as a :class:`DeviceGroupSizes` (left on
+    the device) under ``recipe`` on ``device``, else the reason it needs host sizes."""
+    if not recipe.full_update:
+        return "the recipe's backward is not the full NVFP4 update (full_update off: it splits dy per expert on the host)"
+    try:
+        backend = backend_for(recipe, torch.device(device))
+    except (BackendUnavailable, ValueError) as e:
+        return str(e)
+    for op in ("grouped_gemm", "grouped_gemm_nt", "quantize_wgrad_operand", "grouped_wgrad_gemm"):
+        if op == "grouped_gemm_nt" and backend.supports(op, tile=(16, 16)) is not None:
+            continue  # the dgrad then runs grouped_gemm on the relayout
+        why = backend.supports(op, device_sizes=True)
+        if why is not None:
+            return why
+    return None
 
 
 def _transpose(q: NVFP4Tensor) -> NVFP4Tensor:
@@ -229,15 +252,23 @@ def nvfp4_grouped_linear(
 ) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ weights[g].T (+ biases[g])`` in NVFP4; x is ``[T, K]``.
     ``tokens_per_expert``: host ints (a list, or a ``GroupSizes``; the same list for fc1 and fc2
-    shares their device index tensors: :func:`shared_group_sizes`). ``stacked``: the weights'
-    ``[G, N, K]`` one-buffer view if the caller knows it (no copy, an O(1) cache key). Raises
-    ValueError when the counts do not match the experts or the rows."""
+    shares their device index tensors: :func:`shared_group_sizes`), or a ``DeviceGroupSizes``
+    (no host sync; where :func:`nvfp4_why_host_sizes` is None, no biases, no expert TP).
+    ``stacked``: the weights' ``[G, N, K]`` one-buffer view if the caller knows it (no copy, an
+    O(1) cache key). Raises ValueError when the counts do not match the experts or the rows, or
+    device counts where they cannot be used."""
     sizes = _checked_sizes(tokens_per_expert, weights, x)
+    if isinstance(sizes, DeviceGroupSizes):
+        why = "the experts have biases" if biases is not None else nvfp4_why_host_sizes(lctx.recipe, x.device)
+        if why is None and lctx.tp_group is not None and lctx.tp_group.size() > 1:
+            why = "expert tensor parallelism (the wgrad operands' amax is reduced across ranks)"
+        if why is not None:
+            raise ValueError(f"nvfp4_grouped_linear: tokens_per_expert on the device ({sizes}) cannot be used: {why}")
     params = list(weights) + (list(biases) if biases is not None else [])
     return NVFP4GroupedLinearFunction.apply(x, sizes, lctx, cache, biases is not None, cache.keep_images(), stacked, *params)
 
 
-def _checked_sizes(tokens_per_expert, weights, x) -> GroupSizes:
+def _checked_sizes(tokens_per_expert, weights, x) -> GroupSizes | DeviceGroupSizes:
     sizes = shared_group_sizes(tokens_per_expert)
     if len(sizes) != len(weights):
         raise ValueError(f"{len(sizes)} token counts for {len(weights)} experts")
@@ -249,11 +280,28 @@ def _checked_sizes(tokens_per_expert, weights, x) -> GroupSizes:
 # ---- the BF16 twin's grouped linear -------------------------------------------------------------
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Can ``torch._grouped_mm`` run these operands? (CPU: any float; CUDA: bf16 on sm_90+.)"""
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16)
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return grouped_mm_runs(x.dtype, x.device)
+
+
+def grouped_mm_runs(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """:func:`grouped_mm_supported` for operands of ``dtype`` on ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
     return False
+
+
+def bf16_why_host_sizes(dtype: torch.dtype, device: torch.device | str, weight_dtype: torch.dtype) -> str | None:
+    """None if :func:`bf16_grouped_linear` takes its counts as a :class:`DeviceGroupSizes` for
+    inputs of ``dtype`` on ``device`` and weights of ``weight_dtype``, else the reason it needs host
+    sizes (its fallback runs one matmul per expert on host splits)."""
+    if not grouped_mm_runs(dtype, device):
+        return f"torch._grouped_mm does not run {dtype} on {torch.device(device)} (one matmul per expert on host splits)"
+    if weight_dtype != dtype:
+        return f"the expert weights are {weight_dtype}, the tokens {dtype} (one matmul per expert on host splits)"
+    return None
 
 
 def group_end_offsets(sizes: Sequence[int], device) -> torch.Tensor:
@@ -305,9 +353,13 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
                 dx = torch._grouped_mm(dy, w, offs=offs)
             if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
-                for g, s in enumerate(sizes):
-                    if s == 0:  # no rows: no contribution (do not rely on the kernel's empty groups)
-                        dw[g].zero_()
+                # no rows: no contribution (do not rely on the kernel's empty groups)
+                if isinstance(sizes, DeviceGroupSizes):
+                    dw.masked_fill_((sizes.counts == 0).to(dw.device).view(-1, 1, 1), 0)  # +0, as zero_()
+                else:
+                    for g, s in enumerate(sizes):
+                        if s == 0:
+                            dw[g].zero_()
                 dws = add_wgrads(weights, dw, grad_out)
         else:
             dys, xs = torch.split(dy, sizes), torch.split(x, sizes)
@@ -333,7 +385,8 @@ def bf16_grouped_linear(
 
     Args:
         x: ``[T, K]``, rows sorted by expert (``tokens_per_expert[g]`` rows for expert g).
-        tokens_per_expert: G non-negative ints summing to T.
+        tokens_per_expert: G non-negative ints summing to T, or a ``DeviceGroupSizes`` (left on
+            the device: no host sync; where :func:`bf16_why_host_sizes` is None, no biases).
         weights: G tensors ``[N, K]`` (one buffer's consecutive slices avoid a stacked copy).
         biases: G tensors ``[N]`` or None.
         stacked: the weights' ``[G, N, K]`` one-buffer view, if the caller knows it.
@@ -342,9 +395,14 @@ def bf16_grouped_linear(
         where it runs (CPU; bf16 on sm_90+), else one matmul per expert. Weight gradients go to
         Megatron's ``main_grad`` when the weights have one.
     Raises:
-        ValueError if the counts do not match the experts or the rows.
+        ValueError if the counts do not match the experts or the rows, or device counts where
+        they cannot be used.
     """
     sizes = _checked_sizes(tokens_per_expert, weights, x)
+    if isinstance(sizes, DeviceGroupSizes):
+        why = "the experts have biases" if biases is not None else bf16_why_host_sizes(x.dtype, x.device, weights[0].dtype)
+        if why is not None:
+            raise ValueError(f"bf16_grouped_linear: tokens_per_expert on the device ({sizes}) cannot be used: {why}")
     params = list(weights) + (list(biases) if biases is not None else [])
     if stacked is None:
         stacked = stacked_view(weights)

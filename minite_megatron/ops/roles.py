@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..nvfp4.group_sizes import GroupSizes
+from ..nvfp4.group_sizes import DeviceGroupSizes, GroupSizes
 from ..nvfp4.grouped import quantize_wgrad_operand
 from ..nvfp4.tensor import NVFP4Tensor
 from ..recipe import Recipe
@@ -129,11 +129,15 @@ def quantize_role(
     common = dict(global_scale=role.global_scale, rounding=role.rounding, seed=seed, nonfinite=recipe.nonfinite)
     if role.transposed and role.gemm == "wgrad":
         sizes = GroupSizes.of(group_sizes if group_sizes is not None else [t.shape[0]])
-        if (any(s % 16 for s in sizes) and backend.supports("quantize_wgrad_operand") is None
+        on_device = isinstance(sizes, DeviceGroupSizes)  # counts left on the device: the gather always
+        if ((on_device or any(s % 16 for s in sizes)) and backend.supports("quantize_wgrad_operand") is None
                 and not needs_sync(role.global_scale, tp_group, rows_sharded=rows, k_sharded=False)):
             # the backend pads each group's tokens through a gather (no padded copy); same bits
             return backend.quantize_wgrad_operand(t, sizes, rht_seed=role.rht_seed, with_image=wgrad_image, amax=amax,
                                                   **common)
+        if on_device:
+            raise ValueError(f"quantize_role: {sizes} need the {backend.name} backend's quantize_wgrad_operand "
+                             "on an amax that is not reduced across ranks (pass host sizes)")
         return quantize_wgrad_operand(
             t, sizes, rht_seed=role.rht_seed, quantize=backend.quantize, with_image=wgrad_image, **common,
             amax_fn=lambda tt: amax if amax is not None else synced_amax(

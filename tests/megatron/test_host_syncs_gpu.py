@@ -2,20 +2,24 @@
 
 The design's host synchronizations of one forward + backward on one GPU (TP = EP = 1):
 
-* **Megatron's routing counts, once per MoE layer** (forward): its all-to-all dispatcher copies
-  ``tokens_per_expert`` to the host on a side stream and waits for that copy
-  (``d2h_event.synchronize()`` in ``_maybe_dtoh_and_synchronize``, at ``before_permutation_2``).
-  It stays: the grouped MLP takes the counts as a host list (``TEGroupedMLP.forward`` calls
-  ``tolist()``), and no Megatron 0.19.2 flag removes it short of dropping tokens
-  (``moe_pad_expert_input_to_capacity``; ``moe_permute_fusion`` only moves it later).
-* **one pinned, non-blocking host-to-device copy per MoE layer**: the group offsets made from
-  those counts (:class:`~minite_megatron.nvfp4.group_sizes.GroupSizes`), shared by fc1, fc2 and
-  the backward. No other copy, no pageable copy, nothing torch's sync debug mode reports.
+* **none in the MoE layers** with the minite experts (``modules.moe.DeviceTokenCounts``): the
+  token counts stay on the device, the experts get a ``DeviceGroupSizes`` (offsets summed on the
+  device, the wgrad operands ``ceil16(T + 15 G)`` wide): no device-to-host copy, no wait, and no
+  host-to-device copy either. Until ``DEVICE_COUNTS_GPU_VERIFIED`` records this test, CUDA tensors
+  keep the synced path below (``device_counts=False``), which this test also pins:
+* **Megatron's routing counts, once per MoE layer** (forward, the synced path): its all-to-all
+  dispatcher copies ``tokens_per_expert`` to the host on a side stream and waits for that copy
+  (``d2h_event.synchronize()`` in ``_maybe_dtoh_and_synchronize``, at ``before_permutation_2``),
+  for ``TEGroupedMLP.forward``'s host list; then **one pinned, non-blocking host-to-device copy
+  per MoE layer**: the group offsets made from those counts
+  (:class:`~minite_megatron.nvfp4.group_sizes.GroupSizes`), shared by fc1, fc2 and the backward.
+  No other copy, no pageable copy, nothing torch's sync debug mode reports.
 
 Regression (issue 16 item 3; BENCHMARKS.md run 9: the NVFP4 step at 16384 tokens took 235 ms of
 wall time for 169.6 ms of GPU time): each grouped GEMM re-derived its offsets from the host list,
 10 host-to-device copies per MoE layer and step, 4 of them blocking (the wgrad operands' padding
-index, forward and backward).
+index, forward and backward); and (2026-12-01: 127.1 ms for 122.1 ms of GPU time) the one wait per
+MoE layer kept the host from running more than one layer ahead.
 """
 
 import pytest
@@ -34,18 +38,27 @@ RECIPES = {
 }
 
 
+@pytest.mark.parametrize("device_counts", [True, False], ids=["device_counts", "synced"])
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_a_learner_step_syncs_the_host_once_per_moe_layer(name):
+def test_a_learner_step_syncs_the_host_only_where_the_design_says(name, device_counts, monkeypatch):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from minite_megatron.modules import moe
     from minite_megatron.ops.weight_cache import invalidate_weight_caches
     from minite_megatron.training.presets import build_gpt, init_single_process
+
+    monkeypatch.setattr(moe, "DEVICE_COUNTS_GPU_VERIFIED", True)
 
     device = init_single_process(seed=0)
     model = build_gpt(PRESET, RECIPES[name], max_seq=128, device=device, dtype=torch.bfloat16)
     model.train()
     moe_layers = sum(isinstance(m, MoELayer) for m in model.modules())
     assert moe_layers == PRESET["layers"]
+    dispatchers = [m.token_dispatcher for m in model.modules() if isinstance(m, MoELayer)]
+    for d in dispatchers:
+        d.counts_on_device = device_counts
+        why = d.why_host_counts(torch.bfloat16, device)
+        assert (why is None) == device_counts, why
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, PRESET["vocab"], (2, 128), generator=g).to(device)
     labels = torch.randint(0, PRESET["vocab"], (2, 128), generator=g).to(device)
@@ -63,11 +76,16 @@ def test_a_learner_step_syncs_the_host_once_per_moe_layer(name):
         step()
     torch.cuda.synchronize()
     report = counted.report()
+    assert all((d._why_host is None) == device_counts for d in dispatchers), [d._why_host for d in dispatchers]
+    assert not counted.debug_mode_warnings, report
+    assert not counted.pageable_h2d, report
+    if device_counts:  # no wait, and no copy at all: the offsets are summed on the device
+        assert not counted.syncs, report
+        assert not counted.h2d, report
+        return
     megatron_waits = [s for s in counted.syncs if s[0] == "Event.synchronize" and "token_dispatcher" in s[1]]
     assert len(megatron_waits) == moe_layers, report
     assert len(counted.syncs) == moe_layers, report  # nothing but Megatron's routing-count waits
-    assert not counted.debug_mode_warnings, report
-    assert not counted.pageable_h2d, report
     assert len(counted.h2d) <= moe_layers, report
 
 
