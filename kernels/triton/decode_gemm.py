@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group
+from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group, splits_k
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
@@ -56,6 +56,7 @@ def _decode_gemm_kernel(
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, ONE_SPLIT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -68,11 +69,14 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
-                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
 
-    is_last = SPLIT == 1
+    if ONE_SPLIT:  # (the launch guarantees SPLIT == 1: no split-K code)
+        is_last = True
+    else:
+        is_last = SPLIT == 1
     out_mask = m_ok & (rn < N)[:, None]
-    if SPLIT > 1:
+    if splits_k(SPLIT, ONE_SPLIT):
         # partials [SPLIT, M, N] (like the output: stores and loads coalesced along N, padded
         # rows never written)
         tile = rm[None, :] * N + rn[:, None]
@@ -240,8 +244,9 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
         SPLIT_MAX=triton.next_power_of_2(split), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
-        num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
+        ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
+        **exact_launch(),
     )
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import check_expert_weights, decode_k_loop, dequant_tables, load_tables, rolled_group
+from ._decode_common import check_expert_weights, decode_k_loop, dequant_tables, load_tables, rolled_group, splits_k
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
@@ -67,7 +67,8 @@ def _decode_grouped_kernel(
     SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
-    GROUP: tl.constexpr = 0,
+    GROUP: tl.constexpr = 0, STAGES: tl.constexpr = 0,
+    ONE_SPLIT: tl.constexpr = False,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,13 +95,16 @@ def _decode_grouped_kernel(
         scales_rows = scales_ptr + wrow * s_sn
         k_lo = pid_s * (NCHUNK * BLOCK_K)
         luts = load_tables(lut_ptr, rn_safe)
-        is_last = SPLIT == 1
-        if SPLIT > 1:
+        if ONE_SPLIT:  # (the launch guarantees SPLIT == 1: no split-K code, fewer registers)
+            is_last = True
+        else:
+            is_last = SPLIT == 1
+        if splits_k(SPLIT, ONE_SPLIT):
             for c0 in range(0, n_rows, M_PAD):
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -114,7 +118,7 @@ def _decode_grouped_kernel(
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 row_ok = c0 + tl.arange(0, M_PAD) < n_rows
                 m_ok = row_ok[None, :]
-                if SPLIT > 1:
+                if splits_k(SPLIT, ONE_SPLIT):
                     sp = tl.arange(0, SPLIT_MAX)
                     p = tl.load(part_ptr + ((sp[:, None, None] * R + rows[None, None, :]).to(tl.int64) * N
                                             + rn[None, :, None]),
@@ -123,7 +127,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -131,7 +135,7 @@ def _decode_grouped_kernel(
                 out = acc * (sa[None, :] * sw[:, None])
                 tl.store(out_ptr + rows[None, :].to(tl.int64) * s_om + rn[:, None],
                          round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok & (rn < N)[:, None])
-            if SPLIT > 1:
+            if splits_k(SPLIT, ONE_SPLIT):
                 tl.store(cnt_ptr + slot * num_n + pid_n, 0)  # leave the workspace zeroed
 
 
@@ -218,8 +222,9 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
         DEPTH=cfg["DEPTH"], SPLIT_MAX=triton.next_power_of_2(split), R_POW2=triton.next_power_of_2(r),
         E_POW2=triton.next_power_of_2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
-        num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
+        ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
+        **exact_launch(),
     )
 
 
