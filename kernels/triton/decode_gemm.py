@@ -150,10 +150,31 @@ STRICT_DECODE_VERIFIED = True
 #: --sections check_dense_strict``: qkv K = 2048 and o K = 4096, bit for bit and timed).
 GPU_STRICT_DECODE_ROLLED = dict(GPU_STRICT_DECODE, GROUP=2)
 ROLLED_DENSE_STRICT_VERIFIED = False
+#: Strict dense launches with more bytes in flight per program (the dense strict grid is small:
+#: qkv 80 programs, o 32 on 132 SMs, each running its whole K): the K loop pipelined by Triton
+#: (``STAGES``: see ``decode_grouped_gemm.STRICT_GROUPED_CANDIDATES``), the split-K code compiled
+#: out (``ONE_SPLIT``). The same chain of wgmma k16 steps in K order. CPU-AOT sm_90a (2026-12-02):
+#: today's unrolled entry 122 / 151 regs and 56 KB at K = 2048 / 4096, no load issued ahead of
+#: its 4 steps in flight; BLOCK_K 128 with 4 / 6 stages 91 regs, 38 / 55 KB; BLOCK_K 64 with 6 / 8
+#: stages 62 regs, 26 / 34 KB. Checked bit for bit and timed by ``benchmarks/decode_gemm.py
+#: --sections check_dense_strict``; :data:`STRICT_DENSE_NEXT` is the strict launch once
+#: :data:`STRICT_DENSE_NEXT_VERIFIED` records that check.
+STRICT_DENSE_CANDIDATES = {
+    "rolled 1s": dict(GPU_STRICT_DECODE_ROLLED, ONE_SPLIT=True),
+    "pipe4 1s": dict(GPU_STRICT_DECODE, STAGES=4, ONE_SPLIT=True),
+    "pipe6 1s": dict(GPU_STRICT_DECODE, STAGES=6, ONE_SPLIT=True),
+    "pipe6 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
+    "pipe8 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=8, ONE_SPLIT=True),
+}
+STRICT_DENSE_NEXT = "pipe6 1s"
+STRICT_DENSE_NEXT_VERIFIED = False
 
 
 def strict_dense_entry() -> dict:
-    """The dense strict launch entry in use (:data:`GPU_STRICT_DECODE_ROLLED` once verified)."""
+    """The dense strict launch entry in use: :data:`STRICT_DENSE_NEXT` once verified, else
+    :data:`GPU_STRICT_DECODE_ROLLED` once verified, else :data:`GPU_STRICT_DECODE`."""
+    if STRICT_DENSE_NEXT_VERIFIED:
+        return STRICT_DENSE_CANDIDATES[STRICT_DENSE_NEXT]
     return GPU_STRICT_DECODE_ROLLED if ROLLED_DENSE_STRICT_VERIFIED else GPU_STRICT_DECODE
 
 

@@ -183,10 +183,40 @@ GPU_STRICT_GROUPED_DECODE = dict(GPU_STRICT_DECODE, PAD_ROWS=False, GROUP=2)
 #: 1.48 ms of GPU time at batch 8.
 ROLLED_STRICT_VERIFIED = True
 
+#: Faster strict launches, each the same chain of wgmma k16 steps over K in order (64 weight rows
+#: per program: wgmma; 32 rows compile to mma.sync, whose bits differ). CPU-AOT sm_90a at K = 2048
+#: (2026-12-02; registers, shared bytes, SASS instructions per 128-wide K step of the K loop):
+#: today's rolled entry 210 regs, 24 KB, 277 -- its split-K code, dead at SPLIT = 1, costs 82
+#: registers, so 2 programs fit an SM where 4 could.
+#:
+#: * ``ONE_SPLIT``: that code compiled out (128 regs, 4 programs per SM; the same loop);
+#: * ``GROUP`` 4: 4-step iterations, 4 steps' loads in flight (190 regs, 32 KB, 231 per step);
+#: * ``STAGES``: the K loop as one ``tl.range`` that Triton pipelines (``cp.async`` of the codes,
+#:   scales and activations ``STAGES - 1`` steps ahead into shared memory; each step's dot split
+#:   into its 8 (BLOCK_K 128) or 4 (64) wgmma k16, issued asynchronously on the one accumulator):
+#:   2 / 3 stages at BLOCK_K 128 182 / 168 regs, 345-406 per step; BLOCK_K 64 with 4 / 6 stages
+#:   122 / 142 regs, 203 / 217 per 64-wide step.
+#:
+#: Which is fastest, and that each is bitwise the learner's, is for the GPU: ``benchmarks/decode_gemm.py
+#: --sections check_grouped,idot_sweep`` checks and times every one. :data:`STRICT_GROUPED_NEXT`
+#: names the one the strict launch takes once :data:`STRICT_GROUPED_NEXT_VERIFIED` records that check.
+STRICT_GROUPED_CANDIDATES = {
+    "rolled 1s": dict(GPU_STRICT_GROUPED_DECODE, ONE_SPLIT=True),
+    "rolled4 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=4, ONE_SPLIT=True),
+    "pipe2 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=2, ONE_SPLIT=True),
+    "pipe3 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=3, ONE_SPLIT=True),
+    "pipe4 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=4, ONE_SPLIT=True),
+    "pipe6 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
+}
+STRICT_GROUPED_NEXT = "rolled 1s"
+STRICT_GROUPED_NEXT_VERIFIED = False
+
 
 def strict_grouped_entry() -> dict:
-    """The strict launch entry in use: :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the
-    unrolled ``GPU_STRICT_DECODE``."""
+    """The strict launch entry in use: :data:`STRICT_GROUPED_NEXT` once verified, else
+    :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the unrolled ``GPU_STRICT_DECODE``."""
+    if STRICT_GROUPED_NEXT_VERIFIED:
+        return STRICT_GROUPED_CANDIDATES[STRICT_GROUPED_NEXT]
     return GPU_STRICT_GROUPED_DECODE if ROLLED_STRICT_VERIFIED else dict(GPU_STRICT_DECODE, PAD_ROWS=False)
 
 
