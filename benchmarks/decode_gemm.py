@@ -81,6 +81,7 @@ STRICT_VARIANTS = [dict(td.GPU_STRICT_DECODE),
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=2, M_PAD=64, PAD_ROWS=True),
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, DEPTH=4, M_PAD=None)]
 CHECK_M = (1, 3, 8, 16, 33, 64)
+DENSE_TIMED_M = (8, 64)  # check_dense_strict: rows timed
 
 _counter = itertools.count()
 
@@ -292,17 +293,23 @@ def graph_replay_check() -> dict:
 
 #: strict grouped decode configurations checked bitwise against the learner (and timed in the
 #: grouped sweep): the unrolled whole-K chain and the rolled one (``GROUP``), which must agree
-STRICT_GROUPED_VARIANTS = {"strict unrolled": dict(td.GPU_STRICT_DECODE, PAD_ROWS=False),
-                           "strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE)}
+STRICT_GROUPED_VARIANTS = {"strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE),
+                           **{f"strict {name}": dict(entry) for name, entry in tg.STRICT_GROUPED_CANDIDATES.items()}}
+#: dense strict decode configurations checked bitwise against the learner and timed
+#: (``check_dense_strict``): today's unrolled one, the rolled one, and the candidates
+DENSE_STRICT_VARIANTS = {"unrolled": dict(td.GPU_STRICT_DECODE), "rolled": dict(td.GPU_STRICT_DECODE_ROLLED),
+                         **{name: dict(entry) for name, entry in td.STRICT_DENSE_CANDIDATES.items()}}
+CHECK_GROUPED_K = (2048, 768)  # fc1's and fc2's K
 
 
 def sec_check_grouped(res):
     """Each strict grouped configuration vs the learner's strict grouped GEMM, bit for bit, at
     fc1's K (2048: where the unrolled chain spills), random and adversarial data, 1 / 8 / 64
     tokens x top-8; and the default configuration's distance from strict."""
-    k, n, e = (64, 48, 6) if SMOKE else (2048, 768, EXPERTS)
     rows = []
-    for data_name, data in (("random", rnd), ("adversarial", adversarial)):
+    for k, (data_name, data) in itertools.product((64,) if SMOKE else CHECK_GROUPED_K,
+                                                   (("random", rnd), ("adversarial", adversarial))):
+        n, e = (48, 6) if SMOKE else (768, EXPERTS)
         w = data(e, n, k) * 0.02
         qw = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
         for tokens in (1, 8, 64):
@@ -318,7 +325,8 @@ def sec_check_grouped(res):
             got = {}
             for label, entry in STRICT_GROUPED_VARIANTS.items():
                 # (the interpreter: its own strict tiles, the variant's K-loop form)
-                cfg = (dict(tg.select_config(r, n, k, e, 1, True), GROUP=entry.get("GROUP", 0)) if SMOKE
+                cfg = (dict(tg.select_config(r, n, k, e, 1, True), GROUP=entry.get("GROUP", 0),
+                            STAGES=entry.get("STAGES", 0), ONE_SPLIT=entry.get("ONE_SPLIT", False)) if SMOKE
                        else td.strict_config(16, k, entry))
                 for dt in (torch.float32, BF16):
                     out = torch.empty(r, n, dtype=dt, device=DEV)
@@ -337,7 +345,7 @@ def sec_check_grouped(res):
                 for label in STRICT_GROUPED_VARIANTS:
                     row[f"{label} mismatched_{'fp32' if dt == torch.float32 else 'bf16'}"] = _bits_differ(got[label, dt],
                                                                                                         expect)
-            strict32 = got["strict unrolled", torch.float32]
+            strict32 = got["strict rolled", torch.float32]
             default = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
                                                      qa.global_decode, e, torch.float32)
             row["default_vs_strict_max_rel"] = float(((default - strict32).abs() / strict32.abs().clamp_min(1e-30)).max())
@@ -353,7 +361,7 @@ def sec_check_dense_strict(res):
     (``GPU_STRICT_DECODE_ROLLED``), vs the learner's strict GEMM bit for bit at the real K (qkv
     2048, o 4096: where the unrolled chain is longest), M = 1 / 8 / 16 / 64 rows taken inside the
     learner's M = 4096 GEMM, random and adversarial data, fp32 and bf16; and both timed at M = 8."""
-    variants = {"unrolled": td.GPU_STRICT_DECODE, "rolled": td.GPU_STRICT_DECODE_ROLLED}
+    variants = DENSE_STRICT_VARIANTS
     rows = []
     for shape in ("qkv", "o"):
         k, n = (64, 48) if SMOKE else SHAPES[shape]
@@ -375,14 +383,19 @@ def sec_check_dense_strict(res):
                             continue
                         row["mismatched"] += _bits_differ(got, full[dt][29: 29 + m])
                         row["compared"] += got.numel()
-                part = nvfp4.grouped._take_rows(qx, torch.arange(8, device=DEV))
-                out = torch.empty(8, n, dtype=BF16, device=DEV)
-                cfg = strict_cfg(entry, 8, k)
-                row["us_m8"] = 1e3 * timed(lambda: run_decode(part, qw, cfg, BF16, out))
+                for m in DENSE_TIMED_M:
+                    part = nvfp4.grouped._take_rows(qx, torch.arange(m, device=DEV))
+                    out = torch.empty(m, n, dtype=BF16, device=DEV)
+                    cfg = strict_cfg(entry, m, k)
+                    row[f"us_m{m}"] = 1e3 * timed(lambda: run_decode(part, qw, cfg, BF16, out))
+                    if label == "unrolled" and mine():  # the default (split-K) kernel, for scale
+                        dcfg = default_cfg(td.GPU_DECODE, m, n, k, sms())
+                        row[f"default_us_m{m}"] = 1e3 * timed(lambda: run_decode(part, qw, dcfg, BF16, out))
                 rows.append(row)
     res["check_dense_strict"] = rows
-    print_table("dense strict decode, unrolled vs rolled, vs the learner's strict GEMM (bits that differ)", rows,
-                ["shape", "K", "data", "variant", "mismatched", "compared", "us_m8"])
+    print_table("dense strict decode variants vs the learner's strict GEMM (bits that differ), timed", rows,
+                ["shape", "K", "data", "variant", "mismatched", "compared"]
+                + [f"{p}us_m{m}" for m in DENSE_TIMED_M for p in ("", "default_")])
 
 
 # ---- sweep ----------------------------------------------------------------------------------------
@@ -775,7 +788,7 @@ def sec_idot_sweep(res):
     res["idot_sweep"] = rows
     print_table("integer-dot grouped decode (top-8 of 128 experts; 8 routings; CUDA-graph replays)", rows,
                 ["shape", "tokens", "distinct_experts", "config", "idot_ids_us", "idot_sorted_us", "tc_default_us",
-                 "strict_unrolled_us", "strict_rolled_us",
+                 *[label.replace(" ", "_") + "_us" for label in STRICT_GROUPED_VARIANTS],
                  "bf16_grouped_mm_us", "speedup_vs_bf16", "idot_weight_GBps", "max_err_fp32", "max_err_bf16",
                  "sorted_vs_ids_bits_differ"])
 

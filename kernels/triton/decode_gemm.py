@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group
+from ._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group, splits_k
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .gemm import OUT_DTYPES
 from ..custom_op import custom_op
@@ -57,6 +57,7 @@ def _decode_gemm_kernel(
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0, ONE_SPLIT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -69,11 +70,14 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
-                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
 
-    is_last = SPLIT == 1
+    if ONE_SPLIT:  # (the launch guarantees SPLIT == 1: no split-K code)
+        is_last = True
+    else:
+        is_last = SPLIT == 1
     out_mask = m_ok & (rn < N)[:, None]
-    if SPLIT > 1:
+    if splits_k(SPLIT, ONE_SPLIT):
         # partials [SPLIT, M, N] (like the output: stores and loads coalesced along N, padded
         # rows never written)
         tile = rm[None, :] * N + rn[:, None]
@@ -147,10 +151,31 @@ STRICT_DECODE_VERIFIED = True
 #: --sections check_dense_strict``: qkv K = 2048 and o K = 4096, bit for bit and timed).
 GPU_STRICT_DECODE_ROLLED = dict(GPU_STRICT_DECODE, GROUP=2)
 ROLLED_DENSE_STRICT_VERIFIED = False
+#: Strict dense launches with more bytes in flight per program (the dense strict grid is small:
+#: qkv 80 programs, o 32 on 132 SMs, each running its whole K): the K loop pipelined by Triton
+#: (``STAGES``: see ``decode_grouped_gemm.STRICT_GROUPED_CANDIDATES``), the split-K code compiled
+#: out (``ONE_SPLIT``). The same chain of wgmma k16 steps in K order. CPU-AOT sm_90a (2026-12-02):
+#: today's unrolled entry 122 / 151 regs and 56 KB at K = 2048 / 4096, no load issued ahead of
+#: its 4 steps in flight; BLOCK_K 128 with 4 / 6 stages 91 regs, 38 / 55 KB; BLOCK_K 64 with 6 / 8
+#: stages 62 regs, 26 / 34 KB. Checked bit for bit and timed by ``benchmarks/decode_gemm.py
+#: --sections check_dense_strict``; :data:`STRICT_DENSE_NEXT` is the strict launch once
+#: :data:`STRICT_DENSE_NEXT_VERIFIED` records that check.
+STRICT_DENSE_CANDIDATES = {
+    "rolled 1s": dict(GPU_STRICT_DECODE_ROLLED, ONE_SPLIT=True),
+    "pipe4 1s": dict(GPU_STRICT_DECODE, STAGES=4, ONE_SPLIT=True),
+    "pipe6 1s": dict(GPU_STRICT_DECODE, STAGES=6, ONE_SPLIT=True),
+    "pipe6 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
+    "pipe8 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=8, ONE_SPLIT=True),
+}
+STRICT_DENSE_NEXT = "pipe6 1s"
+STRICT_DENSE_NEXT_VERIFIED = False
 
 
 def strict_dense_entry() -> dict:
-    """The dense strict launch entry in use (:data:`GPU_STRICT_DECODE_ROLLED` once verified)."""
+    """The dense strict launch entry in use: :data:`STRICT_DENSE_NEXT` once verified, else
+    :data:`GPU_STRICT_DECODE_ROLLED` once verified, else :data:`GPU_STRICT_DECODE`."""
+    if STRICT_DENSE_NEXT_VERIFIED:
+        return STRICT_DENSE_CANDIDATES[STRICT_DENSE_NEXT]
     return GPU_STRICT_DECODE_ROLLED if ROLLED_DENSE_STRICT_VERIFIED else GPU_STRICT_DECODE
 
 
@@ -241,8 +266,9 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
         SPLIT_MAX=next_pow2(split), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
-        num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
+        ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
+        **exact_launch(),
     )
 
 

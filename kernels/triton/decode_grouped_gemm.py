@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_common import check_expert_weights, decode_k_loop, dequant_tables, load_tables, rolled_group
+from ._decode_common import check_expert_weights, decode_k_loop, dequant_tables, load_tables, rolled_group, splits_k
 from ._nvfp4_math import exact_launch, interpreting, round_to
 from .decode_gemm import GPU_STRICT_DECODE, split_counters, strict_config
 from .gemm import OUT_DTYPES
@@ -68,7 +68,8 @@ def _decode_grouped_kernel(
     SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
-    GROUP: tl.constexpr = 0,
+    GROUP: tl.constexpr = 0, STAGES: tl.constexpr = 0,
+    ONE_SPLIT: tl.constexpr = False,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -95,13 +96,16 @@ def _decode_grouped_kernel(
         scales_rows = scales_ptr + wrow * s_sn
         k_lo = pid_s * (NCHUNK * BLOCK_K)
         luts = load_tables(lut_ptr, rn_safe)
-        is_last = SPLIT == 1
-        if SPLIT > 1:
+        if ONE_SPLIT:  # (the launch guarantees SPLIT == 1: no split-K code, fewer registers)
+            is_last = True
+        else:
+            is_last = SPLIT == 1
+        if splits_k(SPLIT, ONE_SPLIT):
             for c0 in range(0, n_rows, M_PAD):
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -115,7 +119,7 @@ def _decode_grouped_kernel(
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 row_ok = c0 + tl.arange(0, M_PAD) < n_rows
                 m_ok = row_ok[None, :]
-                if SPLIT > 1:
+                if splits_k(SPLIT, ONE_SPLIT):
                     sp = tl.arange(0, SPLIT_MAX)
                     p = tl.load(part_ptr + ((sp[:, None, None] * R + rows[None, None, :]).to(tl.int64) * N
                                             + rn[None, :, None]),
@@ -124,7 +128,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
+                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -132,7 +136,7 @@ def _decode_grouped_kernel(
                 out = acc * (sa[None, :] * sw[:, None])
                 tl.store(out_ptr + rows[None, :].to(tl.int64) * s_om + rn[:, None],
                          round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=m_ok & (rn < N)[:, None])
-            if SPLIT > 1:
+            if splits_k(SPLIT, ONE_SPLIT):
                 tl.store(cnt_ptr + slot * num_n + pid_n, 0)  # leave the workspace zeroed
 
 
@@ -180,10 +184,40 @@ GPU_STRICT_GROUPED_DECODE = dict(GPU_STRICT_DECODE, PAD_ROWS=False, GROUP=2)
 #: 1.48 ms of GPU time at batch 8.
 ROLLED_STRICT_VERIFIED = True
 
+#: Faster strict launches, each the same chain of wgmma k16 steps over K in order (64 weight rows
+#: per program: wgmma; 32 rows compile to mma.sync, whose bits differ). CPU-AOT sm_90a at K = 2048
+#: (2026-12-02; registers, shared bytes, SASS instructions per 128-wide K step of the K loop):
+#: today's rolled entry 210 regs, 24 KB, 277 -- its split-K code, dead at SPLIT = 1, costs 82
+#: registers, so 2 programs fit an SM where 4 could.
+#:
+#: * ``ONE_SPLIT``: that code compiled out (128 regs, 4 programs per SM; the same loop);
+#: * ``GROUP`` 4: 4-step iterations, 4 steps' loads in flight (190 regs, 32 KB, 231 per step);
+#: * ``STAGES``: the K loop as one ``tl.range`` that Triton pipelines (``cp.async`` of the codes,
+#:   scales and activations ``STAGES - 1`` steps ahead into shared memory; each step's dot split
+#:   into its 8 (BLOCK_K 128) or 4 (64) wgmma k16, issued asynchronously on the one accumulator):
+#:   2 / 3 stages at BLOCK_K 128 182 / 168 regs, 345-406 per step; BLOCK_K 64 with 4 / 6 stages
+#:   122 / 142 regs, 203 / 217 per 64-wide step.
+#:
+#: Which is fastest, and that each is bitwise the learner's, is for the GPU: ``benchmarks/decode_gemm.py
+#: --sections check_grouped,idot_sweep`` checks and times every one. :data:`STRICT_GROUPED_NEXT`
+#: names the one the strict launch takes once :data:`STRICT_GROUPED_NEXT_VERIFIED` records that check.
+STRICT_GROUPED_CANDIDATES = {
+    "rolled 1s": dict(GPU_STRICT_GROUPED_DECODE, ONE_SPLIT=True),
+    "rolled4 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=4, ONE_SPLIT=True),
+    "pipe2 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=2, ONE_SPLIT=True),
+    "pipe3 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=3, ONE_SPLIT=True),
+    "pipe4 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=4, ONE_SPLIT=True),
+    "pipe6 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
+}
+STRICT_GROUPED_NEXT = "rolled 1s"
+STRICT_GROUPED_NEXT_VERIFIED = False
+
 
 def strict_grouped_entry() -> dict:
-    """The strict launch entry in use: :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the
-    unrolled ``GPU_STRICT_DECODE``."""
+    """The strict launch entry in use: :data:`STRICT_GROUPED_NEXT` once verified, else
+    :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the unrolled ``GPU_STRICT_DECODE``."""
+    if STRICT_GROUPED_NEXT_VERIFIED:
+        return STRICT_GROUPED_CANDIDATES[STRICT_GROUPED_NEXT]
     return GPU_STRICT_GROUPED_DECODE if ROLLED_STRICT_VERIFIED else dict(GPU_STRICT_DECODE, PAD_ROWS=False)
 
 
@@ -219,8 +253,9 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
         DEPTH=cfg["DEPTH"], SPLIT_MAX=next_pow2(split), R_POW2=next_pow2(r),
         E_POW2=next_pow2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), num_warps=cfg["num_warps"],
-        num_stages=1, **exact_launch(),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
+        ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
+        **exact_launch(),
     )
 
 

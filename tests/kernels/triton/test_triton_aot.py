@@ -101,6 +101,36 @@ def test_strict_grouped_decode_rolled_k_loop_does_not_spill():
     assert got["rolled_loop"].get("HGMMA") == 2 * 128 // 16, got["rolled_loop"]
 
 
+CANDIDATES_SCRIPT = r"""
+import json
+from minite_kernels.triton import _aot_kernels as K, decode_gemm as td, decode_grouped_gemm as tg
+from minite_kernels.triton._aot import kernel_opcodes, ptxas_resources, sass
+out = {}
+for name, entry in [("today", tg.GPU_STRICT_GROUPED_DECODE)] + list(tg.STRICT_GROUPED_CANDIDATES.items()):
+    kern = K._decode_grouped(td.strict_config(16, 2048, entry))
+    ops = kernel_opcodes(sass(kern))
+    out["grouped " + name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
+for name, entry in td.STRICT_DENSE_CANDIDATES.items():
+    cfg = td.strict_config(16, 4096, entry)
+    kern = K._decode(m_pad=16, block_k=cfg["BLOCK_K"], nchunk=cfg["NCHUNK"], depth=cfg["DEPTH"], split_max=1,
+                     group=cfg.get("GROUP", 0), stages=cfg.get("STAGES", 0), one_split=True)
+    ops = kernel_opcodes(sass(kern))
+    out["dense " + name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_strict_decode_candidates_run_wgmma_without_spills():
+    """Every faster strict decode candidate (``decode_grouped_gemm.STRICT_GROUPED_CANDIDATES``,
+    ``decode_gemm.STRICT_DENSE_CANDIDATES``) compiles for sm_90a to wgmma (``HGMMA``; an ``HMMA``,
+    mma.sync, would give other bits) without spills; with the split-K code compiled out
+    (``ONE_SPLIT``) the grouped kernel needs fewer registers than today's rolled entry."""
+    got = run_aot_script(CANDIDATES_SCRIPT)
+    for name, r in got.items():
+        assert r["HGMMA"] > 0 and r["HMMA"] == 0 and r["spill_bytes"] == 0, (name, r)
+    assert got["grouped rolled 1s"]["regs"] < got["grouped today"]["regs"], got
+
+
 IDOT_SCRIPT = r"""
 import json, re
 from minite_kernels.triton import _aot_kernels as K

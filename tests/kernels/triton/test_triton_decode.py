@@ -26,8 +26,8 @@ from minite_kernels.triton._testing import DEVICE, INTERPRETING, heavy_tailed, k
 pytestmark = pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
 
 from minite_kernels.triton.backend import BACKEND  # noqa: E402
-from minite_kernels.triton.decode_gemm import decode_gemm_forward  # noqa: E402
-from minite_kernels.triton.decode_grouped_gemm import decode_grouped_gemm_forward  # noqa: E402
+from minite_kernels.triton.decode_gemm import STRICT_DENSE_CANDIDATES, decode_gemm_forward  # noqa: E402
+from minite_kernels.triton.decode_grouped_gemm import STRICT_GROUPED_CANDIDATES, decode_grouped_gemm_forward  # noqa: E402
 from minite_kernels.triton.gemm import gemm_forward  # noqa: E402
 
 
@@ -223,6 +223,72 @@ def test_grouped_strict_rolled_k_loop_gives_the_same_bits(experts, group):
             outs.append(out.cpu())
         assert_bitwise_equal(outs[1], outs[0], f"GROUP {group} vs unrolled ({dt})")
         assert_bitwise_equal(outs[0], grouped(a, st, ids, strict=True, out_dtype=dt), f"unrolled vs the op ({dt})")
+
+
+def _candidate_cfg(module, entry, m, n, k, experts=None):
+    """A strict candidate's launch: the real entry on the GPU; under the interpreter its K-loop form
+    (GROUP / STAGES / ONE_SPLIT) on the interpreter's strict tile (16-wide K steps: the canonical order)."""
+    from minite_kernels.triton import decode_gemm as td
+
+    if not INTERPRETING:
+        return td.strict_config(m, k, entry)
+    base = (module.select_config(m, n, k, experts, 1, batch_invariant=True) if experts
+            else module.select_config(m, n, k, 1, batch_invariant=True))
+    return dict(base, GROUP=entry.get("GROUP", 0), STAGES=entry.get("STAGES", 0), ONE_SPLIT=entry.get("ONE_SPLIT", False))
+
+
+@pytest.mark.parametrize("name", sorted(STRICT_GROUPED_CANDIDATES))
+def test_grouped_strict_candidates_give_the_learners_bits(experts, name):
+    """Each faster strict grouped launch (``STRICT_GROUPED_CANDIDATES``: split-K code compiled out,
+    4-step iterations, Triton-pipelined K loops) equals the strict op bit for bit (the learner's
+    strict grouped GEMM's bits, pinned above), fp32 and bf16, with an expert of more rows than one
+    row chunk and experts chosen by no row."""
+    from minite_kernels.triton import decode_grouped_gemm as tg
+
+    _, qs = experts
+    ids = torch.tensor([1] * 20 + [4, 0, 4, 2, 4, 0, 5], dtype=torch.int32)
+    a = q(randn(len(ids), K, seed=78, scale=2.0), with_image=True)
+    st = stack_expert_weights(qs)
+    m = st.matrix()
+    cfg = _candidate_cfg(tg, tg.STRICT_GROUPED_CANDIDATES[name], len(ids), N, K, E)
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.empty(len(ids), N, dtype=dt, device=DEVICE)
+        tg.launch_decode_grouped(a.image.to(DEVICE), m.codes.to(DEVICE), m.block_scales.view(torch.uint8).to(DEVICE),
+                                 st.global_decode.float().reshape(-1).to(DEVICE), ids.to(DEVICE),
+                                 a.global_decode.float().reshape(-1).to(DEVICE), out, E, cfg)
+        assert_bitwise_equal(out.cpu(), grouped(a, st, ids, strict=True, out_dtype=dt), f"{name} vs the op ({dt})")
+
+
+@pytest.mark.parametrize("name", sorted(STRICT_DENSE_CANDIDATES))
+def test_dense_strict_candidates_give_the_learners_bits(name):
+    """Each dense strict candidate (``STRICT_DENSE_CANDIDATES``) equals the learner's strict GEMM bit
+    for bit at M = 1 / 5 / 64, fp32 and bf16, with bias; K = 160 leaves a K tail on the GPU's
+    128- and 64-wide steps."""
+    from minite_kernels.triton import decode_gemm as td
+
+    qb = q(heavy_tailed(48, 160, seed=121), global_scale="tensor", tile=(16, 16), with_image=True)
+    bias = randn(48, seed=122)
+    for mm in (1, 5, 64):
+        qa = q(randn(mm, 160, seed=120 + mm, scale=2.0), with_image=True)
+        cfg = _candidate_cfg(td, td.STRICT_DENSE_CANDIDATES[name], mm, 48, 160)
+        for dt in (torch.float32, torch.bfloat16):
+            out = torch.empty(mm, 48, dtype=dt, device=DEVICE)
+            td.launch_decode_gemm(qa.image.to(DEVICE), qb.codes.to(DEVICE), qb.block_scales.view(torch.uint8).to(DEVICE),
+                                  qa.global_decode.float().reshape(-1).to(DEVICE),
+                                  qb.global_decode.float().reshape(-1).to(DEVICE), bias.to(DEVICE), out, cfg)
+            assert_bitwise_equal(out.cpu(), learner_strict(qa, qb, bias, dt), f"{name} M={mm} ({dt})")
+
+
+def test_strict_candidates_stay_off_until_verified():
+    """Until a GPU check records the learner's bits (``*_NEXT_VERIFIED``), the strict launches are
+    today's verified ones; the names the flags would switch to exist."""
+    from minite_kernels.triton import decode_gemm as td, decode_grouped_gemm as tg
+
+    assert tg.STRICT_GROUPED_NEXT in tg.STRICT_GROUPED_CANDIDATES and td.STRICT_DENSE_NEXT in td.STRICT_DENSE_CANDIDATES
+    if not tg.STRICT_GROUPED_NEXT_VERIFIED:
+        assert tg.strict_grouped_entry() is tg.GPU_STRICT_GROUPED_DECODE
+    if not td.STRICT_DENSE_NEXT_VERIFIED:
+        assert td.strict_dense_entry() in (td.GPU_STRICT_DECODE, td.GPU_STRICT_DECODE_ROLLED)
 
 
 def test_rolled_group_divides_the_steps():
