@@ -37,6 +37,11 @@ ENABLED = os.environ.get("MINITE_FAST_LAUNCH", "1") != "0"
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31, 2**63
 
 
+def _hooked(hook) -> bool:
+    """Is a launch hook set? Triton 3.6 holds an empty ``HookChain`` when none is."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _int_class(v: int) -> int:
     return 0 if _I32_MIN <= v < _I32_MAX else (1 if v < _I64_MAX else 2)
 
@@ -101,7 +106,7 @@ class FastJITFunction(JITFunction):
 
     def run(self, *args, grid, warmup, **kwargs):
         if (warmup or not ENABLED or callable(grid) or self.pre_run_hooks
-                or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None):
+                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
             return super().run(*args, grid=grid, warmup=warmup, **kwargs)
         bound = self._fast_bind(args, kwargs)
         if bound is None:

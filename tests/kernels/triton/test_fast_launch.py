@@ -30,6 +30,15 @@ def _key(k, *args, **kwargs):
     return k._fast_key(vals, opts, 0)
 
 
+def test_no_launch_hook_by_default():
+    """Triton 3.6 keeps an empty ``HookChain`` where no launch hook is set: that is not a hook (the table
+    was never used on the GPU while ``is not None`` was the test)."""
+    from triton import knobs
+
+    assert not _launch._hooked(knobs.runtime.launch_enter_hook) and not _launch._hooked(knobs.runtime.launch_exit_hook)
+    assert _launch._hooked(lambda *a: None) and not _launch._hooked(None)
+
+
 def test_key_separates_what_triton_specializes_on():
     k = _fast(_probe, do_not_specialize=["seed"])
     x = torch.zeros(64)
