@@ -16,9 +16,13 @@ compiled kernel Triton returned for that key directly (``CompiledKernel.run``, t
 makes). A miss, and anything the key does not cover (another argument type, a callable grid, warmup,
 launch hooks such as a profiler's, pre-run hooks), takes Triton's own path unchanged; a miss records
 the compiled kernel Triton returns. Under ``TRITON_INTERPRET=1`` ``fast_jit`` is ``triton.jit``.
-``MINITE_FAST_LAUNCH=0`` turns the table off (every launch through Triton's path).
-The GPU test (``tests/kernels/triton/test_fast_launch_gpu.py``) launches kernels both ways and
-compares outputs bitwise.
+Off unless ``MINITE_FAST_LAUNCH=1``: the table has not yet launched a kernel on a GPU. Its first GPU
+check (H200, 2026-12-01) found the table empty -- Triton 3.6 holds an empty ``HookChain`` where no
+launch hook is set, which the ``is not None`` test took for a hook, so every launch took Triton's
+path; that is fixed (:func:`_hooked`, a CPU test pins it) after the session's device time was spent.
+The check that turns it on: ``tests/kernels/triton/test_fast_launch.py`` on a GPU (launches real kernels
+through the table, hits included, and with it off: the same bits), then the 4096-token learner step
+with ``MINITE_FAST_LAUNCH=1`` and ``=0``.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-#: ``MINITE_FAST_LAUNCH=0``: every launch through ``JITFunction.run``.
-ENABLED = os.environ.get("MINITE_FAST_LAUNCH", "1") != "0"
+#: ``MINITE_FAST_LAUNCH=1``: launches through the table (module docstring: not yet run on a GPU).
+ENABLED = os.environ.get("MINITE_FAST_LAUNCH", "0") == "1"
 
 _I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31, 2**63
 

@@ -209,8 +209,15 @@ STRICT_GROUPED_CANDIDATES = {
     "pipe4 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=4, ONE_SPLIT=True),
     "pipe6 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
 }
+#: On the H200 (2026-12-01): every candidate 0 differing bits against the learner's strict grouped GEMM
+#: (K 2048 and 768; 1 / 8 / 64 tokens; random and adversarial data; fp32 and bf16), and at 8 tokens
+#: (us per GEMM, CUDA-graph replays; fc1 / fc2): rolled 98.1 / 59.5 (today's), **rolled 1s 79.1 / 46.0**,
+#: rolled4 1s 89.6 / 51.1, pipe2 118.1 / 73.1, pipe3 110.5 / 71.8, pipe4 bk64 106.8 / 64.2, pipe6 bk64
+#: 109.3 / 65.4 (the integer-dot default 43.9 / 23.9): the split-K code compiled out (4 programs an SM
+#: instead of 2) is the win, Triton's pipelining loses. The strict engine with it: 1.287 ms a decode step at
+#: batch 8 (was 1.419), gap 0 on 512 of 512 tokens (BENCHMARKS.md run 13).
 STRICT_GROUPED_NEXT = "rolled 1s"
-STRICT_GROUPED_NEXT_VERIFIED = False
+STRICT_GROUPED_NEXT_VERIFIED = True
 
 
 def strict_grouped_entry() -> dict:
