@@ -20,6 +20,8 @@ the host nor waits: :mod:`.moe`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
@@ -81,10 +83,23 @@ class MiniteGroupedMLP(TEGroupedMLP):
         """None if :meth:`forward` takes the token counts left on the device (a
         ``DeviceGroupSizes``: no host wait; the token dispatcher asks before it dispatches) for
         tokens of ``dtype`` on ``device`` (defaults: fc1's weights'), else the reason the counts
-        must reach the host (Megatron's forward, or a linear that needs host sizes)."""
+        must reach the host (Megatron's forward, or a linear that needs host sizes). Asked once
+        per dispatch: the answer is kept per (dtype, device, the recipe objects, weight dtype,
+        ``MINITE_BACKEND``)."""
         if not self.fuse_activation:
             return f"the experts run Megatron's forward ({self.why_unfused() or 'fuse_activation is off'})"
-        dtype = self.linear_fc1.weight0.dtype if dtype is None else dtype
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        weight = fc1.weight0
+        dtype = weight.dtype if dtype is None else dtype
+        device = weight.device if device is None else torch.device(device)
+        key = (dtype, device, id(self.recipe), id(getattr(fc1, "recipe", None)), id(getattr(fc2, "recipe", None)),
+               weight.dtype, os.environ.get("MINITE_BACKEND"))  # (recipes are frozen: their ids)
+        cache = self.__dict__.setdefault("_host_counts_answers", {})
+        if key not in cache:
+            cache[key] = self._why_host_counts(dtype, device)
+        return cache[key]
+
+    def _why_host_counts(self, dtype, device) -> str | None:
         if dtype not in _KERNEL_DTYPES:
             return f"the experts run Megatron's forward on {dtype} tokens"
         if self.recipe.strict:
