@@ -61,6 +61,39 @@ def test_key_separates_what_triton_specializes_on():
     assert k._fast_bind((x, x, 32), {}) is None  # missing arguments: Triton's path (and its error)
 
 
+def test_a_hit_launches_the_compiled_kernel_with_tritons_argument_order(monkeypatch):
+    """CPU simulation (Triton's own path and the device stubbed): the first launch of a key goes through
+    ``JITFunction.run`` and is recorded; the next with the same key calls the compiled kernel's ``run``
+    with every parameter in signature order (constexprs and defaults included), as ``JITFunction.run``
+    does; a key Triton would compile apart (here ``n % 16``) takes Triton's path again."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            calls.append(("direct", a))
+
+    def triton_run(self, *args, grid, warmup, **kwargs):
+        calls.append(("triton", args, tuple(sorted(kwargs))))
+        return Compiled()
+
+    monkeypatch.setattr(JITFunction, "run", triton_run)
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    k = _fast(_probe)
+    x = torch.zeros(64)
+    k[(3,)](x, x, 32, 5, 1.5, True, BLOCK=16, num_warps=2)
+    k[(3, 2)](x, x, 48, 6, 2.5, True, BLOCK=16, num_warps=2)
+    k[(3,)](x, x, 33, 5, 1.5, True, BLOCK=16, num_warps=2)
+    assert [c[0] for c in calls] == ["triton", "direct", "triton"]
+    grid_and_stream, args = calls[1][1][:7], calls[1][1][7:]
+    assert grid_and_stream == (3, 2, 1, 1234, "fn", "meta", None)
+    assert args[:2] == (None, None)  # no launch hooks
+    assert args[2:] == (x, x, 48, 6, 2.5, True, 16, 0)  # every parameter in order, MODE's default included
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_table_launch_gives_the_bits_of_tritons_path(monkeypatch):
