@@ -26,7 +26,7 @@ def test_decode_profile_records_engines_and_the_grouped_entry(tmp_path):
                                    "--json-dir", str(tmp_path), "--grouped-config", "32,128,4,4,16"])
     finally:
         tg.GPU_GROUPED_DECODE = before
-    assert res["strict_grouped_entry"] == tg.GPU_STRICT_GROUPED_DECODE
+    assert res["strict_grouped_entry"] == tg.strict_grouped_entry()  # the verified strict launch
     assert [e["engine"] for e in res["engines"]] == ["nvfp4", "bf16"]
     assert res["grouped_decode_entry"] == dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
     line = json.loads((tmp_path / "decode_profile.jsonl").read_text().splitlines()[-1])
