@@ -148,12 +148,19 @@ def test_a_gpu_backend_on_a_cpu_is_refused_at_argument_time(parse, monkeypatch):
     # kernels in sys.modules for every later test (regression: "0 active drivers" in tests/ops).
     import minite_kernels.triton.backend  # noqa: F401
 
+    from minite_megatron.nvfp4.backends import triton_interpreting
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the test suite's interpreter is not a GPU)
-    with pytest.raises(MiniteArgumentError, match=r"--minite-backend triton: NVFP4 backend 'triton' unavailable on cpu"):
-        parse("--minite-backend", "triton")
-    with pytest.raises(MiniteArgumentError, match=r"--minite-backend blackwell: .*needs a CUDA device"):
-        parse("--minite-backend", "blackwell")
-    assert parse("--minite-backend", "reference").minite_backend == "reference"
+    triton_interpreting.cache_clear()  # (read once per process: the variable changed)
+    try:
+        with pytest.raises(MiniteArgumentError, match=r"--minite-backend triton: NVFP4 backend 'triton' unavailable on cpu"):
+            parse("--minite-backend", "triton")
+        with pytest.raises(MiniteArgumentError, match=r"--minite-backend blackwell: .*needs a CUDA device"):
+            parse("--minite-backend", "blackwell")
+        assert parse("--minite-backend", "reference").minite_backend == "reference"
+    finally:
+        monkeypatch.undo()  # the variable back, then the cached answer with it
+        triton_interpreting.cache_clear()
 
 
 @pytest.mark.parametrize(
