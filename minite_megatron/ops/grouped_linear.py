@@ -121,11 +121,9 @@ def expert_weights(cache: QuantizedWeightCache, weights, recipe, backend, lctx=N
     :func:`~.linear.weight_operand`'s). With ``stacked`` (the
     experts' one-buffer view) the cache keys on that one tensor: a view shares its base's
     version counter, so any in-place change of an expert is seen."""
-    with_image = cache.keep_images() if with_image is None else with_image
-    once = image_once and not with_image
     key = stacked if stacked is not None else weights
-    return cache.get(key, lambda _: quantize_expert_weights(weights, recipe, backend, lctx, with_image or once, stacked),
-                     extra=backend.name, image_once=once)
+    return cache.get(key, lambda _, image: quantize_expert_weights(weights, recipe, backend, lctx, image, stacked),
+                     extra=backend.name, with_image=with_image, image_once=image_once)
 
 
 _LAST_SIZES: list = [None, None]  # (the sequence a caller passed, its GroupSizes)

@@ -77,10 +77,8 @@ def weight_operand(lctx: "LinearContext", weight: torch.Tensor, backend, with_im
     quantized now comes with its image for this call, the cache keeping codes only
     (:meth:`~.weight_cache.QuantizedWeightCache.get`)."""
     recipe = lctx.recipe
-    with_image = lctx.cache.keep_images() if with_image is None else with_image
-    once = image_once and not with_image
-    return lctx.cache.get(weight, lambda w: quantize_weight(w, recipe, backend, lctx, with_image or once),
-                          extra=backend.name, image_once=once)
+    return lctx.cache.get(weight, lambda w, image: quantize_weight(w, recipe, backend, lctx, image),
+                          extra=backend.name, with_image=with_image, image_once=image_once)
 
 
 def dgrad_gemm(backend, qdy: NVFP4Tensor, qw: NVFP4Tensor, cache: QuantizedWeightCache, make_transposed,

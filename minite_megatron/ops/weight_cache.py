@@ -94,17 +94,22 @@ class QuantizedWeightCache:
         ws = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
         return (_GENERATION[0], extra) + tuple((w._version, w.data_ptr(), w.dtype, w.shape) for w in ws)
 
-    def get(self, weights, quantize, extra=None, image_once: bool = False) -> NVFP4Tensor:
-        """The quantized weight(s); ``quantize(weights)`` (a detached tensor, or the list as
-        given) runs only when the key changed. ``image_once``: ``quantize`` writes the BF16 image
-        too (the forward GEMM's operand, from the quantize pass itself instead of a separate image
-        pass over the codes); the caller gets it for this one call, the entry keeps codes and
-        scales only (a cache hit returns those)."""
+    def get(self, weights, quantize, extra=None, *, with_image: bool | None = None,
+            image_once: bool = False) -> NVFP4Tensor:
+        """The quantized weight(s); ``quantize(weights, with_image)`` (``weights``: a detached
+        tensor, or the list as given) runs only when the key changed. ``with_image``: does the
+        entry carry the BF16 image (default :meth:`keep_images`, taken where autograd's grad mode
+        is the caller's)? ``image_once`` (the forward GEMM): where it does not, ``quantize`` writes
+        the image anyway (from the quantize pass itself instead of a separate image pass over the
+        codes); the caller gets it for this one call, the entry keeps codes and scales only (a
+        cache hit returns those)."""
+        with_image = self.keep_images() if with_image is None else with_image
+        once = image_once and not with_image
         key = self._key_of(weights, extra)
         if key != self._key:
             with torch.no_grad():
-                q = quantize(weights.detach() if isinstance(weights, torch.Tensor) else weights)
-            self._q = replace(q, image=None) if image_once and q.image is not None else q
+                q = quantize(weights.detach() if isinstance(weights, torch.Tensor) else weights, with_image or once)
+            self._q = replace(q, image=None) if once and q.image is not None else q
             self._qt = None
             self._key = key
             return q

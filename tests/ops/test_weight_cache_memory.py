@@ -86,12 +86,12 @@ def test_forward_gemm_takes_the_image_of_a_fresh_quantization_and_the_cache_drop
     quantized = []
     real = cache.get
 
-    def spy(weights, quantize, extra=None, image_once=False):
-        def q(w):
-            out = quantize(w)
+    def spy(weights, quantize, extra=None, **kw):
+        def q(w, image):
+            out = quantize(w, image)
             quantized.append(out.image is not None)
             return out
-        return real(weights, q, extra, image_once)
+        return real(weights, q, extra, **kw)
 
     cache.get = spy
     run = (lambda: nvfp4_grouped_linear(x, sizes, ws, None, ctx, cache)) if grouped else (lambda: nvfp4_linear(x, ws[0], None, ctx))
