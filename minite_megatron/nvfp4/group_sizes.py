@@ -35,6 +35,16 @@ import torch
 from .formats import BLOCK
 
 
+def _padded_column_index(c: torch.Tensor, offsets: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+    """int32: the source row of each padded column ``c`` (int32, on the offsets' device) of groups
+    with row offsets ``offsets`` and padded offsets ``padded`` (int32 ``[G + 1]``, G >= 1), -1 for
+    a group's padding and for columns past the last group (a width bound beyond ``padded[G]``)."""
+    # the group of column c (c past the last group: the last group, whose rows it is beyond)
+    group = torch.searchsorted(padded[1:], c, right=True, out_int32=True).clamp_(max=offsets.numel() - 2)
+    row = offsets.index_select(0, group) + (c - padded.index_select(0, group))
+    return torch.where(row < offsets[1:].index_select(0, group), row, -1)
+
+
 class GroupSizes(tuple):
     """Non-negative group sizes (a tuple of ints) with their device index tensors (module docstring).
 
@@ -115,10 +125,7 @@ class GroupSizes(tuple):
             if len(self) == 1:  # one group: its rows, then the padding (no offsets needed)
                 hit = torch.where(c < self[0], c, -1)
             else:
-                offsets, padded = self._device_offsets(device)
-                group = torch.searchsorted(padded[1:], c, right=True)  # < G: every c < padded[G] = T_pad
-                row = offsets.index_select(0, group) + (c - padded.index_select(0, group))
-                hit = torch.where(row < offsets[1:].index_select(0, group), row, -1)
+                hit = _padded_column_index(c, *self._device_offsets(device))
             self._columns[device] = hit
         return hit
 
@@ -238,10 +245,6 @@ class DeviceGroupSizes:
             if len(self) == 0:
                 hit = torch.full_like(c, -1)
             else:
-                offsets, padded = self.offsets(device), self.padded_offsets(device)
-                # the group of column c (c past the last group: the last group, whose rows it is beyond)
-                group = torch.searchsorted(padded[1:], c, right=True, out_int32=True).clamp_(max=len(self) - 1)
-                row = offsets.index_select(0, group) + (c - padded.index_select(0, group))
-                hit = torch.where(row < offsets[1:].index_select(0, group), row, -1)
+                hit = _padded_column_index(c, *self._device_offsets(device))
             self._columns[device] = hit
         return hit
