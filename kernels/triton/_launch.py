@@ -103,10 +103,7 @@ class FastJITFunction(JITFunction):
                 key.append("f")
             else:
                 return None
-        try:
-            return tuple(key)
-        except TypeError:
-            return None
+        return tuple(key)  # (hashed at the table lookup: an unhashable value takes Triton's path there)
 
     def run(self, *args, grid, warmup, **kwargs):
         if (warmup or not ENABLED or callable(grid) or self.pre_run_hooks
