@@ -23,13 +23,12 @@ scales, global scales for nvfp4).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+from ._timing import add_output_args, bench, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -104,8 +103,7 @@ def run_case(name, rows, f):
 def main(argv=None):
     global SMOKE, DEV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    add_output_args(ap, __file__)
     args = ap.parse_args(argv)
     SMOKE = args.smoke
     if SMOKE:
@@ -126,8 +124,7 @@ def main(argv=None):
         if args.out:
             print("saved:", save(res, "moe_activation_smoke", [args.out]))
         return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    print("saved:", save(res, "moe_activation", [here, args.out]))
+    print("saved:", save(res, "moe_activation", [args.json_dir, args.out]))
 
 
 if __name__ == "__main__":
