@@ -81,7 +81,7 @@ import time
 
 import torch
 
-from ._timing import ensure_minite_kernels, environment, print_table, save
+from ._timing import add_gate_args, ensure_minite_kernels, environment, gates_set, print_table, save
 
 ensure_minite_kernels()
 
@@ -483,12 +483,20 @@ def main(argv=None):
 
     saved = deterministic_moe.KERNEL_ON_CPU
     try:
-        return _main(argv)
+        with gates_set(_gate_specs(argv)) as gates:
+            return _main(argv, gates)
     finally:
         deterministic_moe.KERNEL_ON_CPU = saved
 
 
-def _main(argv=None):
+def _gate_specs(argv) -> list[str]:
+    """The ``--gate`` values of ``argv`` (set before the benchmark's own imports and parsing)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    add_gate_args(ap)
+    return ap.parse_known_args(argv)[0].gate
+
+
+def _main(argv=None, gates=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=None,
                     help="a training.presets name or moe16 (default: qwen3-moe; tiny with --smoke)")
@@ -511,6 +519,7 @@ def _main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for JSON and profiles")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check that the script works")
+    add_gate_args(ap)
     args = ap.parse_args(argv)
 
     from minite_megatron.training.presets import PRESETS, init_single_process
@@ -610,7 +619,7 @@ def _main(argv=None):
             "bench": "learner_step", **env, "preset": preset_name, "config": preset, "tokens": tokens, "batch": batch,
             "seq_length": seq, "dtype": str(dtype).replace("torch.", ""), "weight_refresh": args.weight_refresh,
             "flops_per_step": flops, "peak_tflops": args.peak_tflops, "smoke": args.smoke, **ratios,
-            "variants": rows, "command": "python -m benchmarks.learner_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "variants": rows, "gates": gates or {}, "command": "python -m benchmarks.learner_step " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
         records.append(record)
         save(record, "learner_step", [args.out] + ([] if args.smoke else [args.json_dir]))

@@ -51,7 +51,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._timing import copy_bandwidth_gbps, environment, ensure_minite_kernels, print_table, save  # noqa: E402
+from benchmarks._timing import (  # noqa: E402
+    add_gate_args, copy_bandwidth_gbps, ensure_minite_kernels, environment, gates_set, print_table, save,
+)
 
 ensure_minite_kernels()
 
@@ -449,6 +451,14 @@ def strict_kernels_verified(checks: dict) -> bool:
 
 
 def main(argv=None):
+    """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after."""
+    gate_ap = argparse.ArgumentParser(add_help=False)
+    add_gate_args(gate_ap)
+    with gates_set(gate_ap.parse_known_args(argv)[0].gate) as gates:
+        return _main(argv, gates)
+
+
+def _main(argv=None, gates=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
@@ -485,6 +495,7 @@ def main(argv=None):
                          "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
+    add_gate_args(ap)
     args = ap.parse_args(argv)
     if args.rolled_dense_strict:
         from minite_kernels.triton import decode_gemm as td
@@ -510,7 +521,7 @@ def main(argv=None):
     copy_gbps = copy_bandwidth_gbps(device) if gpu else None
     results = {"benchmark": "rollout", "command": "python -m benchmarks.rollout " + " ".join(argv or sys.argv[1:]),
                "preset": args.preset, "new_tokens": args.new, "prompt_lengths": [args.prompt_min, args.prompt_max],
-               "copy_gbps": copy_gbps, "rows": [], **environment()}
+               "copy_gbps": copy_gbps, "gates": gates or {}, "rows": [], **environment()}
     t0 = time.perf_counter()
 
     def left() -> bool:

@@ -23,7 +23,17 @@ find_python() {
 
 PY=$(find_python) || { echo "setup.sh: Python >= 3.12 not found (megatron-core 0.19 needs it); set PYTHON=/path/to/python3.12" >&2; exit 1; }
 echo "setup.sh: using $PY ($("$PY" --version))"
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  # A clean install peaks at ~7.5 GB (torch's CUDA wheel and its libraries, pip's unpacked wheels, then
+  # .venv-vllm): say so at once rather than fail minutes later with pip's "No space left on device".
+  need_gib=${MINITE_MIN_FREE_GIB:-9}
+  free_gib=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gib" -lt "$need_gib" ]; then
+    echo "setup.sh: only $free_gib GiB free on $(df -P . | awk 'NR == 2 {print $6}') for .venv; a clean install needs ~$need_gib GiB (set MINITE_MIN_FREE_GIB to change this check)" >&2
+    exit 1
+  fi
+  "$PY" -m venv .venv
+fi
 .venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test,cutlass]'
 .venv/bin/python -c 'import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'
 # The second test environment with the real vLLM for tests/serving (docs/serving.md); MINITE_SKIP_VLLM=1 skips it.
