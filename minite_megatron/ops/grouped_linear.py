@@ -352,8 +352,12 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
             if any(ctx.needs_input_grad[4 : 4 + ctx.groups]):
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
                 # no rows: no contribution (do not rely on the kernel's empty groups)
-                if isinstance(sizes, DeviceGroupSizes):
-                    dw.masked_fill_((sizes.counts == 0).to(dw.device).view(-1, 1, 1), 0)  # +0, as zero_()
+                if isinstance(sizes, DeviceGroupSizes):  # +0, as zero_(); on a GPU only the empty slices written
+                    if dw.is_cuda:
+                        from minite_kernels.triton.group_zero import zero_empty_groups
+                    else:
+                        from minite_kernels.triton.group_zero import zero_empty_groups_reference as zero_empty_groups
+                    zero_empty_groups(dw, sizes.counts.to(dw.device))
                 else:
                     for g, s in enumerate(sizes):
                         if s == 0:
