@@ -192,6 +192,15 @@ def _moe_combine(k=0, hidden=2048, gather=False):
     return compile_for(mc._moe_sum_rows_kernel, sig, ce, divisible=("H", "s_row", "s_slot", "s_out"), num_warps=warps)
 
 
+def _group_zero(dtype="bf16"):
+    """The empty-expert zeroing of the BF16 twin's wgrad (``group_zero``), int64 counts."""
+    from . import group_zero as gz
+
+    sig = {"out_ptr": f"*{dtype}", "counts_ptr": "*i64", "slice_numel": "i32"}
+    return compile_for(gz._zero_empty_groups_kernel, sig, dict(BLOCK=gz.BLOCK, CHUNKS=gz.CHUNKS),
+                       divisible=("slice_numel",), num_warps=4)
+
+
 def all_kernels():
     """(name, compiled kernel) of every kernel at its H200 launch config."""
     from . import gemm, grouped_gemm, grouped_wgrad, quantize
@@ -217,6 +226,7 @@ def all_kernels():
     yield "moe combine", _moe_combine()
     yield "moe combine [T, 8, H]", _moe_combine(8)
     yield "moe combine backward", _moe_combine(gather=True)
+    yield "group zero (empty experts' dW)", _group_zero()
     from . import _aot_quantize
 
     yield from _aot_quantize.all_kernels()  # the fast row/column kernels the dispatch prefers

@@ -76,6 +76,20 @@ def test_bf16_twin_wgrad_with_device_counts_equals_host_counts():
     assert all((grads[1][i] == 0).all() for i in (1, 3))
 
 
+def test_group_zero_compiles_for_the_h200_with_wide_stores():
+    """sm_90a, ahead of time on this machine: no spills, 16-byte stores (8 bf16 per thread)."""
+    from minite_kernels.triton._testing import run_aot_script
+
+    rep = run_aot_script(r"""
+import json, re
+from minite_kernels.triton._aot import report, sass
+from minite_kernels.triton import _aot_kernels as K
+k = K._group_zero()
+print("JSON" + json.dumps(dict(report(k), stg128=len(re.findall(r"STG\.E\.128", sass(k))))))
+""")
+    assert rep["spill_bytes"] == 0 and rep["stg128"] >= 1, rep
+
+
 @pytest.mark.gpu
 def test_zero_empty_groups_at_moe_size_gpu():
     """128 experts' fc1 dW (1536 x 2048, bf16), a quarter of the experts empty."""
