@@ -51,3 +51,18 @@ def test_learner_step_records_the_gate_and_puts_it_back(tmp_path):
     line = json.loads((tmp_path / "learner_step.jsonl").read_text().splitlines()[-1])
     assert line["gates"] == {GATE: not before}
     assert moe.DEVICE_COUNTS_GPU_VERIFIED is before
+
+
+def test_device_session_gates_name_existing_gates():
+    """Every ``--gate`` of ``benchmarks/device_session.sh`` names an existing bool gate: a typo there
+    would spend scarce device time measuring the default under the gate's name (it would stop with
+    the one error line, after the machine's start)."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "device_session.sh").read_text()
+    specs = re.findall(r"--gate (\S+)", script)
+    assert specs, "device_session.sh: no --gate found (the 'pending' step sets its gates with it)"
+    for spec in specs:
+        with gates_set([spec]) as gates:
+            assert list(gates) == [spec.partition("=")[0]]
