@@ -353,7 +353,7 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
                 # no rows: no contribution (do not rely on the kernel's empty groups)
                 if isinstance(sizes, DeviceGroupSizes):  # +0, as zero_(); on a GPU only the empty slices written
-                    if dw.is_cuda:
+                    if dw.is_cuda and dw.is_contiguous():
                         from minite_kernels.triton.group_zero import zero_empty_groups
                     else:
                         from minite_kernels.triton.group_zero import zero_empty_groups_reference as zero_empty_groups
