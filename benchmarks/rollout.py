@@ -450,11 +450,17 @@ def strict_kernels_verified(checks: dict) -> bool:
     return bool(checks) and all(v.get("decode_strict_kernel_equals_learner", True) for v in checks.values())
 
 
+#: ``--rolled-dense-strict``: this gate (the older spelling of ``--gate ...=true``)
+ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED=true"
+
+
 def main(argv=None):
     """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after."""
     gate_ap = argparse.ArgumentParser(add_help=False)
     add_gate_args(gate_ap)
-    with gates_set(gate_ap.parse_known_args(argv)[0].gate) as gates:
+    gate_ap.add_argument("--rolled-dense-strict", action="store_true")
+    known = gate_ap.parse_known_args(argv)[0]
+    with gates_set(known.gate + ([ROLLED_DENSE_STRICT_GATE] if known.rolled_dense_strict else [])) as gates:
         return _main(argv, gates)
 
 
@@ -492,15 +498,11 @@ def _main(argv=None, gates=None):
                          "(TritonOptions.idot_dense_max_m) for this run")
     ap.add_argument("--rolled-dense-strict", action="store_true",
                     help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
-                         "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
+                         f"run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check (--gate {ROLLED_DENSE_STRICT_GATE})")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
     add_gate_args(ap)
     args = ap.parse_args(argv)
-    if args.rolled_dense_strict:
-        from minite_kernels.triton import decode_gemm as td
-
-        td.ROLLED_DENSE_STRICT_VERIFIED = True
     if args.idot_dense_max_m:
         from minite_kernels.triton.backend import TritonBackend, TritonOptions
         from minite_megatron.nvfp4 import register_backend
