@@ -87,9 +87,9 @@ def gates_set(specs: list[str]):
 
 def smoke_on_the_interpreter() -> None:
     """A ``--smoke`` run on the CPU: Triton's interpreter (``TRITON_INTERPRET=1`` unless set) with the
-    repository's interpreter fixes (:mod:`minite_kernels.triton._interpreter_compat`)."""
+    repository's interpreter fixes (:mod:`minite_kernels.triton._build._interpreter_compat`)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from minite_kernels.triton._interpreter_compat import install
+    from minite_kernels.triton._build._interpreter_compat import install
     from minite_megatron.nvfp4.backends import triton_interpreting
 
     triton_interpreting.cache_clear()

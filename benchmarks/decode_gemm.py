@@ -40,12 +40,12 @@ from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environm
 ensure_minite_kernels()
 
 from minite_megatron import nvfp4  # noqa: E402
-from minite_kernels.triton import decode_gemm as td  # noqa: E402
-from minite_kernels.triton import decode_grouped_gemm as tg  # noqa: E402
-from minite_kernels.triton import decode_grouped_idot as ti  # noqa: E402
-from minite_kernels.triton.gemm import gemm_forward  # noqa: E402
-from minite_kernels.triton.grouped_gemm import grouped_gemm_forward  # noqa: E402
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.decode import decode_gemm as td  # noqa: E402
+from minite_kernels.triton.decode import decode_grouped_gemm as tg  # noqa: E402
+from minite_kernels.triton.decode import decode_grouped_idot as ti  # noqa: E402
+from minite_kernels.triton.nvfp4.gemm import gemm_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.grouped_gemm import grouped_gemm_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
 
 #: Qwen3 (30B-A3B / qwen3-moe preset) decode GEMMs as (K, N).
 SHAPES = {"qkv": (2048, 5120), "o": (4096, 2048), "expert_fc1": (2048, 1536), "expert_fc2": (768, 2048),

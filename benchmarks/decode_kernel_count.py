@@ -57,13 +57,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32", action="store_true", help="an fp32 model (the CPU tests' dtype) instead of bf16")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from minite_kernels.triton._interpreter_compat import install
+    from minite_kernels.triton._build._interpreter_compat import install
 
     install()
     import triton.runtime.interpreter as interp
 
     import minite_kernels.triton.backend as triton_backend
-    import minite_kernels.triton.decode_gemm as decode_gemm
+    import minite_kernels.triton.decode.decode_gemm as decode_gemm
 
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout import fused_ops

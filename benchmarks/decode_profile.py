@@ -106,7 +106,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.long <= args.short:
         ap.error(f"--long ({args.long}) must exceed --short ({args.short})")
-    from minite_kernels.triton import decode_grouped_gemm as tg
+    from minite_kernels.triton.decode import decode_grouped_gemm as tg
 
     if args.grouped_config:
         try:
@@ -114,8 +114,8 @@ def main(argv=None):
         except ValueError:
             ap.error(f"--grouped-config: five integers BN,BK,WARPS,DEPTH,MAX_CHUNKS, got {args.grouped_config!r}")
         tg.GPU_GROUPED_DECODE = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=depth, MAX_CHUNKS=most)
-    from minite_kernels.triton import decode_grouped_idot as ti
-    from minite_kernels.triton import decode_gemm as td
+    from minite_kernels.triton.decode import decode_grouped_idot as ti
+    from minite_kernels.triton.decode import decode_gemm as td
 
     if args.rolled_dense_strict:
         td.ROLLED_DENSE_STRICT_VERIFIED = True

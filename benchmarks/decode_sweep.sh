@@ -35,7 +35,7 @@ for i in $(seq 0 $((SHARDS - 1))); do
     > "/tmp/warm_$i.log" 2>&1 &
 done
 PT="timeout ${TEST_CAP_S:-95} python3 -m pytest -q -p no:cacheprovider -rA"
-D=tests/kernels/triton/test_triton_decode.py
+D=tests/kernels/triton/decode/test_triton_decode.py
 if [ "${TESTS:-1}" != 0 ]; then
   $PT $D -k "strict and dense" > /tmp/pytest_1.log 2>&1 &
   $PT $D -k "not strict and not grouped" "tests/kernels/triton/test_triton_gpu.py::test_decode_gemm_within_bound_at_real_shape" \

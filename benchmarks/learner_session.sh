@@ -28,7 +28,7 @@ W=$(mktemp -d)
 python3 -m benchmarks.learner_step "${WARM[@]}" --variants nvfp4 --iters 1 --warmup 1 --out "" --json-dir "$W" > "$OUT/warm_nvfp4.log" 2>&1 &
 python3 -m benchmarks.learner_step "${WARM[@]}" --variants strict --iters 1 --warmup 1 --out "" --json-dir "$W" > "$OUT/warm_strict.log" 2>&1 &
 timeout $TESTS_TIMEOUT python3 -m pytest -q -p no:cacheprovider -ra \
-  tests/kernels/triton/test_moe_combine.py tests/kernels/triton/test_bi_kernels.py tests/kernels/test_custom_op.py \
+  tests/kernels/triton/moe/test_moe_combine.py tests/kernels/triton/invariant/test_bi_kernels.py tests/kernels/test_custom_op.py \
   "tests/strict/test_strict_alignment.py::test_gpu_strict_gap_is_exactly_zero_with_triton_kernels" \
   > "$OUT/tests.log" 2>&1 &
 timeout $TESTS_TIMEOUT python3 -m pytest -q -p no:cacheprovider -ra -m gpu tests/megatron/test_minite_gpu.py \

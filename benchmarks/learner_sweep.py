@@ -60,7 +60,7 @@ def _same_bits(q, ref) -> bool:
 
 def sec_tile_quantize(res: dict) -> None:
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
-    from minite_kernels.triton.quantize_tiles import QuantizeTiles
+    from minite_kernels.triton.nvfp4.quantize_tiles import QuantizeTiles
 
     rows = []
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
@@ -81,8 +81,8 @@ def sec_tile_quantize(res: dict) -> None:
 
 
 def sec_wgrad(res: dict) -> None:
-    from minite_kernels.triton import grouped_wgrad
-    from minite_kernels.triton.grouped_wgrad import grouped_wgrad_op, pad_index
+    from minite_kernels.triton.nvfp4 import grouped_wgrad
+    from minite_kernels.triton.nvfp4.grouped_wgrad import grouped_wgrad_op, pad_index
 
     g = torch.Generator().manual_seed(0)
     sizes = _skewed_sizes(g)
@@ -117,8 +117,8 @@ def sec_wgrad(res: dict) -> None:
 
 
 def sec_grouped(res: dict) -> None:
-    from minite_kernels.triton import grouped_gemm
-    from minite_kernels.triton.grouped_gemm import grouped_gemm_op
+    from minite_kernels.triton.nvfp4 import grouped_gemm
+    from minite_kernels.triton.nvfp4.grouped_gemm import grouped_gemm_op
 
     g = torch.Generator().manual_seed(0)
     sizes = _skewed_sizes(g)
@@ -160,7 +160,7 @@ def _sweep_dy_quantize(field: str, cfgs, quantize, passes: int) -> list[dict]:
     setting of ``field``, bits compared with the first setting's; ``passes``: full bf16 reads or writes
     of ``dy`` the operation makes (GB/s counts them and the codes and scales written)."""
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
-    from minite_kernels.triton.quantize_tiles import QuantizeTiles
+    from minite_kernels.triton.nvfp4.quantize_tiles import QuantizeTiles
 
     rows = []
     for name, n in {"fc1 dy": 2 * FFN, "fc2 dy": HIDDEN}.items():
@@ -206,10 +206,10 @@ def sec_parts(res: dict) -> None:
     """The passes of the experts' ``dy`` quantizations, each alone (amaxes given): the dgrad operand's
     plain amax and row quantize (SR or not), the wgrad operand's RHT amax and column quantize with SR
     and / or the RHT on or off, image or not -- what each feature of the recipe costs."""
-    from minite_kernels.triton import quantize_cols
-    from minite_kernels.triton.amax import amax_forward
-    from minite_kernels.triton.grouped_wgrad import pad_index
-    from minite_kernels.triton.quantize import quantize_op, rht_mask_of, sr_key
+    from minite_kernels.triton.nvfp4 import quantize_cols
+    from minite_kernels.triton.nvfp4.amax import amax_forward
+    from minite_kernels.triton.nvfp4.grouped_wgrad import pad_index
+    from minite_kernels.triton.nvfp4.quantize import quantize_op, rht_mask_of, sr_key
 
     sizes = _skewed_sizes(torch.Generator().manual_seed(0))
     key, rht = sr_key(5), rht_mask_of(7)

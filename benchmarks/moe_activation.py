@@ -7,7 +7,7 @@ Rows = routed rows of fc1 output ``h`` [R, 2F] (the qwen3-moe learner: 4096 / 16
 top-8, F = 768), bf16, ``p`` [R] fp32. Per case:
 
 * ``fwd_bf16``: Megatron's ``(F.silu(gate) * up * p[:, None]).to(bf16)`` (``unfused``) against
-  :func:`minite_kernels.triton.weighted_swiglu.weighted_swiglu` (``fused``, the BF16 twin's);
+  :func:`minite_kernels.triton.moe.weighted_swiglu.weighted_swiglu` (``fused``, the BF16 twin's);
 * ``fwd_nvfp4``: the same unfused ops plus fc2's input quantize (``quantize_forward(y, "row",
   image)``) against ``swiglu_quantize(h, probs=p)`` (one kernel, the handoff's);
 * ``fwd_bwd``: forward and backward (``d h``, ``d p``) through autograd's chain against
@@ -32,9 +32,9 @@ from ._timing import add_output_args, bench, ensure_minite_kernels, environment,
 
 ensure_minite_kernels()
 
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
-from minite_kernels.triton.swiglu_quantize import swiglu_quantize  # noqa: E402
-from minite_kernels.triton.weighted_swiglu import weighted_swiglu  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize  # noqa: E402
+from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu  # noqa: E402
 
 from minite_megatron.ops import moe_activation  # noqa: E402
 

@@ -7,7 +7,7 @@ Per token count (hidden 2048, 128 experts, top-8, bf16, Megatron's expert-major 
 
 * ``combine fwd``: ``[T*k, H]`` expert rows -> ``[T, H]``: the torch formulation
   (``deterministic_moe.deterministic_unpermute_reference``: k gathers, ``where``s and adds), the one-pass
-  kernel (``minite_kernels.triton.moe_combine``), and Megatron's non-deterministic ``scatter_add_``
+  kernel (``minite_kernels.triton.moe.moe_combine``), and Megatron's non-deterministic ``scatter_add_``
   (``moe_utils.unpermute``) as the speed it replaces;
 * ``combine fwd+bwd``: the same with the gradient of the rows (torch: ``index_add_`` per slot;
   kernel: one gather);
@@ -45,7 +45,7 @@ def _case(tokens: int, experts: int, topk: int, hidden: int, device, seed: int =
 def run(tokens: int, experts: int, topk: int, hidden: int, device) -> list[dict]:
     from megatron.core.transformer.moe.moe_utils import unpermute
 
-    from minite_kernels.triton.moe_combine import deterministic_unpermute
+    from minite_kernels.triton.moe.moe_combine import deterministic_unpermute
     from minite_megatron.modules.deterministic_moe import deterministic_unpermute_reference
     from minite_megatron.testing import assert_bitwise_equal
 

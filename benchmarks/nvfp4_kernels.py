@@ -36,11 +36,11 @@ ensure_minite_kernels()
 
 from minite_megatron import nvfp4  # noqa: E402
 from minite_kernels.triton.backend import TritonBackend, TritonOptions  # noqa: E402
-from minite_kernels.triton.quantize_tiles import QuantizeTiles  # noqa: E402
-from minite_kernels.triton.gemm import gemm_op  # noqa: E402
-from minite_kernels.triton.grouped_gemm import group_offsets, grouped_gemm_op  # noqa: E402
-from minite_kernels.triton.grouped_wgrad import grouped_wgrad_forward  # noqa: E402
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize_tiles import QuantizeTiles  # noqa: E402
+from minite_kernels.triton.nvfp4.gemm import gemm_op  # noqa: E402
+from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets, grouped_gemm_op  # noqa: E402
+from minite_kernels.triton.nvfp4.grouped_wgrad import grouped_wgrad_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
 
 #: Qwen3-30B-A3B linears as (K, N): attention qkv / o, and the dense-MLP shapes of its config
 #: (intermediate 6144; gate+up fused).
@@ -204,7 +204,7 @@ GEMM_SWEEP = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 8
 
 
 def sec_gemm_sweep(res, t_tok):
-    from minite_kernels.triton import gemm as tg
+    from minite_kernels.triton.nvfp4 import gemm as tg
 
     rows, base = [], tg.DEFAULT_CONFIG
     for name, (k, n) in DENSE.items():

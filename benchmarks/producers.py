@@ -3,8 +3,8 @@
     python -m benchmarks.producers                    # table + JSON (benchmarks/results/producers.jsonl, --out)
     TRITON_INTERPRET=1 python -m benchmarks.producers --smoke   # the script itself, tiny shapes on a CPU
 
-fused_us: :func:`minite_kernels.triton.norm_quantize.rmsnorm_quantize` /
-:func:`minite_kernels.triton.swiglu_quantize.swiglu_quantize` (one kernel). unfused_us: the op
+fused_us: :func:`minite_kernels.triton.nvfp4.norm_quantize.rmsnorm_quantize` /
+:func:`minite_kernels.triton.nvfp4.swiglu_quantize.swiglu_quantize` (one kernel). unfused_us: the op
 (``bi_rmsnorm``; torch's eager ``F.silu(gate) * up`` as Megatron runs it without fusion) followed
 by ``quantize_forward(out, global_scale="row", with_image=True)``; op_us / quant_us time the two
 alone. Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s counts the
@@ -27,10 +27,10 @@ from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environm
 
 ensure_minite_kernels()
 
-from minite_kernels.triton.bi_rmsnorm import bi_rmsnorm  # noqa: E402
-from minite_kernels.triton.norm_quantize import rmsnorm_quantize  # noqa: E402
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
-from minite_kernels.triton.swiglu_quantize import swiglu_quantize  # noqa: E402
+from minite_kernels.triton.invariant.bi_rmsnorm import bi_rmsnorm  # noqa: E402
+from minite_kernels.triton.nvfp4.norm_quantize import rmsnorm_quantize  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize  # noqa: E402
 
 DEV = torch.device("cuda")
 SMOKE = False

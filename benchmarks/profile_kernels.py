@@ -20,8 +20,8 @@ from ._timing import ensure_minite_kernels
 
 ensure_minite_kernels()
 
-from minite_kernels.triton.decode_gemm import decode_gemm_op  # noqa: E402
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.decode.decode_gemm import decode_gemm_op  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
 
 BF16 = torch.bfloat16
 T = 16384

@@ -4,7 +4,7 @@
     python -m benchmarks.quantize_kernels --warm-only      # compile every variant, time nothing
     TRITON_INTERPRET=1 python -m benchmarks.quantize_kernels --smoke   # the script itself, on a CPU
 
-Every case runs the dispatch of :mod:`minite_kernels.triton.quantize` (row kernel, column
+Every case runs the dispatch of :mod:`minite_kernels.triton.nvfp4.quantize` (row kernel, column
 kernel with the RHT fused, flat amax pass); the generic kernels it replaced (``old_us`` in
 the earlier records of the JSON file, BENCHMARKS.md runs 5-6) were deleted. Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
 counts the minimum bytes: input read once, codes + scales + image + global scales written
@@ -28,12 +28,12 @@ from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environm
 
 ensure_minite_kernels()
 
-from minite_kernels.triton import quantize as tq  # noqa: E402
-from minite_kernels.triton import quantize_cols as tc  # noqa: E402
+from minite_kernels.triton.nvfp4 import quantize as tq  # noqa: E402
+from minite_kernels.triton.nvfp4 import quantize_cols as tc  # noqa: E402
 from minite_kernels.triton.backend import TritonBackend, TritonOptions  # noqa: E402
-from minite_kernels.triton.amax import amax_forward  # noqa: E402
-from minite_kernels.triton.quantize import quantize_forward  # noqa: E402
-from minite_kernels.triton.quantize_tiles import QuantizeTiles  # noqa: E402
+from minite_kernels.triton.nvfp4.amax import amax_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize import quantize_forward  # noqa: E402
+from minite_kernels.triton.nvfp4.quantize_tiles import QuantizeTiles  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

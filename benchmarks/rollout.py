@@ -451,7 +451,7 @@ def strict_kernels_verified(checks: dict) -> bool:
 
 
 #: ``--rolled-dense-strict``: this gate (the older spelling of ``--gate ...=true``)
-ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED=true"
+ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED=true"
 
 
 def main(argv=None):

@@ -57,9 +57,9 @@ for t in "$G1[strict]" "$G1[default]" "$G2[strict]" "$G2[default]"; do  # one pr
   f=$(basename "${t%%::*}" .py)_${t##*[}
   timeout "$T1" $PYTEST "$t" > "$LOGS/gpu_${f%]}.log" 2>&1 & PIDS+=($!)
 done
-timeout "$T1" $PYTEST tests/kernels/triton/test_residual_norm.py tests/kernels/triton/test_qk_norm_rope.py \
-  tests/kernels/triton/test_moe_route.py -k "not sm90" > "$LOGS/kernel_tests.log" 2>&1 & PIDS+=($!)
-timeout "$T1" $PYTEST tests/kernels/triton/test_triton_producers.py -k "test_norm_ or weighted_swiglu or gpu_norm" \
+timeout "$T1" $PYTEST tests/kernels/triton/nvfp4/test_residual_norm.py tests/kernels/triton/decode/test_qk_norm_rope.py \
+  tests/kernels/triton/moe/test_moe_route.py -k "not sm90" > "$LOGS/kernel_tests.log" 2>&1 & PIDS+=($!)
+timeout "$T1" $PYTEST tests/kernels/triton/nvfp4/test_triton_producers.py -k "test_norm_ or weighted_swiglu or gpu_norm" \
   > "$LOGS/producer_tests.log" 2>&1 & PIDS+=($!)
 RCS=()
 for p in "${PIDS[@]}"; do wait "$p"; RCS+=($?); done

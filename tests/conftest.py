@@ -16,7 +16,7 @@ if not HAS_CUDA:
     # contention on the 2-core CI machine (measured ~10x faster tiny-model rollouts under load)
     torch.set_num_threads(1)
     # Triton 3.6's interpreter calls int() on 1-element arrays, which NumPy 2.5 rejects
-    from minite_kernels.triton._interpreter_compat import install as _install_interpreter_compat
+    from minite_kernels.triton._build._interpreter_compat import install as _install_interpreter_compat
 
     _install_interpreter_compat()
 

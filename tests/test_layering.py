@@ -3,7 +3,7 @@
 Walks the ``import`` statements (function-level ones included) of every module under
 ``minite_megatron/`` and ``kernels/`` (installed as ``minite_kernels``) with ``ast``, nothing is
 imported. Pins the drift of issue 11: ``specs.py -> strict/megatron.py -> strict/specs.py ->
-specs.py`` and ``kernels/triton/_aot.py <-> _aot_kernels.py`` (circles), ``ops/linear.py`` and
+specs.py`` and ``kernels/triton/_build/_aot.py <-> _aot_kernels.py`` (circles), ``ops/linear.py`` and
 ``rollout/engine.py`` importing ``diagnostics.capture`` (upward imports), and
 ``modules/linear.py`` calling a sibling class's ``StrictRowParallelLinear.forward(self, ...)``.
 """

@@ -1,15 +1,21 @@
-"""Triton NVFP4 kernels (any CUDA GPU; run on CPU under TRITON_INTERPRET=1 for tests).
+"""Triton kernels (any CUDA GPU; run on CPU under TRITON_INTERPRET=1 for tests), by family.
 
-One op per module, each a ``torch.library`` custom op (namespace ``minite::``) equal to its
-reference in :mod:`minite_megatron.nvfp4`: :mod:`.quantize`, :mod:`.amax`, :mod:`.image`,
-:mod:`.gemm`, :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`, :mod:`.decode_gemm`,
-:mod:`.decode_grouped_gemm`, :mod:`.decode_grouped_idot`. The backend
-object the dispatcher loads is :data:`.backend.BACKEND`.
+Each op is a ``torch.library`` custom op (namespace ``minite::``) equal to its reference in the
+contract layer (:mod:`minite_megatron.nvfp4`, :mod:`minite_megatron.invariant`):
+
+- :mod:`.nvfp4`: quantize, amax, image, GEMMs, grouped GEMMs, wgrad, group_zero, fused producers
+- :mod:`.decode`: the rollout decode GEMMs and qk-norm + rope + cache write
+- :mod:`.invariant`: the batch-invariant ``bi_*`` ops of the strict path
+- :mod:`.moe`: routing, the deterministic combine, the weighted SwiGLU
+- :mod:`._build`: AOT compilation, launch and test tooling (no ops)
+
+The only way in is the backend object :data:`.backend.BACKEND` (its ``OPS`` table says which kernel
+runs for each op and why); nothing above the backend layer imports these modules.
 """
 
 from minite_megatron.nvfp4.backends import triton_interpreting as _interpreting
 
 if _interpreting():
-    from ._interpreter_compat import install as _install
+    from minite_kernels.triton._build._interpreter_compat import install as _install
 
     _install()

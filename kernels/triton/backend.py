@@ -43,20 +43,20 @@ from minite_megatron.nvfp4.gemm import check_gemm_operands
 from minite_megatron.nvfp4.group_sizes import GroupSizes
 from minite_megatron.nvfp4.grouped import check_decode_grouped_operands, check_expert_ids_in_range
 
-from ._nvfp4_math import interpreting
-from . import decode_gemm as _decode
-from .decode_gemm import decode_gemm_forward
-from .decode_grouped_gemm import decode_grouped_gemm_forward
-from . import decode_grouped_idot as _idot
-from .decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
-from .gemm import OUT_DTYPES, gemm_forward
-from .grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
-from .grouped_wgrad import dy_amaxes, grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
-from .image import image_2d, image_op
-from .norm_quantize import rmsnorm_quantize
-from .quantize import quantize_forward
-from .quantize_tiles import DEFAULT as DEFAULT_TILES, QuantizeTiles
-from .swiglu_quantize import swiglu_quantize
+from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
+from minite_kernels.triton.decode import decode_gemm as _decode
+from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward
+from minite_kernels.triton.decode.decode_grouped_gemm import decode_grouped_gemm_forward
+from minite_kernels.triton.decode import decode_grouped_idot as _idot
+from minite_kernels.triton.decode.decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
+from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES, gemm_forward
+from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
+from minite_kernels.triton.nvfp4.grouped_wgrad import dy_amaxes, grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
+from minite_kernels.triton.nvfp4.image import image_2d, image_op
+from minite_kernels.triton.nvfp4.norm_quantize import rmsnorm_quantize
+from minite_kernels.triton.nvfp4.quantize import quantize_forward
+from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT as DEFAULT_TILES, QuantizeTiles
+from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize
 
 @dataclass(frozen=True)
 class TritonOptions:

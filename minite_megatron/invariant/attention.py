@@ -23,7 +23,7 @@ batch size, the other sequences or the other queries in the call. Hidden keys ca
 non-finite values (they are selected away, not multiplied by zero). A query with no visible
 key returns zeros. Visible non-finite values propagate (NaN).
 
-``"triton"`` backend: ``minite_kernels.triton.bi_attention`` (one fixed KV-block order for
+``"triton"`` backend: ``minite_kernels.triton.invariant.bi_attention`` (one fixed KV-block order for
 prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
 Backward: the gradients of ordinary attention with the same visibility (only forward values must
 agree between engines; O(S) memory, no ``[Sq, Sk]`` fp32 matrices). With the Triton forward and

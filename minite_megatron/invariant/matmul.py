@@ -11,7 +11,7 @@ first/last layers, attention projections, experts) with one of two formulations:
   rounding to the output dtype. Computed in chunks of rows and columns (at most
   ``2**22`` products at a time); every element is computed by elementwise ops, so chunking and
   batch composition cannot change a bit.
-- ``"triton"`` (CUDA): ``minite_kernels.triton.bi_matmul`` -- one fixed tile configuration, K
+- ``"triton"`` (CUDA): ``minite_kernels.triton.invariant.bi_matmul`` -- one fixed tile configuration, K
   walked in order, fp32 accumulation, no split-K; same epilogue order.
 
 Backward (dgrad, wgrad) uses ordinary matmuls: only the forward values have to agree between

@@ -3,7 +3,7 @@
 ``y = round_out(fp32(x) * (1 / sqrt(tree_h(fp32(x)^2) / H + eps)) * w)`` with ``w = weight`` or
 ``1 + weight`` (``zero_centered_gamma``), all in fp32, one rounding to ``x.dtype``. The sum of
 squares is the aligned pairwise tree of :mod:`minite_megatron.nvfp4.tree` (``"torch"``) or one fixed-size block
-reduction per row (``"triton"``: ``minite_kernels.triton.bi_rmsnorm``); ``sqrt`` and the division
+reduction per row (``"triton"``: ``minite_kernels.triton.invariant.bi_rmsnorm``); ``sqrt`` and the division
 are correctly rounded IEEE operations, so a row's result depends on nothing but the row.
 Backward uses the ordinary formulas.
 """
@@ -57,9 +57,9 @@ class _RMSNorm(RMSNormFunction):
         return y
 
 
-#: Widest row the one-pass backward kernel takes (``minite_kernels.triton.bi_rmsnorm_backward.MAX_H``).
+#: Widest row the one-pass backward kernel takes (``minite_kernels.triton.invariant.bi_rmsnorm_backward.MAX_H``).
 _KERNEL_MAX_H = 4096
-#: The one-pass backward kernel ran on a GPU: its tests (``tests/kernels/triton/test_bi_rmsnorm_backward.py``,
+#: The one-pass backward kernel ran on a GPU: its tests (``tests/kernels/triton/invariant/test_bi_rmsnorm_backward.py``,
 #: ``tests/strict/test_norm_softmax.py``: 18 passed) and the learner step with it (H200, 2026-12-01,
 #: ``python -m benchmarks.learner_step --tokens 16384 --variants bf16,nvfp4,strict``: NVFP4 172.3 ->
 #: 155.2 ms, strict 163.9 ms; BENCHMARKS.md run 12). False keeps CUDA tensors on the torch formulation.

@@ -13,7 +13,7 @@ with no visible entry yields zeros (softmax) instead of NaN. Non-finite logits: 
 propagate to their row (NaN), ``-inf`` entries get probability 0.
 
 ``"triton"`` backend: ``log_softmax`` over the last dimension uses
-``minite_kernels.triton.bi_log_softmax`` (one program per row, fixed chunk order).
+``minite_kernels.triton.invariant.bi_log_softmax`` (one program per row, fixed chunk order).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ rounding to the rows' dtype per add), with ordinary gathers and elementwise adds
 on every device and for every batch (on a CPU it is also exactly what ``scatter_add_`` computes
 sequentially). :func:`ordered_sum` is the same sum for rows already laid out ``[T, k, H]`` in
 expert order (the rollout engine's decode step). On a GPU both run as one Triton kernel each way
-(``minite_kernels.triton.moe_combine``: the forward gathers and adds a token's rows in that
+(``minite_kernels.triton.moe.moe_combine``: the forward gathers and adds a token's rows in that
 order, the backward is a gather), bitwise equal to the torch formulations here
 (:func:`deterministic_unpermute_reference`, :func:`ordered_sum_reference`), which CPU tensors use.
 Measured on the H200 before the kernel (qwen3-moe preset, 16384 tokens, issue 16): the torch
@@ -63,7 +63,7 @@ def deterministic_unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor
     (no host synchronization).
     """
     if _use_kernel(permuted):
-        from minite_kernels.triton.moe_combine import deterministic_unpermute as kernel
+        from minite_kernels.triton.moe.moe_combine import deterministic_unpermute as kernel
 
         return kernel(permuted, sorted_indices, num_tokens)
     return deterministic_unpermute_reference(permuted, sorted_indices, num_tokens)
@@ -106,7 +106,7 @@ def ordered_sum(rows: torch.Tensor) -> torch.Tensor:
     """``[T, k, H]`` -> ``[T, H]``: :func:`ordered_sum_reference`'s bits, through the Triton kernel
     for CUDA tensors. No host sync; CUDA-graph capturable."""
     if rows.dim() == 3 and _use_kernel(rows):
-        from minite_kernels.triton.moe_combine import ordered_sum as kernel
+        from minite_kernels.triton.moe.moe_combine import ordered_sum as kernel
 
         return kernel(rows)
     return ordered_sum_reference(rows)

@@ -33,7 +33,7 @@ from ..nvfp4.group_sizes import DeviceGroupSizes
 #: it did not make the learner step faster (``benchmarks.learner_step``, qwen3-moe, 16384 tokens, one
 #: process, same machine: NVFP4 150.4 ms median (min 124.0) vs 130.2 (min 124.6) with the wait, GPU time
 #: 120.74 vs 121.31 ms; the BF16 twin's GPU time 102.4 vs 96.6 ms, a copy of 6.6 ms in 8 calls that its
-#: device-count path added: a ``masked_fill_`` over all of dW, now ``minite_kernels.triton.group_zero``, which
+#: device-count path added: a ``masked_fill_`` over all of dW, now ``minite_kernels.triton.nvfp4.group_zero``, which
 #: writes only the empty experts' slices; not yet timed on a GPU). So CUDA tensors keep Megatron's wait
 #: (False) until a step measures faster (``benchmarks/device_session.sh pending``, ``--gate``); True runs
 #: the path on CUDA tensors.

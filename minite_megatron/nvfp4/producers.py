@@ -1,5 +1,5 @@
 """Fused producers of NVFP4 activations, in pure torch: the oracle of the fused Triton kernels
-(``minite_kernels.triton.norm_quantize`` / ``.swiglu_quantize``) and their CPU path.
+(``minite_kernels.triton.nvfp4.norm_quantize`` / ``.swiglu_quantize``) and their CPU path.
 
 Each producer returns the 16-bit result of the op *and* its NVFP4 quantization with one global
 scale per row (per token), so the next GEMM's operand is written by the op that makes it:

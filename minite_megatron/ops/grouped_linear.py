@@ -354,9 +354,9 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
                 # no rows: no contribution (do not rely on the kernel's empty groups)
                 if isinstance(sizes, DeviceGroupSizes):  # +0, as zero_(); on a GPU only the empty slices written
                     if dw.is_cuda and dw.is_contiguous():
-                        from minite_kernels.triton.group_zero import zero_empty_groups
+                        from minite_kernels.triton.nvfp4.group_zero import zero_empty_groups
                     else:
-                        from minite_kernels.triton.group_zero import zero_empty_groups_reference as zero_empty_groups
+                        from minite_kernels.triton.nvfp4.group_zero import zero_empty_groups_reference as zero_empty_groups
                     zero_empty_groups(dw, sizes.counts.to(dw.device))
                 else:
                     for g, s in enumerate(sizes):

@@ -160,7 +160,7 @@ def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend, amax:
 
 #: The backward reads ``dy`` once for both of its tensor-scale amaxes (:func:`shared_dy_amaxes`).
 #: Checked on the H200 (2026-12-01): the kernel's amaxes against ``amax_forward`` (NaN, inf) and both
-#: linears' gradients bitwise the separate passes' (``tests/kernels/triton/test_triton_quantize_cols.py
+#: linears' gradients bitwise the separate passes' (``tests/kernels/triton/nvfp4/test_triton_quantize_cols.py
 #: -k amax``, ``tests/ops/test_nvfp4_linear_ops.py -k both_amaxes``: 6 passed); the step's GPU time
 #: 122.29 -> 121.18 ms at 16384 tokens (the 32 ``_amax_flat_kernel`` calls of the dgrad operands gone).
 #: False keeps the two separate passes on a GPU.

@@ -16,12 +16,12 @@ autograd's elementwise backward), and fc2 then reads the result again to quantiz
   kernel (``backend.swiglu_quantize(..., probs=p)``: Triton) one read of ``h`` writes ``y`` and
   its per-token NVFP4, which fc2 takes from the slot instead of quantizing ``y`` again;
 * BF16 ``linear_fc2`` (the BF16 twin, BF16 layers): on a GPU the same kernel without the
-  quantization (:func:`minite_kernels.triton.weighted_swiglu.weighted_swiglu`);
+  quantization (:func:`minite_kernels.triton.moe.weighted_swiglu.weighted_swiglu`);
 * elsewhere (CPU tensors, fp32) Megatron's own composition: ``act_fn(h)`` (the activation
   module's unfused SwiGLU), the product, the cast -- then, for an NVFP4 slot, the quantization
   fc2 would make, offered the same way.
 
-The backward is one kernel on the GPU (:func:`minite_kernels.triton.weighted_swiglu.
+The backward is one kernel on the GPU (:func:`minite_kernels.triton.moe.weighted_swiglu.
 weighted_swiglu_backward`): ``dh`` [R, 2F] and ``dp`` [R] from ``dy``, ``h`` and ``p`` in fp32
 with one rounding (:func:`weighted_swiglu_backward_reference` is the same formula in torch, which
 CPU tensors run); it saves ``h`` and ``p`` only (autograd's chain saves ``gate``, ``silu(gate)``,
@@ -92,7 +92,7 @@ def weighted_swiglu_backward_reference(dy: torch.Tensor, h: torch.Tensor, probs:
 def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh, dp)`` of :func:`weighted_swiglu`: the Triton kernel on a GPU, else the reference."""
     if _backward_kernel(h):
-        from minite_kernels.triton.weighted_swiglu import weighted_swiglu_backward as kernel
+        from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu_backward as kernel
 
         return kernel(dy, h, probs.float())
     return weighted_swiglu_backward_reference(dy, h, probs)
@@ -109,7 +109,7 @@ def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, i
             slot.offer(y, q, activation_key(recipe, backend))
             return y
     if h.is_cuda and _kernel_shape(h):
-        from minite_kernels.triton.weighted_swiglu import weighted_swiglu as kernel
+        from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu as kernel
 
         y = kernel(h, p32, inline_glu=inline_glu)
     else:

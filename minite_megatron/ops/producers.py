@@ -7,7 +7,7 @@ read the activation again:
 
 * on a backend that supports the fused kernel (``backend.supports("rmsnorm_quantize", ...)``: Triton),
   one read of ``x`` writes the norm output and the quantization (codes, scales, per-token global scale, image).
-  The kernel's norm is the batch-invariant formulation (:mod:`minite_kernels.triton.bi_rmsnorm`'s
+  The kernel's norm is the batch-invariant formulation (:mod:`minite_kernels.triton.invariant.bi_rmsnorm`'s
   arithmetic, bitwise), so strict mode takes it too;
 * elsewhere (the reference backend: CPU) the module's own norm runs, then the quantizer: the
   same numbers as without the handoff, and the same code path through the consumer.

@@ -33,7 +33,7 @@ modules, the final norm and the LM head. Three things it does itself, with the l
 **Fused kernels** (:mod:`.fused_ops`, on the GPU; on a CPU the learner's modules run): where the
 learner's modules are the batch-invariant formulations (strict mode, or default mode's
 ``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
-q/k RMSNorm + RoPE + KV-cache write of all heads (``minite_kernels.triton.qk_norm_rope``), the
+q/k RMSNorm + RoPE + KV-cache write of all heads (``minite_kernels.triton.decode.qk_norm_rope``), the
 router's top-k + softmax + Megatron's expert-major rows after the learner's own gating
 (``moe_route``), the experts' SwiGLU times the routing weight -> NVFP4 (``swiglu_quantize``), the
 grouped GEMMs told the rows are sorted (``decode_grouped_gemm(group_offsets=)``), and the
@@ -47,10 +47,10 @@ keys and values it receives (after RoPE) into the cache: prompt log-probs are th
 
 ``invariant_gemm=True`` (default mode) makes the decode GEMMs take the batch-invariant
 configurations (``batch_invariant=True``), whose accumulation order equals the learner's
-full-batch GEMMs (:mod:`minite_kernels.triton.gemm`: one BLOCK_K and K order for every tile
+full-batch GEMMs (:mod:`minite_kernels.triton.nvfp4.gemm`: one BLOCK_K and K order for every tile
 configuration; measured bitwise on the H200 for qkv, proj and the grouped experts, BENCHMARKS.md
 run 7), instead of the fast decode kernels: the MoE experts on the integer-dot kernel
-(:mod:`minite_kernels.triton.decode_grouped_idot`: exact block sums, fp32 across blocks, row
+(:mod:`minite_kernels.triton.decode.decode_grouped_idot`: exact block sums, fp32 across blocks, row
 invariant), the dense GEMMs split-K. Strict mode always takes the invariant configurations.
 """
 
@@ -303,7 +303,7 @@ class ExpertsStep:
 
     def sorted_rows(self, x: torch.Tensor, route) -> torch.Tensor:
         """fc2 outputs ``[T * k, H]`` of the expert-major rows of ``route`` (a
-        :class:`~minite_kernels.triton.moe_route.Route`) for tokens ``x`` ``[T, H]``: the rows of
+        :class:`~minite_kernels.triton.moe.moe_route.Route`) for tokens ``x`` ``[T, H]``: the rows of
         Megatron's permutation, quantized per row as the learner quantizes them, the grouped
         decode GEMMs on the stacked weights (the backend is told the rows are sorted), the
         experts' activation times the routing probabilities (one fused SwiGLU -> NVFP4 kernel on
@@ -508,7 +508,7 @@ class AttentionStep:
         kc, vc = cache.view(self.index, x.shape[1])
         b = x.shape[1]
         if not fire and self._fused_qk(mixed, rope):
-            from minite_kernels.triton.qk_norm_rope import qk_norm_rope_cache
+            from minite_kernels.triton.decode.qk_norm_rope import qk_norm_rope_cache
 
             wq, wk, eps, zc = self._qk_norms()
             cos, sin = (None, None) if rope is None else rope.tables(mixed.dtype, attn._yarn_concentration_factor)
@@ -575,7 +575,7 @@ class LayerStep:
 def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
     """``(h, norm(h))`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``.
 
-    One kernel (``minite_kernels.triton.norm_quantize.add_rmsnorm_quantize``: ``h`` bitwise torch's
+    One kernel (``minite_kernels.triton.nvfp4.norm_quantize.add_rmsnorm_quantize``: ``h`` bitwise torch's
     add, ``norm(h)`` bitwise ``bi_rmsnorm``) where the norm is the batch-invariant RMSNorm the
     learner computes with ``bi_rmsnorm`` -- an input norm whose NVFP4 quantization goes to the
     next linear (the handoff gets it, as from the learner's fused producer) or a strict / aligned
@@ -606,7 +606,7 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
             return None
     elif not (norm.invariant_rms and resolve(out.device) == "triton"):
         return None  # not bi_rmsnorm's arithmetic in the learner
-    from minite_kernels.triton.norm_quantize import add_rmsnorm_quantize
+    from minite_kernels.triton.nvfp4.norm_quantize import add_rmsnorm_quantize
 
     shape, hdim = out.shape, out.shape[-1]
     h, y, q = add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,

@@ -4,14 +4,14 @@ Each op computes what the learner's modules compute for the same tokens, bit for
 kernels' tests compare them with these references on fresh data and on the hard cases):
 
 * :func:`moe_route`: router logits -> stable top-k -> softmax probabilities -> Megatron's
-  expert-major rows (``minite_kernels.triton.moe_route``; reference :func:`moe_route_reference`:
+  expert-major rows (``minite_kernels.triton.moe.moe_route``; reference :func:`moe_route_reference`:
   :func:`minite_megatron.modules.router.topk_routing`, the strict / aligned router's function,
   and the permutation in torch);
 * :func:`combine_rows`: the deterministic MoE combine of expert-major rows
-  (:func:`minite_megatron.modules.deterministic_moe.ordered_sum`'s order; ``minite_kernels.triton.moe_combine``);
+  (:func:`minite_megatron.modules.deterministic_moe.ordered_sum`'s order; ``minite_kernels.triton.moe.moe_combine``);
 * :func:`rope_tables`: the ``cos`` / ``sin`` tables of Megatron's unfused RoPE, computed once by
   torch (``(cos(freqs) * mscale).to(dtype)``, what ``_apply_rotary_pos_emb_bshd`` computes per call),
-  read per position by ``minite_kernels.triton.qk_norm_rope``.
+  read per position by ``minite_kernels.triton.decode.qk_norm_rope``.
 
 Where the kernels run: CUDA tensors; CPU tensors only with :data:`KERNELS_ON_CPU` under
 ``TRITON_INTERPRET=1`` (tests, ``benchmarks.decode_kernel_count``). The CPU path of the engine
@@ -53,7 +53,7 @@ def route_supported(router, tokens: int) -> bool:
     """Can :func:`moe_route` stand in for ``router``'s forward on ``tokens`` tokens? The strict or
     aligned router (batch-invariant fp32 gating, :func:`topk_routing`) with a softmax after the
     top-k, no expert bias, not training (no aux losses, no jitter), and a shape one program routes."""
-    from minite_kernels.triton.moe_route import fits
+    from minite_kernels.triton.moe.moe_route import fits
 
     from ..modules.router import StrictTopKRouter
 
@@ -68,7 +68,7 @@ def route_supported(router, tokens: int) -> bool:
 def moe_route_reference(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
     """:func:`moe_route` in torch: the learner's :func:`~minite_megatron.modules.router.topk_routing`
     (softmax after the top-k), then the rows of Megatron's expert-major permutation."""
-    from minite_kernels.triton.moe_route import Route
+    from minite_kernels.triton.moe.moe_route import Route
 
     from ..modules.router import topk_routing
 
@@ -80,9 +80,9 @@ def moe_route_reference(logits: torch.Tensor, k: int, scaling_factor: float | No
 
 def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route_cls=None):
     """The expert-major rows of a router's output (``probs`` ``[T, E]``, ``routing_map`` bool ``[T, E]``
-    with exactly ``k`` experts per token): a :class:`~minite_kernels.triton.moe_route.Route`. No host sync."""
+    with exactly ``k`` experts per token): a :class:`~minite_kernels.triton.moe.moe_route.Route`. No host sync."""
     if route_cls is None:
-        from minite_kernels.triton.moe_route import Route as route_cls
+        from minite_kernels.triton.moe.moe_route import Route as route_cls
     t, e = routing_map.shape
     dev = routing_map.device
     # the experts of each token in increasing index (distinct keys: the lowest expert first)
@@ -100,10 +100,10 @@ def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route
 
 
 def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
-    """The routing of fp32 ``logits`` ``[T, E]`` (:mod:`minite_kernels.triton.moe_route`'s
+    """The routing of fp32 ``logits`` ``[T, E]`` (:mod:`minite_kernels.triton.moe.moe_route`'s
     :class:`Route`): the kernel where :func:`use_kernels`, else :func:`moe_route_reference`."""
     if use_kernels(logits):
-        from minite_kernels.triton.moe_route import moe_route as kernel
+        from minite_kernels.triton.moe.moe_route import moe_route as kernel
 
         return kernel(logits, k, scaling_factor)
     return moe_route_reference(logits, k, scaling_factor)
@@ -119,7 +119,7 @@ def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Ten
     rows of token ``t`` at ``t * k .. t * k + k - 1``. One kernel on the GPU."""
     t = combine.numel() // k
     if use_kernels(rows) and rows.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        import minite_kernels.triton.moe_combine  # noqa: F401  (registers minite::moe_sum_rows)
+        import minite_kernels.triton.moe.moe_combine  # noqa: F401  (registers minite::moe_sum_rows)
 
         key = (t, k, rows.device)
         bounds = _BOUNDS.get(key)

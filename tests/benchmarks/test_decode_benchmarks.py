@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_decode_profile_records_engines_and_the_grouped_entry(tmp_path):
     from benchmarks import decode_profile
-    from minite_kernels.triton import decode_grouped_gemm as tg
+    from minite_kernels.triton.decode import decode_grouped_gemm as tg
 
     before = dict(tg.GPU_GROUPED_DECODE)
     try:

@@ -72,12 +72,12 @@ def test_rollout_rolled_dense_strict_is_its_gate(monkeypatch):
     """``benchmarks.rollout --rolled-dense-strict`` sets the same gate as its ``--gate`` spelling:
     for the run, recorded, put back after."""
     from benchmarks import rollout
-    from minite_kernels.triton import decode_gemm
+    from minite_kernels.triton.decode import decode_gemm
 
     seen = {}
     monkeypatch.setattr(rollout, "_main", lambda argv, gates: seen.update(
         gates=gates, during=decode_gemm.ROLLED_DENSE_STRICT_VERIFIED))
     before = decode_gemm.ROLLED_DENSE_STRICT_VERIFIED
     rollout.main(["--rolled-dense-strict"])
-    assert seen == {"gates": {"minite_kernels.triton.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED": True}, "during": True}
+    assert seen == {"gates": {"minite_kernels.triton.decode.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED": True}, "during": True}
     assert decode_gemm.ROLLED_DENSE_STRICT_VERIFIED is before

@@ -12,7 +12,7 @@ def test_kernels_are_summed_per_innermost_plugin_frames():
         _x("python_function", "/x/benchmarks/learner_step.py(10): main", 0, 1000),
         _x("python_function", "/x/minite_megatron/ops/linear.py(170): backward", 10, 400),
         _x("python_function", "/x/minite_megatron/ops/roles.py(120): quantize_role", 20, 100),
-        _x("python_function", "/tmp/shim/minite_kernels/triton/quantize.py(50): quantize_forward", 30, 50),
+        _x("python_function", "/tmp/shim/minite_kernels/triton/nvfp4/quantize.py(50): quantize_forward", 30, 50),
         _x("cuda_driver", "cuLaunchKernelEx", 40, 5, correlation=1),
         _x("python_function", "/x/minite_megatron/ops/roles.py(120): quantize_role", 200, 100),
         _x("cuda_driver", "cuLaunchKernelEx", 250, 5, correlation=2),

@@ -22,7 +22,7 @@ import torch
 from minite_megatron import nvfp4
 from minite_megatron.testing import assert_bitwise_equal
 
-from minite_kernels.triton._testing import DEVICE, assert_quantized_equal, heavy_tailed, randn, tie_matrix
+from minite_kernels.triton._build._testing import DEVICE, assert_quantized_equal, heavy_tailed, randn, tie_matrix
 
 BACKENDS = ["triton", "blackwell"]
 PATHS = ["rows", "cols"]
@@ -58,7 +58,8 @@ def check(backend, x: torch.Tensor, path: str = "rows", name: str = "q", **kwarg
     kwargs.setdefault("with_image", True)
     xin = _present(x, path)
     if backend.name == "triton" and x.dim() == 2 and "rht_seed" not in kwargs:
-        from minite_kernels.triton import quantize_cols, quantize_rows
+        from minite_kernels.triton.nvfp4 import quantize_cols
+        from minite_kernels.triton.nvfp4 import quantize_rows
 
         tile16 = tuple(kwargs.get("tile", (1, 16))) == (16, 16)
         has_amax = kwargs.get("global_scale", "row") != "row" or kwargs.get("amax") is not None

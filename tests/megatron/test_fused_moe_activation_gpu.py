@@ -48,8 +48,8 @@ def _megatron(h, p, inline_glu=False):
 @pytest.mark.parametrize("inline_glu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_bitwise_at_the_learner_shape(dtype, inline_glu):
-    from minite_kernels.triton.swiglu_quantize import swiglu_quantize
-    from minite_kernels.triton.weighted_swiglu import weighted_swiglu
+    from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize
+    from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu
 
     from tests.kernels.triton.test_weighted_swiglu import hard_rows
 
@@ -68,8 +68,8 @@ def test_forward_bitwise_at_the_learner_shape(dtype, inline_glu):
 
 
 def test_backward_at_the_learner_shape():
-    from minite_kernels.triton._testing import assert_weighted_swiglu_backward
-    from minite_kernels.triton.weighted_swiglu import weighted_swiglu_backward
+    from minite_kernels.triton._build._testing import assert_weighted_swiglu_backward
+    from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu_backward
 
     from tests.kernels.triton.test_weighted_swiglu import hard_rows
 

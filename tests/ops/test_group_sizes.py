@@ -57,7 +57,7 @@ def test_offsets_and_column_index_are_the_padded_layout(sizes):
 def test_random_layouts_equal_the_device_size_path():
     """The host-sized index equals the one made from device sizes (``pad_index`` of a tensor,
     the path without host sizes) on its exact width."""
-    from minite_kernels.triton.grouped_wgrad import pad_index
+    from minite_kernels.triton.nvfp4.grouped_wgrad import pad_index
 
     rng = random.Random(3)
     for _ in range(20):
@@ -114,7 +114,7 @@ def test_fc1_fc2_and_backward_read_one_set_of_device_offsets(monkeypatch):
     forward and backward, and the column index of both wgrad operands is built once: one
     host-to-device copy per MoE layer and step (a no-op copy on this CPU)."""
     import minite_kernels.triton.backend as triton_backend
-    import minite_kernels.triton.grouped_wgrad as grouped_wgrad
+    import minite_kernels.triton.nvfp4.grouped_wgrad as grouped_wgrad
 
     seen = {"gemm": [], "wgrad": [], "columns": []}
     gemm_op, wgrad_op, quantize_padded = (triton_backend.grouped_gemm_op, triton_backend.grouped_wgrad_op,
@@ -132,7 +132,7 @@ def test_fc1_fc2_and_backward_read_one_set_of_device_offsets(monkeypatch):
         seen["columns"].append(col_index)
         return quantize_padded(x, col_index, *rest, **kw)
 
-    import minite_kernels.triton.grouped_gemm as grouped_gemm
+    import minite_kernels.triton.nvfp4.grouped_gemm as grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "grouped_gemm_op", spy_gemm)
     monkeypatch.setattr(triton_backend, "grouped_wgrad_op", spy_wgrad)
@@ -188,7 +188,7 @@ def test_grouped_wgrad_into_main_grad_is_one_multi_tensor_add_of_the_same_bits(m
 def test_host_int_seed_mixing_equals_the_tensor_formulation():
     """SR keys and Megatron-iteration seeds are mixed in Python ints now (no torch op per
     quantization): the values of the int64-tensor formulation, edges included."""
-    from minite_kernels.triton.quantize import sr_key
+    from minite_kernels.triton.nvfp4.quantize import sr_key
     from minite_megatron.ops import seeds
 
     rng = random.Random(7)

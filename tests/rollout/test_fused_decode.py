@@ -7,7 +7,7 @@ the batch-invariant ops on their Triton kernels (``invariant.backend.use_backend
 a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
 the unfused step on the learner's modules, in default (aligned) and strict mode; and the
 routing reference is the router module's own output. The kernels' own contracts are in
-tests/kernels/triton/test_qk_norm_rope.py, test_moe_route.py, test_triton_producers.py and
+tests/kernels/triton/decode/test_qk_norm_rope.py, test_moe_route.py, test_triton_producers.py and
 test_residual_norm.py.
 """
 
@@ -41,7 +41,7 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     so the residual add is fused into the second layer's input norm, each pre-MLP norm and the
     final norm). The data
     are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
-    CPU bits on them (tests/kernels/triton/test_moe_route.py compares exactly that)."""
+    CPU bits on them (tests/kernels/triton/moe/test_moe_route.py compares exactly that)."""
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
     from minite_megatron.invariant.backend import use_backend
     from minite_megatron.training.presets import init_single_process
@@ -51,9 +51,9 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     runner = DecodeModel(model, invariant_gemm=True)
     prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
     launched = []
-    import minite_kernels.triton.moe_route as mr
-    import minite_kernels.triton.norm_quantize as nq
-    import minite_kernels.triton.qk_norm_rope as qk
+    import minite_kernels.triton.moe.moe_route as mr
+    import minite_kernels.triton.nvfp4.norm_quantize as nq
+    import minite_kernels.triton.decode.qk_norm_rope as qk
 
     for mod, name in ((mr, "moe_route"), (qk, "qk_norm_rope_cache"), (nq, "add_rmsnorm_quantize")):
         fn = getattr(mod, name)
@@ -100,7 +100,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.decode_step import add_then_norm
     from minite_megatron.invariant.backend import use_backend
-    import minite_kernels.triton.norm_quantize as nq
+    import minite_kernels.triton.nvfp4.norm_quantize as nq
 
     recipe = Recipe(backend="triton")
     cfg = SimpleNamespace(normalization="RMSNorm", layernorm_zero_centered_gamma=False, params_dtype=torch.bfloat16,

@@ -9,7 +9,7 @@ from minite_megatron import nvfp4
 from minite_megatron.nvfp4 import BackendUnavailable
 from minite_megatron.testing import assert_nvfp4_equal
 
-from minite_kernels.triton._testing import DEVICE, HAS_CUDA, INTERPRETING, kernels_runnable, randn
+from minite_kernels.triton._build._testing import DEVICE, HAS_CUDA, INTERPRETING, kernels_runnable, randn
 
 
 def test_backend_base_class_and_registry_entry():
@@ -90,9 +90,11 @@ def test_quantize_tiles_are_a_backend_option(monkeypatch):
     (through the custom op as a flat list) and writes the same bits as the default one."""
     import dataclasses
 
-    from minite_kernels.triton import quantize, quantize_cols, quantize_rows
+    from minite_kernels.triton.nvfp4 import quantize
+    from minite_kernels.triton.nvfp4 import quantize_cols
+    from minite_kernels.triton.nvfp4 import quantize_rows
     from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
-    from minite_kernels.triton.quantize_tiles import DEFAULT, QuantizeTiles
+    from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT, QuantizeTiles
 
     tiles = QuantizeTiles(loop_tile=(8, 128, 4), rows=(16, 2, 2), rows_stochastic=(8, 1, 2), weight_tile=(4, 2), cols_tile=(32, 8, 4),
                           cols_grid=(4, 64), transposed_tile=(32, 64, 8), single_pass_k=512)

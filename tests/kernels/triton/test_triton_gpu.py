@@ -16,7 +16,7 @@ import torch
 from minite_megatron import nvfp4
 from minite_megatron.testing import assert_bitwise_equal, assert_within, gemm_output_bound
 
-from minite_kernels.triton._testing import assert_quantized_equal, heavy_tailed, randn, tie_matrix
+from minite_kernels.triton._build._testing import assert_quantized_equal, heavy_tailed, randn, tie_matrix
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +88,7 @@ def test_gemm_within_fp32_bound_at_real_shape(strict):
 
 
 def test_canonical_gemm_is_bitwise_equal_to_the_reference_on_the_gpu():
-    from minite_kernels.triton.gemm import gemm_forward
+    from minite_kernels.triton.nvfp4.gemm import gemm_forward
 
     qa, qb = _operands(512, 768, 2048, seed=5)
     for out_dtype in (torch.float32, torch.bfloat16):
@@ -141,7 +141,7 @@ def test_grouped_empty_experts_and_very_unbalanced_routing_at_real_shape():
 
 
 def test_decode_gemm_within_bound_at_real_shape():
-    from minite_kernels.triton.decode_gemm import decode_gemm_forward
+    from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward
 
     for m, n, k in ((1, 2048, 4096), (7, 5120, 2048), (64, 2048, 6144)):
         qa, qb = _operands(m, n, k, seed=m)

@@ -10,7 +10,7 @@ import torch
 
 from minite_megatron.testing import assert_bitwise_equal
 
-from minite_kernels.triton._testing import DEVICE, INTERPRETING, kernels_runnable
+from minite_kernels.triton._build._testing import DEVICE, INTERPRETING, kernels_runnable
 
 pytestmark = pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
 
