@@ -57,6 +57,12 @@ from minite_kernels.triton.nvfp4.norm_quantize import rmsnorm_quantize
 from minite_kernels.triton.nvfp4.quantize import quantize_forward
 from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT as DEFAULT_TILES, QuantizeTiles
 from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize
+from minite_kernels.triton.nvfp4 import group_zero as _group_zero
+from minite_kernels.triton.nvfp4 import norm_quantize as _norm_quantize
+from minite_kernels.triton.moe import moe_combine as _combine
+from minite_kernels.triton.moe import moe_route as _route
+from minite_kernels.triton.moe import weighted_swiglu as _wswiglu
+from minite_kernels.triton.decode import qk_norm_rope as _qk_norm_rope
 
 @dataclass(frozen=True)
 class TritonOptions:
@@ -138,6 +144,43 @@ def _capability(index: int) -> tuple[int, int]:
 _PRODUCER_WIDTH = {"rmsnorm_quantize": BLOCK, "swiglu_quantize": 2 * BLOCK}
 
 
+_HALF = (torch.bfloat16, torch.float16)
+_COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _swiglu_limit(shape) -> str | None:
+    dtype, width = shape.get("dtype", torch.bfloat16), shape.get("width", 32)
+    if dtype not in _HALF:
+        return f"the weighted SwiGLU kernel reads bf16 / fp16, not {dtype}"
+    if width <= 0 or width % 32:
+        return f"the weighted SwiGLU kernel needs 2F a positive multiple of 32, got {width}"
+    return None
+
+
+def _combine_limit(shape) -> str | None:
+    dtype = shape.get("dtype", torch.bfloat16)
+    return None if dtype in _COMBINE_DTYPES else f"the MoE combine kernel adds bf16 / fp16 / fp32, not {dtype}"
+
+
+def _route_limit(shape) -> str | None:
+    t, e, k = shape.get("tokens"), shape.get("experts"), shape.get("topk")
+    if None not in (t, e, k) and not _route.fits(t, e, k):
+        return f"{t} tokens x {e} experts (top-{k}) do not fit one routing program"
+    return None
+
+
+def _group_zero_limit(shape) -> str | None:
+    return None if shape.get("contiguous", True) else "the group-zero kernel writes a contiguous output only"
+
+
+#: op -> the kernel's operand limits (``supports(op, **shape)``): shape facts the callers pass.
+_MOE_LIMITS = {
+    "weighted_swiglu": _swiglu_limit, "weighted_swiglu_backward": _swiglu_limit,
+    "deterministic_unpermute": _combine_limit, "ordered_sum": _combine_limit, "moe_sum_rows": _combine_limit,
+    "moe_route": _route_limit, "zero_empty_groups": _group_zero_limit,
+}
+
+
 class TritonBackend(Backend):
     """NVFP4 contract on Triton kernels (see the module docstring)."""
 
@@ -146,6 +189,7 @@ class TritonBackend(Backend):
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options if options is not None else TritonOptions()
+        self._bounds: dict = {}  # moe_sum_rows: (tokens, k, device) -> the fixed row bounds
 
     def decode_ok(self, device: torch.device) -> bool:
         """May small-M GEMMs dispatch to the decode kernels (``options.decode_kernels``)?"""
@@ -198,6 +242,8 @@ class TritonBackend(Backend):
                 reason = f"the fused {op} kernel reads bf16 / fp16, not {shape['dtype']}"
             elif shape.get("width", 0) % _PRODUCER_WIDTH[op]:
                 reason = f"the fused {op} kernel needs a width multiple of {_PRODUCER_WIDTH[op]}, got {shape['width']}"
+        if reason is None and op in _MOE_LIMITS:
+            reason = _MOE_LIMITS[op](shape)
         if reason is None and op in ("gemm_nt", "grouped_gemm_nt") and tuple(shape.get("tile", (BLOCK, BLOCK))) != (BLOCK, BLOCK):
             reason = f"{op} reads a weight of 16x16 tiles transposed; this one has {tuple(shape['tile'])} blocks"
         return reason
@@ -227,6 +273,75 @@ class TritonBackend(Backend):
         (:mod:`.swiglu_quantize`; ``nvfp4.producers.swiglu_quantize_reference``)."""
         self._require(h.device)
         return swiglu_quantize(h, **kwargs)
+
+    # ---- MoE ops and the decode step's fusions ---------------------------------------------
+    def weighted_swiglu(self, h, probs, *, inline_glu=False):
+        """:mod:`.moe.weighted_swiglu` (``probs`` fp32); the reference where :meth:`supports` says no."""
+        if _swiglu_limit({"dtype": h.dtype, "width": h.shape[-1] if h.dim() == 2 else 0}) is not None:
+            return super().weighted_swiglu(h, probs, inline_glu=inline_glu)
+        self._require(h.device)
+        return _wswiglu.weighted_swiglu(h, probs.float(), inline_glu=inline_glu)
+
+    def weighted_swiglu_backward(self, dy, h, probs):
+        """The fused backward of :mod:`.moe.weighted_swiglu`; the reference where :meth:`supports` says no."""
+        if _swiglu_limit({"dtype": h.dtype, "width": h.shape[-1] if h.dim() == 2 else 0}) is not None:
+            return super().weighted_swiglu_backward(dy, h, probs)
+        self._require(h.device)
+        return _wswiglu.weighted_swiglu_backward(dy, h, probs.float())
+
+    def deterministic_unpermute(self, permuted, sorted_indices, num_tokens):
+        """:func:`.moe.moe_combine.deterministic_unpermute` (out-of-range indices: a device-side assertion)."""
+        if _combine_limit({"dtype": permuted.dtype}) is not None:
+            return super().deterministic_unpermute(permuted, sorted_indices, num_tokens)
+        self._require(permuted.device)
+        return _combine.deterministic_unpermute(permuted, sorted_indices, num_tokens)
+
+    def ordered_sum(self, rows):
+        """:func:`.moe.moe_combine.ordered_sum` for ``[T, k, H]`` rows."""
+        if rows.dim() != 3 or _combine_limit({"dtype": rows.dtype}) is not None:
+            return super().ordered_sum(rows)
+        self._require(rows.device)
+        return _combine.ordered_sum(rows)
+
+    def moe_sum_rows(self, rows, combine, k):
+        """``minite::moe_sum_rows`` over the fixed bounds ``0, k, 2k, ..`` (made once per shape, on the
+        first eager call, before any CUDA-graph capture reads them)."""
+        if _combine_limit({"dtype": rows.dtype}) is not None:
+            return super().moe_sum_rows(rows, combine, k)
+        self._require(rows.device)
+        t = combine.numel() // k
+        key = (t, k, rows.device)
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            bounds = self._bounds[key] = torch.arange(0, t * k + 1, k, dtype=torch.int32, device=rows.device)
+        return torch.ops.minite.moe_sum_rows(rows, combine, bounds, 0)
+
+    def zero_empty_groups(self, out, counts):
+        """:mod:`.nvfp4.group_zero`: only the empty groups' slices written (a contiguous ``out``)."""
+        if not out.is_contiguous():
+            return super().zero_empty_groups(out, counts)
+        self._require(out.device)
+        return _group_zero.zero_empty_groups(out, counts.to(out.device))
+
+    def moe_route(self, logits, k, scaling_factor=None):
+        """:mod:`.moe.moe_route`: router logits -> top-k -> probabilities -> expert-major rows, one kernel."""
+        self._require(logits.device)
+        reason = _route_limit({"tokens": logits.shape[0], "experts": logits.shape[1], "topk": k})
+        if reason is not None:
+            self._refuse("moe_route", reason)
+        return _route.moe_route(logits, k, scaling_factor)
+
+    def add_rmsnorm_quantize(self, residual, x, weight, eps, zero_centered_gamma=False, **kwargs):
+        """:func:`.nvfp4.norm_quantize.add_rmsnorm_quantize` (``bi_rmsnorm``'s arithmetic)."""
+        self._require(x.device)
+        return _norm_quantize.add_rmsnorm_quantize(residual, x, weight, eps, zero_centered_gamma, **kwargs)
+
+    def qk_norm_rope_cache(self, mixed, wq, wk, eps, zero_centered_gamma, cos, sin, positions, k_cache, v_cache,
+                           groups, heads_per_group):
+        """:mod:`.decode.qk_norm_rope`: q/k RMSNorm + RoPE + KV-cache write of all heads, one kernel."""
+        self._require(mixed.device)
+        return _qk_norm_rope.qk_norm_rope_cache(mixed, wq, wk, eps, zero_centered_gamma, cos, sin, positions, k_cache, v_cache,
+                                   groups, heads_per_group)
 
     # ---- dense GEMM -----------------------------------------------------------------------
     def gemm(

@@ -39,7 +39,7 @@ def _override() -> str | None:
     return env
 
 
-KERNELS = "minite_kernels.triton"
+KERNELS = "minite_kernels.triton.invariant"
 """The package of the ``"triton"`` kernels: ``<KERNELS>.<name>.<name>`` is kernel ``name``."""
 
 

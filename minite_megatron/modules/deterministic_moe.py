@@ -42,6 +42,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
 )
 
 from .moe import DeviceTokenCounts
+from ..nvfp4.backends import kernel_backend
+from ..nvfp4.moe_reference import deterministic_unpermute_reference, ordered_sum_reference  # noqa: F401  (the contract)
 from ..invariant.collectives import invariant_reduce_scatter
 
 
@@ -49,79 +51,20 @@ KERNEL_ON_CPU = False
 """Tests: run the Triton kernels on CPU tensors too (under ``TRITON_INTERPRET=1``)."""
 
 
-def _use_kernel(t: torch.Tensor) -> bool:
-    on_device = t.is_cuda or (KERNEL_ON_CPU and t.device.type == "cpu")
-    return on_device and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-
-
 def deterministic_unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum the permuted rows back into their tokens in a fixed order.
-
-    CUDA tensors (bf16 / fp16 / fp32) run the Triton kernel, everything else
-    :func:`deterministic_unpermute_reference`: the same bits either way. Arguments, result and
-    errors as there, except that on a GPU out-of-range indices trigger a device-side assertion
-    (no host synchronization).
+    """Sum the permuted rows back into their tokens in a fixed order: the backend's
+    ``deterministic_unpermute`` for the rows' device (the Triton kernel on a GPU, the contract's
+    :func:`deterministic_unpermute_reference` elsewhere): the same bits either way. Arguments,
+    result and errors as there, except that on a GPU out-of-range indices trigger a device-side
+    assertion (no host synchronization).
     """
-    if _use_kernel(permuted):
-        from minite_kernels.triton.moe.moe_combine import deterministic_unpermute as kernel
-
-        return kernel(permuted, sorted_indices, num_tokens)
-    return deterministic_unpermute_reference(permuted, sorted_indices, num_tokens)
-
-
-def deterministic_unpermute_reference(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum the permuted rows back into their tokens in a fixed order (torch ops; the reference).
-
-    Args:
-        permuted: ``[P, H]`` expert outputs in permuted (expert-major) order.
-        sorted_indices: ``[P]`` int: the token each permuted row belongs to.
-        num_tokens: number of tokens T.
-    Returns:
-        ``[T, H]`` in ``permuted.dtype``: ``out[t] = ((+0 + r_0) + r_1) + ...`` over the rows of
-        token ``t`` in increasing permuted position; tokens without rows are zeros. Differentiable.
-    Raises:
-        ValueError for mismatched shapes or indices outside ``[0, T)``.
-    """
-    if permuted.dim() != 2 or sorted_indices.shape != (permuted.shape[0],):
-        raise ValueError(f"deterministic_unpermute: permuted {tuple(permuted.shape)} vs indices {tuple(sorted_indices.shape)}")
-    hidden = permuted.shape[1]
-    out = permuted.new_zeros(num_tokens, hidden)
-    if permuted.shape[0] == 0:
-        return out
-    idx = sorted_indices.long()
-    if int(idx.min()) < 0 or int(idx.max()) >= num_tokens:
-        raise ValueError(f"deterministic_unpermute: token indices outside [0, {num_tokens})")
-    order = torch.argsort(idx, stable=True)  # rows grouped by token, in permuted order
-    counts = torch.bincount(idx, minlength=num_tokens)
-    starts = torch.cumsum(counts, 0) - counts
-    last = permuted.shape[0] - 1
-    for slot in range(int(counts.max())):
-        has = counts > slot
-        rows = order[torch.clamp(starts + slot, max=last)]
-        out = out + torch.where(has[:, None], permuted.index_select(0, rows), 0.0)
-    return out
+    return kernel_backend(permuted.device, KERNEL_ON_CPU).deterministic_unpermute(permuted, sorted_indices, num_tokens)
 
 
 def ordered_sum(rows: torch.Tensor) -> torch.Tensor:
-    """``[T, k, H]`` -> ``[T, H]``: :func:`ordered_sum_reference`'s bits, through the Triton kernel
-    for CUDA tensors. No host sync; CUDA-graph capturable."""
-    if rows.dim() == 3 and _use_kernel(rows):
-        from minite_kernels.triton.moe.moe_combine import ordered_sum as kernel
-
-        return kernel(rows)
-    return ordered_sum_reference(rows)
-
-
-def ordered_sum_reference(rows: torch.Tensor) -> torch.Tensor:
-    """``[T, k, H]`` -> ``[T, H]``: ``((+0 + rows[:, 0]) + rows[:, 1]) + ...`` in ``rows.dtype``,
-    one rounding per add: :func:`deterministic_unpermute`'s sum for tokens whose k rows are given
-    in increasing expert order (every token has all k rows: no token dropping). No host sync."""
-    if rows.dim() != 3:
-        raise ValueError(f"ordered_sum: rows must be [T, k, H], got {tuple(rows.shape)}")
-    out = rows.new_zeros(rows.shape[0], rows.shape[2])
-    for j in range(rows.shape[1]):
-        out = out + rows[:, j]
-    return out
+    """``[T, k, H]`` -> ``[T, H]``: :func:`ordered_sum_reference`'s bits, through the backend's
+    ``ordered_sum`` (one kernel on a GPU). No host sync; CUDA-graph capturable."""
+    return kernel_backend(rows.device, KERNEL_ON_CPU).ordered_sum(rows)
 
 
 class _OrderedPermuteBackward(torch.autograd.Function):

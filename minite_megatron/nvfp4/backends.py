@@ -24,6 +24,7 @@ import torch
 
 from .gemm import gemm_reference
 from .grouped import decode_grouped_gemm_reference, grouped_gemm_reference, grouped_wgrad_gemm_reference, grouped_wgrad_reference
+from . import moe_reference as _moe
 from .quantize import quantize_reference
 from .tensor import NVFP4Tensor
 
@@ -52,7 +53,14 @@ class OpNotSupported(NotImplementedError):
 OPS = (
     "quantize", "gemm", "gemm_nt", "grouped_gemm", "grouped_gemm_nt", "grouped_wgrad", "grouped_wgrad_gemm",
     "quantize_wgrad_operand", "dy_amaxes", "decode_grouped_gemm", "rmsnorm_quantize", "swiglu_quantize",
+    *("weighted_swiglu", "weighted_swiglu_backward", "deterministic_unpermute", "ordered_sum", "zero_empty_groups",
+      "moe_route", "moe_sum_rows", "add_rmsnorm_quantize", "qk_norm_rope_cache"),
 )
+
+#: The ops whose base implementation is the contract's reference (:mod:`.moe_reference`) on the
+#: operands' device: calling them is always right; ``supports`` says whether a kernel runs.
+REFERENCE_OPS = ("weighted_swiglu", "weighted_swiglu_backward", "deterministic_unpermute", "ordered_sum",
+                 "zero_empty_groups", "moe_sum_rows", "grouped_wgrad_gemm")
 
 
 #: The ops that take group sizes (``supports(op, device_sizes=True)``: may they stay on the device?).
@@ -88,7 +96,11 @@ class Backend:
         ValueError for an unknown op name. Subclasses add their own limits after this check."""
         if op not in OPS:
             raise ValueError(f"unknown NVFP4 backend op {op!r}; known: {', '.join(OPS)}")
-        if getattr(type(self), op) is getattr(Backend, op) and op != "grouped_wgrad_gemm":
+        if getattr(type(self), op) is getattr(Backend, op):
+            if op == "grouped_wgrad_gemm":
+                return None
+            if op in REFERENCE_OPS:
+                return f"the {self.name} backend has no {op} kernel: the contract's reference runs"
             return f"the {self.name} backend has no {op} kernel"
         if shape.get("device_sizes") and op in GROUPED_OPS and not self.device_group_sizes:
             return f"the {self.name} backend's {op} takes host group sizes, not counts left on the device"
@@ -156,6 +168,62 @@ class Backend:
     def swiglu_quantize(self, h: torch.Tensor, **kwargs) -> tuple[torch.Tensor, NVFP4Tensor]:
         """SwiGLU and the per-token NVFP4 of it: :func:`~.producers.swiglu_quantize_reference`."""
         self._refuse("swiglu_quantize")
+
+
+    # ---- MoE ops without quantization (base: the contract's reference, :mod:`.moe_reference`) ----
+    def weighted_swiglu(self, h: torch.Tensor, probs: torch.Tensor, *, inline_glu: bool = False) -> torch.Tensor:
+        """``silu(gate) * up * probs[:, None]`` in ``h.dtype``: :func:`~.moe_reference.weighted_swiglu_reference`
+        (``inline_glu``: the gate and up halves interleaved per 16 columns, a kernel's layout only)."""
+        if inline_glu:
+            self._refuse("weighted_swiglu", "the inline-GLU layout is a kernel's, not the reference's")
+        return _moe.weighted_swiglu_reference(h, probs)
+
+    def weighted_swiglu_backward(self, dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dh, dp)``: :func:`~.moe_reference.weighted_swiglu_backward_reference`."""
+        return _moe.weighted_swiglu_backward_reference(dy, h, probs)
+
+    def deterministic_unpermute(self, permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """:func:`~.moe_reference.deterministic_unpermute_reference`."""
+        return _moe.deterministic_unpermute_reference(permuted, sorted_indices, num_tokens)
+
+    def ordered_sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """:func:`~.moe_reference.ordered_sum_reference`."""
+        return _moe.ordered_sum_reference(rows)
+
+    def moe_sum_rows(self, rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Tensor:
+        """``[T * k, H]`` expert-major rows -> ``[T, H]``, token ``t``'s rows at ``combine[t * k:(t + 1) * k]``
+        added in that order from ``+0``: :func:`~.moe_reference.ordered_sum_reference` of the gathered rows."""
+        t = combine.numel() // k
+        return _moe.ordered_sum_reference(rows.index_select(0, combine.long()).view(t, k, rows.shape[-1]))
+
+    def zero_empty_groups(self, out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``out[g] = +0`` where ``counts[g] == 0``, in place: :func:`~.moe_reference.zero_empty_groups_reference`."""
+        return _moe.zero_empty_groups_reference(out, counts)
+
+    def moe_route(self, logits: torch.Tensor, k: int, scaling_factor: float | None = None) -> "_moe.Route":
+        """A decode step's routing (softmax after the top-k) as a :class:`~.moe_reference.Route`; the
+        reference is the learner's router (``rollout.fused_ops.moe_route_reference``)."""
+        self._refuse("moe_route")
+
+    def add_rmsnorm_quantize(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                             zero_centered_gamma: bool = False, **kwargs):
+        """``h = residual + x``, ``y = rmsnorm(h)`` and the per-token NVFP4 of ``y`` in one pass."""
+        self._refuse("add_rmsnorm_quantize")
+
+    def qk_norm_rope_cache(self, mixed: torch.Tensor, wq, wk, eps: float, zero_centered_gamma: bool, cos, sin,
+                           positions, k_cache, v_cache, groups: int, heads_per_group: int) -> torch.Tensor:
+        """The decode step's q/k RMSNorm + RoPE + KV-cache write of all heads; returns q."""
+        self._refuse("qk_norm_rope_cache")
+
+
+def kernel_backend(device: torch.device | str, kernels_on_cpu: bool = False) -> Backend:
+    """The backend for recipe-less ops (MoE combine, routing, the decode step's fusions) on
+    ``device``: :func:`get_backend` ``(None, device)``; ``kernels_on_cpu`` (tests) takes the Triton
+    backend for CPU tensors under ``TRITON_INTERPRET=1``."""
+    device = torch.device(device)
+    if kernels_on_cpu and device.type == "cpu" and triton_interpreting():
+        return get_backend("triton", device)
+    return get_backend(None, device)
 
 
 class ReferenceBackend(Backend):

@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from ..nvfp4.backends import BackendUnavailable
+from ..nvfp4.backends import BackendUnavailable, get_backend
 from ..nvfp4.group_sizes import DeviceGroupSizes, GroupSizes
 from ..nvfp4.tensor import NVFP4Tensor
 from .weight_cache import QuantizedWeightCache
@@ -353,11 +353,7 @@ class BF16GroupedLinearFunction(torch.autograd.Function):
                 dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [G, N, K]
                 # no rows: no contribution (do not rely on the kernel's empty groups)
                 if isinstance(sizes, DeviceGroupSizes):  # +0, as zero_(); on a GPU only the empty slices written
-                    if dw.is_cuda and dw.is_contiguous():
-                        from minite_kernels.triton.nvfp4.group_zero import zero_empty_groups
-                    else:
-                        from minite_kernels.triton.nvfp4.group_zero import zero_empty_groups_reference as zero_empty_groups
-                    zero_empty_groups(dw, sizes.counts.to(dw.device))
+                    get_backend(None, dw.device).zero_empty_groups(dw, sizes.counts.to(dw.device))
                 else:
                     for g, s in enumerate(sizes):
                         if s == 0:

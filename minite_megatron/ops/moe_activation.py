@@ -32,70 +32,23 @@ from __future__ import annotations
 
 import torch
 
+from ..nvfp4.backends import get_backend, kernel_backend
+from ..nvfp4.moe_reference import weighted_swiglu_backward_reference, weighted_swiglu_reference  # noqa: F401
 from .handoff import Handoff, activation_key
 from .linear import backend_for
 
 KERNEL_ON_CPU = False
 """Tests: run the backward kernel on CPU tensors too (under ``TRITON_INTERPRET=1``)."""
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def _kernel_shape(h: torch.Tensor) -> bool:
-    return h.dtype in _HALF and h.dim() == 2 and h.shape[1] % 32 == 0 and h.shape[1] > 0
-
-
-def _backward_kernel(h: torch.Tensor) -> bool:
-    if not _kernel_shape(h):
-        return False
-    if h.is_cuda:
-        return True
-    from ..nvfp4.backends import triton_interpreting
-
-    return KERNEL_ON_CPU and h.device.type == "cpu" and triton_interpreting()
-
-
-def weighted_swiglu_reference(h: torch.Tensor, probs: torch.Tensor, act_fn=None) -> torch.Tensor:
-    """Megatron's unfused computation: ``(act_fn(h) * probs[:, None]).to(h.dtype)``.
-
-    ``act_fn`` is the module's SwiGLU (default: ``silu(gate) * up`` with torch's ``silu``, what
-    :class:`~minite_megatron.modules.activation.MiniteActivation` computes); ``h`` [R, 2F],
-    ``probs`` [R] (any float dtype). Differentiable."""
-    if act_fn is None:
-        gate, up = torch.chunk(h, 2, dim=-1)
-        a = torch.nn.functional.silu(gate) * up
-    else:
-        a = act_fn(h)
-    return (a * probs.unsqueeze(-1)).to(h.dtype)
-
-
-def weighted_swiglu_backward_reference(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor,
-                                       compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused backward's formula in torch: ``(dh [R, 2F] h.dtype, dp [R] fp32)``.
-
-    In ``compute_dtype`` (fp32; tests take fp64 as the exact gradient) from ``dy`` [R, F], ``h``
-    [R, 2F] and ``probs`` [R]: ``sig = 1 / (1 + exp(-gate))``, ``da = dy * p``, ``d gate = da *
-    up * sig * (1 + gate * (1 - sig))``, ``d up = da * gate * sig`` (each rounded once to
-    ``h.dtype``), ``dp = sum(dy * gate * sig * up)`` over F (torch's reduction order: the
-    kernel's differs, within fp32 rounding)."""
-    gate, up = (t.to(compute_dtype) for t in torch.chunk(h, 2, dim=-1))
-    p = probs.to(compute_dtype).unsqueeze(-1)
-    dyf = dy.to(compute_dtype)
-    sig = 1.0 / (1.0 + torch.exp(-gate))
-    silu = gate * sig
-    da = dyf * p
-    dgate = da * up * (sig * (1.0 + gate * (1.0 - sig)))
-    dup = da * silu
-    return torch.cat([dgate, dup], dim=-1).to(h.dtype), (dyf * (silu * up)).sum(-1).float()
+def _kernel_shape(h: torch.Tensor) -> dict:
+    """The operand facts the backend's ``supports("weighted_swiglu", ...)`` reads."""
+    return {"dtype": h.dtype, "width": h.shape[1] if h.dim() == 2 else 0}
 
 
 def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh, dp)`` of :func:`weighted_swiglu`: the Triton kernel on a GPU, else the reference."""
-    if _backward_kernel(h):
-        from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu_backward as kernel
-
-        return kernel(dy, h, probs.float())
-    return weighted_swiglu_backward_reference(dy, h, probs)
+    """``(dh, dp)`` of :func:`weighted_swiglu`: the backend's ``weighted_swiglu_backward`` for
+    ``h``'s device (a kernel where it has one, else the contract's reference)."""
+    return kernel_backend(h.device, KERNEL_ON_CPU).weighted_swiglu_backward(dy, h, probs)
 
 
 def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, inline_glu: bool) -> torch.Tensor:
@@ -103,15 +56,14 @@ def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, i
     if slot is not None:
         recipe = slot.recipe
         backend = backend_for(recipe, h.device)
-        if _kernel_shape(h) and recipe.activation_scale == "row" and backend.supports(
+        if h.dim() == 2 and recipe.activation_scale == "row" and backend.supports(
                 "swiglu_quantize", dtype=h.dtype, width=h.shape[-1], global_scale="row") is None:
             y, q = backend.swiglu_quantize(h, with_image=True, nonfinite=recipe.nonfinite, probs=p32, inline_glu=inline_glu)
             slot.offer(y, q, activation_key(recipe, backend))
             return y
-    if h.is_cuda and _kernel_shape(h):
-        from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu as kernel
-
-        y = kernel(h, p32, inline_glu=inline_glu)
+    kernels = get_backend(None, h.device)
+    if kernels.supports("weighted_swiglu", **_kernel_shape(h)) is None:
+        y = kernels.weighted_swiglu(h, p32, inline_glu=inline_glu)
     else:
         y = weighted_swiglu_reference(h, p32, act_fn)
     if slot is not None:

@@ -323,7 +323,8 @@ class ExpertsStep:
     def _fused_activation(self, h: torch.Tensor, backend) -> bool:
         """Is the experts' activation Megatron's plain SwiGLU (what ``swiglu_quantize`` computes)?"""
         c = self.owner.config
-        return (fused_ops.use_kernels(h) and backend.supports("swiglu_quantize") is None and self.recipe.activation_scale == "row"
+        return (fused_ops.use_kernels(h, "weighted_swiglu", dtype=h.dtype, width=h.shape[-1])
+                and backend.supports("swiglu_quantize") is None and self.recipe.activation_scale == "row"
                 and h.dtype in (torch.bfloat16, torch.float16) and h.shape[-1] % 32 == 0
                 and c.gated_linear_unit and c.activation_func is torch.nn.functional.silu
                 and not c.bias_activation_fusion and c.activation_func_clamp_value is None
@@ -495,7 +496,7 @@ class AttentionStep:
 
     def _fused_qk(self, mixed: torch.Tensor, rope) -> bool:
         c = self.attn.config
-        return (fused_ops.use_kernels(mixed) and mixed.dtype in (torch.bfloat16, torch.float16)
+        return (fused_ops.use_kernels(mixed, "qk_norm_rope_cache") and mixed.dtype in (torch.bfloat16, torch.float16)
                 and self._qk_norms() is not None and self.hn <= 4096
                 and (rope is None or (not c.rotary_interleaved and not c.apply_rope_fusion
                                       and not c.multi_latent_attention and getattr(c, "mrope_section", None) is None)))
@@ -508,12 +509,10 @@ class AttentionStep:
         kc, vc = cache.view(self.index, x.shape[1])
         b = x.shape[1]
         if not fire and self._fused_qk(mixed, rope):
-            from minite_kernels.triton.decode.qk_norm_rope import qk_norm_rope_cache
-
             wq, wk, eps, zc = self._qk_norms()
             cos, sin = (None, None) if rope is None else rope.tables(mixed.dtype, attn._yarn_concentration_factor)
-            q = qk_norm_rope_cache(mixed.view(b, -1), wq, wk, eps, zc, cos, sin, positions, kc, vc,
-                                   self.ng, self.np // self.ng).view(1, b, self.np, self.hn)
+            q = fused_ops.fused_backend(mixed).qk_norm_rope_cache(mixed.view(b, -1), wq, wk, eps, zc, cos, sin, positions, kc, vc,
+                self.ng, self.np // self.ng).view(1, b, self.np, self.hn)
         else:
             q, k, v = self.split(mixed)
             if rope is not None:
@@ -593,7 +592,7 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
     from ..modules.norm import MiniteNorm
     from ..invariant.backend import resolve
 
-    if not (fused_ops.use_kernels(out) and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
+    if not (fused_ops.use_kernels(out, "add_rmsnorm_quantize") and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
             and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0
             and residual.shape == out.shape):
         return None
@@ -606,10 +605,8 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
             return None
     elif not (norm.invariant_rms and resolve(out.device) == "triton"):
         return None  # not bi_rmsnorm's arithmetic in the learner
-    from minite_kernels.triton.nvfp4.norm_quantize import add_rmsnorm_quantize
-
     shape, hdim = out.shape, out.shape[-1]
-    h, y, q = add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
+    h, y, q = fused_ops.fused_backend(out).add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
                                    norm.zero_centered_gamma, with_image=True)
     if slot is not None:
         slot.offer(y, q, activation_key(slot.recipe, backend))

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4.backends import triton_interpreting
+from ..nvfp4.backends import Backend, kernel_backend
+from ..nvfp4.moe_reference import Route, ordered_sum_reference
 
 KERNELS_ON_CPU = False
 """Run the fused kernels on CPU tensors too (under ``TRITON_INTERPRET=1``): tests and the kernel counter."""
@@ -31,13 +32,16 @@ ENABLED = True
 """False: the decode step runs the learner's modules only, on every device (tests compare the two)."""
 
 
-def use_kernels(t: torch.Tensor) -> bool:
-    """Do the fused kernels run for tensors like ``t``?"""
-    if not ENABLED:
-        return False
-    if t.is_cuda:
-        return True
-    return KERNELS_ON_CPU and t.device.type == "cpu" and triton_interpreting()
+def fused_backend(t: torch.Tensor) -> Backend | None:
+    """The backend whose fused decode kernels run for tensors like ``t`` (its ``supports(op)``
+    then says which), or None: the learner's modules only (``ENABLED`` off)."""
+    return kernel_backend(t.device, KERNELS_ON_CPU) if ENABLED else None
+
+
+def use_kernels(t: torch.Tensor, op: str, **shape) -> bool:
+    """Does ``op`` run on a fused kernel for tensors like ``t`` (``shape``: its operand facts)?"""
+    backend = fused_backend(t)
+    return backend is not None and backend.supports(op, **shape) is None
 
 
 def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +56,8 @@ def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple
 def route_supported(router, tokens: int) -> bool:
     """Can :func:`moe_route` stand in for ``router``'s forward on ``tokens`` tokens? The strict or
     aligned router (batch-invariant fp32 gating, :func:`topk_routing`) with a softmax after the
-    top-k, no expert bias, not training (no aux losses, no jitter), and a shape one program routes."""
-    from minite_kernels.triton.moe.moe_route import fits
-
+    top-k, no expert bias, not training (no aux losses, no jitter), and a shape the backend's
+    ``moe_route`` kernel takes (:func:`_route_shape_ok`)."""
     from ..modules.router import StrictTopKRouter
 
     if not isinstance(router, StrictTopKRouter) or not getattr(router, "aligned", True):
@@ -62,27 +65,32 @@ def route_supported(router, tokens: int) -> bool:
     c = router.config
     return (not router.training and router.score_function == "softmax" and not c.moe_router_pre_softmax
             and router.expert_bias is None and not c.moe_input_jitter_eps
-            and fits(tokens, c.num_moe_experts, router.topk))
+            and _route_shape_ok(router.weight, tokens, c.num_moe_experts, router.topk))
+
+
+def _route_shape_ok(t: torch.Tensor, tokens: int, experts: int, topk: int) -> bool:
+    """The shape is routed: by the backend's ``moe_route`` kernel where it has one (its limits),
+    else by :func:`moe_route_reference` (any shape)."""
+    backend = kernel_backend(t.device, KERNELS_ON_CPU)
+    if type(backend).moe_route is Backend.moe_route:
+        return True
+    return backend.supports("moe_route", tokens=tokens, experts=experts, topk=topk) is None
 
 
 def moe_route_reference(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
     """:func:`moe_route` in torch: the learner's :func:`~minite_megatron.modules.router.topk_routing`
     (softmax after the top-k), then the rows of Megatron's expert-major permutation."""
-    from minite_kernels.triton.moe.moe_route import Route
-
     from ..modules.router import topk_routing
 
     t, e = logits.shape
     probs, routing_map = topk_routing(logits, k, score_function="softmax", use_pre_softmax=False,
                                       scaling_factor=scaling_factor, check_finite=False)
-    return route_from_map(probs, routing_map, k, Route)
+    return route_from_map(probs, routing_map, k)
 
 
-def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route_cls=None):
+def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route_cls=Route):
     """The expert-major rows of a router's output (``probs`` ``[T, E]``, ``routing_map`` bool ``[T, E]``
-    with exactly ``k`` experts per token): a :class:`~minite_kernels.triton.moe.moe_route.Route`. No host sync."""
-    if route_cls is None:
-        from minite_kernels.triton.moe.moe_route import Route as route_cls
+    with exactly ``k`` experts per token): a :class:`~minite_megatron.nvfp4.moe_reference.Route`. No host sync."""
     t, e = routing_map.shape
     dev = routing_map.device
     # the experts of each token in increasing index (distinct keys: the lowest expert first)
@@ -101,31 +109,20 @@ def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route
 
 def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
     """The routing of fp32 ``logits`` ``[T, E]`` (:mod:`minite_kernels.triton.moe.moe_route`'s
-    :class:`Route`): the kernel where :func:`use_kernels`, else :func:`moe_route_reference`."""
-    if use_kernels(logits):
-        from minite_kernels.triton.moe.moe_route import moe_route as kernel
-
-        return kernel(logits, k, scaling_factor)
+    :class:`Route`): the backend's kernel where it supports the shape, else :func:`moe_route_reference`."""
+    backend = fused_backend(logits)
+    if backend is not None and backend.supports("moe_route", tokens=logits.shape[0], experts=logits.shape[1], topk=k) is None:
+        return backend.moe_route(logits, k, scaling_factor)
     return moe_route_reference(logits, k, scaling_factor)
 
 
 # ---- the combine -----------------------------------------------------------------------------------
-_BOUNDS: dict = {}
-
-
 def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Tensor:
     """``[T * k, H]`` expert-major rows -> ``[T, H]``: each token's rows added in increasing expert
     order from ``+0.0`` (:func:`~minite_megatron.modules.deterministic_moe.ordered_sum`'s bits), ``combine`` the
-    rows of token ``t`` at ``t * k .. t * k + k - 1``. One kernel on the GPU."""
+    rows of token ``t`` at ``t * k .. t * k + k - 1``. The backend's ``moe_sum_rows`` (one kernel on the GPU)."""
+    backend = fused_backend(rows)
+    if backend is not None:
+        return backend.moe_sum_rows(rows, combine, k)
     t = combine.numel() // k
-    if use_kernels(rows) and rows.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        import minite_kernels.triton.moe.moe_combine  # noqa: F401  (registers minite::moe_sum_rows)
-
-        key = (t, k, rows.device)
-        bounds = _BOUNDS.get(key)
-        if bounds is None:  # made on the first (eager) call, before any graph capture reads it
-            bounds = _BOUNDS[key] = torch.arange(0, t * k + 1, k, dtype=torch.int32, device=rows.device)
-        return torch.ops.minite.moe_sum_rows(rows, combine, bounds, 0)
-    from ..modules.deterministic_moe import ordered_sum_reference
-
     return ordered_sum_reference(rows.index_select(0, combine.long()).view(t, k, rows.shape[-1]))

@@ -33,7 +33,6 @@ Reference: :func:`minite_megatron.rollout.fused_ops.moe_route_reference` (the le
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from minite_kernels.custom_op import custom_op
+from minite_megatron.nvfp4.moe_reference import Route
 from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton._build._host import next_pow2
 from minite_kernels.triton._build._launch import fast_jit
@@ -51,15 +51,6 @@ MAX_ELEMENTS = 16384
 MAX_TOPK = 32
 #: libdevice without flush-to-zero (nvcc's default for torch's kernels).
 LAUNCH = {"enable_reflect_ftz": False}
-
-
-class Route(NamedTuple):
-    ids: torch.Tensor      # [T * k] int32: expert of each expert-major row
-    tokens: torch.Tensor   # [T * k] int32: token of each row
-    probs: torch.Tensor    # [T * k] fp32: routing probability of each row
-    combine: torch.Tensor  # [T * k] int32: rows of each token, its experts in increasing order
-    sizes: torch.Tensor    # [E] int32: rows per expert
-    offsets: torch.Tensor  # [E + 1] int32: first row of each expert (and T * k)
 
 
 @triton.jit

@@ -20,16 +20,12 @@ import triton
 import triton.language as tl
 
 from minite_kernels.custom_op import custom_op
+from minite_megatron.nvfp4.moe_reference import zero_empty_groups_reference  # noqa: F401  (the contract)
 from minite_kernels.triton._build._host import cdiv
 from minite_kernels.triton._build._launch import fast_jit
 
 BLOCK = 1024
 CHUNKS = 32  # blocks per program: 32768 elements
-
-
-def zero_empty_groups_reference(out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``out[g] = +0`` where ``counts[g] == 0`` (``out``: ``[G, ...]``, ``counts``: ``[G]`` ints), in place."""
-    return out.masked_fill_((counts == 0).to(out.device).view(-1, *([1] * (out.dim() - 1))), 0)
 
 
 @fast_jit
