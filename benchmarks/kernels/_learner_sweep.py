@@ -245,6 +245,9 @@ def sec_parts(res: dict) -> None:
                 ["operand", "pass", "ms", "read GBps"])
 
 
+SECTIONS = ("sweep_tile_quantize", "sweep_wgrad", "sweep_grouped", "sweep_rows", "sweep_cols", "sweep_parts")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--sections", default="sweep_tile_quantize,sweep_wgrad,sweep_grouped,sweep_rows,sweep_cols")

@@ -184,9 +184,12 @@ def sec_sweeps(res, copy_gbps):
                 ["kernel", "config", "case", "us", "GBps", "pct_copy", "same_bits"])
 
 
+SECTIONS = ("quantize_paths", "quantize_tiles")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
-    p.add_argument("--sections", default="quantize_paths,quantize_tiles")
+    p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")
     p.add_argument("--shard", default="0/1", help="i/N: with --warm-only, only every N-th case and config")
