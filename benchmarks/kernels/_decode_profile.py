@@ -1,8 +1,8 @@
 """Where a decode step's GPU time goes: the rollout engine's kernels per step, by name.
 
-    python -m benchmarks.decode_profile                          # GPU: qwen3-moe, batch 8
-    python -m benchmarks.decode_profile --engines nvfp4,bf16 --batch 8 --top 25
-    python -m benchmarks.decode_profile --preset tiny --batch 2  # CPU: the code path (no CUDA records)
+    python -m benchmarks.kernels --sections decode_profile                          # GPU: qwen3-moe, batch 8
+    python -m benchmarks.kernels --sections decode_profile --engines nvfp4,bf16 --batch 8 --top 25
+    python -m benchmarks.kernels --sections decode_profile --preset tiny --batch 2  # CPU: the code path
 
 For each engine (``bf16``: Megatron's local spec with SDPA decode and ``torch._grouped_mm``
 experts; ``nvfp4``: the default recipe (the engine's default decode GEMMs); ``nvfp4_invariant``: the same
@@ -24,9 +24,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks._timing import ensure_minite_kernels, environment, print_table, save  # noqa: E402
+from . import RESULTS, command
+from .._timing import ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -84,9 +83,9 @@ def profile_engine(name, model, preset, args) -> dict:
             "kernels_per_step": sum(max(v, 0) for v in launches.values()), "top": rows}
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     gpu = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
     ap.add_argument("--engines", default="nvfp4,bf16")
     ap.add_argument("--batch", type=int, default=8)
@@ -95,30 +94,18 @@ def main(argv=None):
     ap.add_argument("--prompt-min", type=int, default=16 if gpu else 3)
     ap.add_argument("--prompt-max", type=int, default=96 if gpu else 12)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--grouped-config", default=None, metavar="BN,BK,WARPS,DEPTH,MAX_CHUNKS",
-                    help="the grouped decode kernel's default launch entry (decode_grouped_gemm.GPU_GROUPED_DECODE) "
-                         "for this run, e.g. a benchmarks/decode_gemm.py grouped_sweep winner")
-    ap.add_argument("--rolled-dense-strict", action="store_true",
-                    help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
-                         "run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
-    ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--json-dir", default=RESULTS)
+    return ap
+
+
+def main(argv=None):
+    gpu = torch.cuda.is_available()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     if args.long <= args.short:
-        ap.error(f"--long ({args.long}) must exceed --short ({args.short})")
-    from minite_kernels.triton.decode import decode_grouped_gemm as tg
-
-    if args.grouped_config:
-        try:
-            bn, bk, warps, depth, most = (int(v) for v in args.grouped_config.split(","))
-        except ValueError:
-            ap.error(f"--grouped-config: five integers BN,BK,WARPS,DEPTH,MAX_CHUNKS, got {args.grouped_config!r}")
-        tg.GPU_GROUPED_DECODE = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, DEPTH=depth, MAX_CHUNKS=most)
-    from minite_kernels.triton.decode import decode_grouped_idot as ti
-    from minite_kernels.triton.decode import decode_gemm as td
-
-    if args.rolled_dense_strict:
-        td.ROLLED_DENSE_STRICT_VERIFIED = True
+        raise SystemExit(f"benchmarks.kernels --sections decode_profile: --long ({args.long}) must exceed "
+                         f"--short ({args.short})")
     from minite_megatron.training.presets import PRESETS, init_single_process
 
     preset = PRESETS[args.preset]
@@ -126,9 +113,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if gpu else torch.float32
     os.environ["TEARDOWN_CUPTI"] = "0"  # torch's workaround for CUPTI re-init around CUDA graphs
     results = {"benchmark": "decode_profile", "preset": args.preset, "batch": args.batch, "short": args.short,
-               "long": args.long, "grouped_decode_entry": dict(tg.GPU_GROUPED_DECODE),
-               "strict_grouped_entry": tg.strict_grouped_entry(), "idot": ti.IDOT_GPU_VERIFIED, "strict_dense_entry": td.strict_dense_entry(), "idot_entry": dict(ti.GPU_IDOT),
-               "engines": [], **environment(), "command": " ".join(sys.argv)}
+               "long": args.long, "engines": [], **environment(), "command": command(argv)}
     max_seq = args.prompt_max + args.long
     for name in [n for n in args.engines.split(",") if n]:
         model = (local_bf16_gpt(preset, max_seq, device, dtype) if name == "bf16"

@@ -1,7 +1,7 @@
 """Fused producers (RMSNorm -> NVFP4, SwiGLU -> NVFP4) against the unfused pair, on one GPU.
 
-    python -m benchmarks.producers                    # table + JSON (benchmarks/results/producers.jsonl, --out)
-    TRITON_INTERPRET=1 python -m benchmarks.producers --smoke   # the script itself, tiny shapes on a CPU
+    python -m benchmarks.kernels --sections producers          # table + JSON (benchmarks/results/producers.jsonl, --out)
+    python -m benchmarks.kernels --sections producers --smoke  # the script itself, tiny shapes on a CPU
 
 fused_us: :func:`minite_kernels.triton.nvfp4.norm_quantize.rmsnorm_quantize` /
 :func:`minite_kernels.triton.nvfp4.swiglu_quantize.swiglu_quantize` (one kernel). unfused_us: the op
@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS, command
+from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -119,21 +120,26 @@ def run_case(name, kind, rows, width, copy_gbps):
     return row
 
 
-def main(argv=None):
-    global SMOKE, DEV
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    p.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
-    args = p.parse_args(argv)
+    p.add_argument("--producer-cases", default="", help="comma-separated substrings: run only matching cases")
+    return p
+
+
+def main(argv=None):
+    global SMOKE, DEV
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     SMOKE = args.smoke
     if SMOKE:
         DEV = torch.device("cpu")
         args.copy_gbps = args.copy_gbps or 1.0
     elif not torch.cuda.is_available():
-        sys.exit("benchmarks.producers needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
-    res = {"env": environment(), "argv": sys.argv[1:]}
+        sys.exit("benchmarks.kernels --sections producers needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    res = {"env": environment(), "command": command(argv)}
     copy = args.copy_gbps
     if copy is None:
         copy = copy_bandwidth_gbps(DEV)
@@ -142,7 +148,7 @@ def main(argv=None):
     cols = ["case", "rows", "width", "fused_us", "unfused_us", "ratio", "op_us", "quant_us", "GBps", "pct_copy",
             "same_bits"]
     rows = []
-    wanted = [s for s in args.cases.split(",") if s]
+    wanted = [s for s in args.producer_cases.split(",") if s]
     for name, kind, r, w in CASES:
         if wanted and not any(s in name for s in wanted):
             continue
@@ -164,9 +170,9 @@ def main(argv=None):
             sys.exit(f"smoke: fused != unfused for {bad}")
         if args.out:
             print("saved:", save(res, "producers_smoke", [args.out]))
-        return
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    print("saved:", save(res, "producers", [here, args.out]))
+        return res
+    print("saved:", save(res, "producers", [RESULTS, args.out]))
+    return res
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """How many kernels one decode step of the rollout engine launches (CPU, Triton interpreter).
 
-    python -m benchmarks.decode_kernel_count             # default mode, qwen3-moe's structure, small dims
-    python -m benchmarks.decode_kernel_count --strict
-    python -m benchmarks.decode_kernel_count --unfused   # the decode step on the learner's modules only
+    python -m benchmarks.kernels --sections decode_count             # default mode, qwen3-moe's structure, small dims
+    python -m benchmarks.kernels --sections decode_count --strict
+    python -m benchmarks.kernels --sections decode_count --unfused   # the decode step on the learner's modules only
 
-The decode step is launch-bound on the H200 (BENCHMARKS.md run 7), so its kernel count is the
+The decode step is launch-bound on the H200 (``benchmarks/results/runs.md`` run 7), so its kernel count is the
 number to shrink. This counts, for one eager decode step of the fast path on a model with the
 qwen3-moe preset's structure (4 layers, GQA 32/4 -> 8/2 heads, 16 experts top-8, qk-layernorm)
 but tiny dimensions, every ATen op dispatched that is not a view or an allocation and every
@@ -13,8 +13,10 @@ GPU launches, the model is bf16 (the GPU's dtype: the fused norm -> NVFP4 produc
 batch-invariant ops take their Triton kernels (``invariant.backend.use_backend("triton")``, the GPU's
 choice), the decode step's fused kernels run (``rollout.fused_ops.KERNELS_ON_CPU``), and the
 backend dispatches the decode GEMMs as on a GPU whose packed decode kernels are verified or not
-(``--gpu-decode``, default: what ``decode_gemm.DECODE_GPU_VERIFIED`` / ``STRICT_DECODE_VERIFIED``
-say today; unverified means the image GEMM and the learner's grouped GEMM on sorted rows).
+(``--gpu-decode``, default ``kernels``: the packed decode kernels, as a GPU dispatches them;
+``image-gemm``: the image GEMM and the learner's grouped GEMM on sorted rows instead).
+It runs in its own process under ``TRITON_INTERPRET=1`` (started from here when the calling
+process is not interpreting: the interpreter must be chosen before the kernels are defined).
 The eager-only host checks a graph capture skips (expert ids in range, the attention mask's
 effect) are left out. Prints the total and the most frequent ops.
 """
@@ -26,15 +28,10 @@ import collections
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import subprocess
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-from benchmarks._timing import ensure_minite_kernels  # noqa: E402
-
-ensure_minite_kernels()
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 NOT_KERNELS = {
     "view", "_unsafe_view", "reshape", "_reshape_alias", "slice", "select", "permute", "transpose", "t", "expand",
@@ -46,16 +43,30 @@ NOT_KERNELS = {
 }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--unfused", action="store_true", help="no fused decode kernels (the learner's modules only)")
-    ap.add_argument("--gpu-decode", choices=("as-verified", "verified", "unverified"), default="as-verified",
-                    help="dispatch the decode GEMMs as on a GPU whose packed decode kernels are (not) verified")
+    ap.add_argument("--gpu-decode", choices=("kernels", "image-gemm"), default="kernels",
+                    help="decode GEMMs on the packed decode kernels (a GPU's dispatch) or on the image GEMMs")
     ap.add_argument("--top", type=int, default=40, help="how many of the most frequent ops to list")
     ap.add_argument("--fp32", action="store_true", help="an fp32 model (the CPU tests' dtype) instead of bf16")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        return subprocess.run([sys.executable, "-m", "benchmarks.kernels._decode_count", *argv], env=env,
+                              check=False).returncode
+    from .._timing import ensure_minite_kernels
+
+    ensure_minite_kernels()
     torch.set_num_threads(1)
     from minite_kernels.triton._build._interpreter_compat import install
 
@@ -63,7 +74,6 @@ def main(argv=None) -> int:
     import triton.runtime.interpreter as interp
 
     import minite_kernels.triton.backend as triton_backend
-    import minite_kernels.triton.decode.decode_gemm as decode_gemm
 
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout import fused_ops
@@ -74,12 +84,11 @@ def main(argv=None) -> int:
 
     init_single_process(1)
     fused_ops.KERNELS_ON_CPU = not args.unfused
-    verified = {"verified": (True, True), "unverified": (False, False),
-                "as-verified": (decode_gemm.DECODE_GPU_VERIFIED, decode_gemm.STRICT_DECODE_VERIFIED)}[args.gpu_decode]
+    kernels = args.gpu_decode == "kernels"
     from minite_megatron.nvfp4 import register_backend
 
-    register_backend(triton_backend.TritonBackend(triton_backend.TritonOptions(decode_kernels=verified[0],
-                                                                               strict_decode=verified[1])))
+    register_backend(triton_backend.TritonBackend(triton_backend.TritonOptions(decode_kernels=kernels,
+                                                                               strict_decode=kernels)))
     counts: collections.Counter = collections.Counter()
     depth = [0]
 
@@ -126,8 +135,7 @@ def main(argv=None) -> int:
             triton_backend.check_expert_ids_in_range, strict_attention.effective_mask = saved
     mode = "strict" if args.strict else "default"
     how = (f"{'unfused' if args.unfused else 'fused'}, {'fp32' if args.fp32 else 'bf16'}, "
-           f"GPU decode kernels {'verified' if verified[0] else 'unverified'}"
-           + (f" (strict config {'verified' if verified[1] else 'unverified'})" if verified[0] else ""))
+           f"decode GEMMs on the {'packed decode kernels' if kernels else 'image GEMMs'}")
     print(f"{mode}: {sum(counts.values())} kernels in one decode step ({preset['layers']} layers; {how})")
     for name, n in counts.most_common(args.top):
         print(f"  {n:4d}  {name}")

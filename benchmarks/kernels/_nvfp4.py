@@ -1,7 +1,7 @@
 """NVFP4 Triton kernels against BF16 (cuBLAS / torch) on one GPU, side by side in one run.
 
-    python -m benchmarks.nvfp4_kernels                      # every section
-    python -m benchmarks.nvfp4_kernels --sections quantize,gemm --out $OUT
+    python -m benchmarks.kernels --sections ceilings,quantize,bitwise,gemm,linear,grouped,memory
+    python -m benchmarks.kernels --sections linear,grouped --tokens 16384 --no-naive --out $OUT
 
 Sections (each prints a table; all results are appended as one JSON line to
 ``benchmarks/results/nvfp4_kernels.jsonl`` and to ``--out``):
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from ._timing import Rotating, bench, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS, command
+from .._timing import Rotating, bench, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -486,9 +487,8 @@ SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "
 # the decode GEMMs (dense and MoE, default and strict) have their own script: benchmarks/decode_gemm.py
 
 
-def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, NAIVE
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
     p.add_argument("--grouped-tokens", default="8192", help="tokens before top-8 routing")
@@ -497,16 +497,22 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--warm-only", action="store_true", help="run every timed function once (fill Triton's cache)")
     p.add_argument("--no-naive", action="store_true", help="skip the plain-torch emulation in the linear section")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    global SMOKE, DEV, WARM_ONLY, NAIVE
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     SMOKE = args.smoke
     WARM_ONLY = args.warm_only
     NAIVE = not args.no_naive
     if SMOKE:
         DEV = torch.device("cpu")
     elif not torch.cuda.is_available():
-        sys.exit("benchmarks.nvfp4_kernels needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+        sys.exit("benchmarks.kernels (nvfp4 sections) needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
     torch.manual_seed(0)
-    res = {"env": environment(), "argv": sys.argv[1:], "smoke": SMOKE}
+    res = {"env": environment(), "command": command(argv), "smoke": SMOKE}
     tokens = [int(t) for t in args.tokens.split(",")]
     for sec in args.sections.split(","):
         t0 = time.time()
@@ -530,8 +536,8 @@ def main(argv=None):
             raise SystemExit(f"unknown section {sec!r}; known: {', '.join(SECTIONS)}")
         print(f"[{sec}: {time.time() - t0:.1f} s]", flush=True)
     if not SMOKE and not WARM_ONLY:
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        print("saved:", save(res, "nvfp4_kernels", [here, args.out]))
+        print("saved:", save(res, "nvfp4_kernels", [RESULTS, args.out]))
+    return res
 
 
 if __name__ == "__main__":

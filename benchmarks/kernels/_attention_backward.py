@@ -1,7 +1,7 @@
 """The aligned attention's backward: recompute (before issue 16) vs the direct fused backward.
 
-    python -m benchmarks.attention_backward                  # qwen3-moe attention: 4096 and 16384 tokens
-    python -m benchmarks.attention_backward --smoke          # CPU, tiny shapes (interpreter): the script works
+    python -m benchmarks.kernels --sections attention_backward          # qwen3-moe attention: 4096 and 16384 tokens
+    python -m benchmarks.kernels --sections attention_backward --smoke  # CPU, tiny shapes (interpreter): the script works
 
 Per token count (sequences of ``--seq`` tokens; 32 query heads, 4 kv heads, head dim 128, bf16,
 causal, Megatron's ``[S, B, H, D]`` layout) for one layer's core attention
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
+from . import RESULTS_ANCHOR, command
+from .._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
 
 ensure_minite_kernels()
 
@@ -116,21 +117,26 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
     return rows, summary
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
-    add_output_args(ap, __file__)
-    args = ap.parse_args(argv)
+    add_output_args(ap, RESULTS_ANCHOR)
+    return ap
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     if args.smoke:
         smoke_on_the_interpreter()
         args.tokens, args.seq, args.heads, args.kv_heads, args.head_dim = "40", 40, 4, 2, 16
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        sys.exit("benchmarks.attention_backward needs a CUDA GPU (or --smoke on a CPU)")
+        sys.exit("benchmarks.kernels --sections attention_backward needs a CUDA GPU (or --smoke on a CPU)")
     from minite_megatron.invariant.backend import use_backend
 
     rows, summaries = [], []
@@ -146,7 +152,7 @@ def main(argv=None):
                                        "aligned_fwd_bwd_ms_new", "sdpa_fwd_bwd_ms", "aligned_over_sdpa_fwd_bwd"])
     record = {"bench": "attention_backward", **env, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
               "head_dim": args.head_dim, "smoke": args.smoke, "rows": rows, "summary": summaries,
-              "command": "python -m benchmarks.attention_backward " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": command(argv)}
     save(record, "attention_backward", [args.out] + ([] if args.smoke else [args.json_dir]))
     return record
 

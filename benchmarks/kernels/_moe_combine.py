@@ -1,7 +1,7 @@
 """The MoE combine and the dispatch permutation's backward: the Triton kernels vs torch.
 
-    python -m benchmarks.moe_combine                       # qwen3-moe shapes: 4096 and 16384 tokens
-    python -m benchmarks.moe_combine --smoke               # CPU, tiny shapes (interpreter): the script works
+    python -m benchmarks.kernels --sections moe_combine           # qwen3-moe shapes: 4096 and 16384 tokens
+    python -m benchmarks.kernels --sections moe_combine --smoke   # CPU, tiny shapes (interpreter): the script works
 
 Per token count (hidden 2048, 128 experts, top-8, bf16, Megatron's expert-major permutation):
 
@@ -26,7 +26,8 @@ import sys
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
+from . import RESULTS_ANCHOR, command
+from .._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
 
 ensure_minite_kernels()
 
@@ -98,20 +99,25 @@ def run(tokens: int, experts: int, topk: int, hidden: int, device) -> list[dict]
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
-    add_output_args(ap, __file__)
-    args = ap.parse_args(argv)
+    add_output_args(ap, RESULTS_ANCHOR)
+    return ap
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     if args.smoke:
         smoke_on_the_interpreter()
         args.tokens, args.experts, args.topk, args.hidden = "24", 8, 2, 32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
-        sys.exit("benchmarks.moe_combine needs a CUDA GPU (or --smoke on a CPU)")
+        sys.exit("benchmarks.kernels --sections moe_combine needs a CUDA GPU (or --smoke on a CPU)")
     rows = []
     for t in (int(x) for x in args.tokens.split(",")):
         rows += run(t, args.experts, args.topk, args.hidden, device)
@@ -120,7 +126,7 @@ def main(argv=None):
                 rows, ["tokens", "op", "impl", "ms", "GB/s"])
     record = {"bench": "moe_combine", **env, "experts": args.experts, "topk": args.topk, "hidden": args.hidden,
               "smoke": args.smoke, "rows": rows,
-              "command": "python -m benchmarks.moe_combine " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": command(argv)}
     save(record, "moe_combine", [args.out] + ([] if args.smoke else [args.json_dir]))
     return record
 

@@ -1,7 +1,7 @@
 """The routed experts' SwiGLU x routing probability: fused vs Megatron's unfused ops, on one GPU.
 
-    python -m benchmarks.moe_activation                   # table + JSON (benchmarks/results/moe_activation.jsonl, --out)
-    TRITON_INTERPRET=1 python -m benchmarks.moe_activation --smoke   # the script itself, tiny shapes on a CPU
+    python -m benchmarks.kernels --sections moe_activation          # table + JSON (benchmarks/results/moe_activation.jsonl, --out)
+    python -m benchmarks.kernels --sections moe_activation --smoke  # the script itself, tiny shapes on a CPU
 
 Rows = routed rows of fc1 output ``h`` [R, 2F] (the qwen3-moe learner: 4096 / 16384 tokens x
 top-8, F = 768), bf16, ``p`` [R] fp32. Per case:
@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from ._timing import add_output_args, bench, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS_ANCHOR, command
+from .._timing import add_output_args, bench, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -100,18 +101,23 @@ def run_case(name, rows, f):
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    add_output_args(ap, RESULTS_ANCHOR)
+    return ap
+
+
 def main(argv=None):
     global SMOKE, DEV
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_output_args(ap, __file__)
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     SMOKE = args.smoke
     if SMOKE:
         DEV = torch.device("cpu")
         moe_activation.KERNEL_ON_CPU = True
     elif not torch.cuda.is_available():
-        sys.exit("benchmarks.moe_activation needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
-    res = {"env": environment(), "argv": sys.argv[1:], "command": "python -m benchmarks.moe_activation " + " ".join(sys.argv[1:])}
+        sys.exit("benchmarks.kernels --sections moe_activation needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    res = {"env": environment(), "command": command(argv)}
     rows = []
     for name, r, f in CASES:
         rows += run_case(name, r, f)
@@ -123,8 +129,9 @@ def main(argv=None):
     if SMOKE:  # under the interpreter the forward's exp is numpy's: same_bits is a GPU claim
         if args.out:
             print("saved:", save(res, "moe_activation_smoke", [args.out]))
-        return
+        return res
     print("saved:", save(res, "moe_activation", [args.json_dir, args.out]))
+    return res
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """NVFP4 quantize kernels on one GPU: every dispatch path of the quantizer, one run.
 
-    python -m benchmarks.quantize_kernels                  # cases + sweeps, table + JSON
-    python -m benchmarks.quantize_kernels --warm-only      # compile every variant, time nothing
-    TRITON_INTERPRET=1 python -m benchmarks.quantize_kernels --smoke   # the script itself, on a CPU
+    python -m benchmarks.kernels --sections quantize_paths,quantize_tiles            # table + JSON
+    python -m benchmarks.kernels --sections quantize_paths,quantize_tiles --warm-only   # compile only
+    python -m benchmarks.kernels --sections quantize_paths --smoke   # the script itself, on a CPU
 
 Every case runs the dispatch of :mod:`minite_kernels.triton.nvfp4.quantize` (row kernel, column
 kernel with the RHT fused, flat amax pass); the generic kernels it replaced (``old_us`` in
-the earlier records of the JSON file, BENCHMARKS.md runs 5-6) were deleted. Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
+the earlier records of the JSON file, ``benchmarks/results/runs.md`` runs 5-6) were deleted. Times are medians of CUDA-graph replays (kernel time, no host overhead). GB/s
 counts the minimum bytes: input read once, codes + scales + image + global scales written
 once; cases with a tensor scale also pay an amax read (at most 4.56 / 6.56 = 70% of copy).
 
-The sweeps time other tile configs of the two fast kernels and check that every config writes
+``quantize_tiles`` times other tile configs of the two fast kernels and check that every config writes
 exactly the bits of the default one (``same_bits``). Results: one JSON line appended to
 ``benchmarks/results/quantize_kernels.jsonl`` (and ``--out``).
 """
@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS, command
+from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -183,16 +184,24 @@ def sec_sweeps(res, copy_gbps):
                 ["kernel", "config", "case", "us", "GBps", "pct_copy", "same_bits"])
 
 
-def main(argv=None):
-    global WARM_ONLY, SMOKE, DEV
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default="cases,sweeps")
+SECTIONS = ("quantize_paths", "quantize_tiles")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")
     p.add_argument("--shard", default="0/1", help="i/N: with --warm-only, only every N-th case and config")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    global WARM_ONLY, SMOKE, DEV
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     SMOKE = args.smoke
     if SMOKE:
         DEV = torch.device("cpu")
@@ -200,14 +209,14 @@ def main(argv=None):
         globals()["ROWS_SWEEP"] = ROWS_SWEEP[:2]
         globals()["COLS_SWEEP"] = COLS_SWEEP[:2]
     elif not torch.cuda.is_available():
-        sys.exit("benchmarks.quantize_kernels needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+        sys.exit("benchmarks.kernels (quantize sections) needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
     WARM_ONLY = args.warm_only
     if WARM_ONLY:  # parallel compile: N processes, each takes every N-th case and sweep config
         i, n = (int(v) for v in args.shard.split("/"))
         for name in ("CASES", "ROWS_SWEEP", "COLS_SWEEP"):
             globals()[name] = globals()[name][i::n]
     torch.manual_seed(0)
-    res = {"env": environment(), "argv": sys.argv[1:]}
+    res = {"env": environment(), "command": command(argv)}
     copy = args.copy_gbps
     if copy is None and not WARM_ONLY:
         copy = copy_bandwidth_gbps(DEV)
@@ -215,11 +224,11 @@ def main(argv=None):
     print(f"copy bandwidth (read + write): {copy} GB/s", flush=True)
     for sec in args.sections.split(","):
         t0 = time.time()
-        {"cases": sec_cases, "sweeps": sec_sweeps}[sec](res, copy)
+        {"quantize_paths": sec_cases, "quantize_tiles": sec_sweeps}[sec](res, copy)
         print(f"[{sec}: {time.time() - t0:.1f} s]", flush=True)
     if not WARM_ONLY and not SMOKE:
-        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        print("saved:", save(res, "quantize_kernels", [here, args.out]))
+        print("saved:", save(res, "quantize_kernels", [RESULTS, args.out]))
+    return res
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
     ncu --clock-control none --kernel-name regex:'decode|quantize' --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
-        --section WarpStateStats --section LaunchStats python -m benchmarks.profile_kernels decode_qkv_m1
+        --section WarpStateStats --section LaunchStats python -m benchmarks.kernels --sections ncu_cases --ncu-cases decode_qkv_m1
 
 Each case launches its kernel ``--reps`` times (default 4: the first ones compile and warm up,
-``--launch-skip`` skips them). ``--list`` prints the cases. Nothing is timed here: ncu's
-counters are the measurement (``benchmarks/device_session.sh profile`` runs it and keeps the
+``--launch-skip`` skips them); without ``--ncu-cases`` it prints the cases. Nothing is timed
+here: ncu's counters are the measurement (``benchmarks/device.sh profile`` runs it and keeps the
 reports).
 """
 
@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from ._timing import ensure_minite_kernels
+from .._timing import ensure_minite_kernels
 
 ensure_minite_kernels()
 
@@ -58,21 +58,31 @@ CASES = {
 }
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("cases", nargs="*")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p.add_argument("--ncu-cases", default="", help=f"comma-separated, from {', '.join(CASES)}")
     p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--list", action="store_true")
-    args = p.parse_args(argv)
-    if args.list or not args.cases:
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_known_args(argv)[0]
+    cases = [c for c in args.ncu_cases.split(",") if c]
+    if not cases:
         print("\n".join(CASES))
-        return
-    for name in args.cases:
+        return {}
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"benchmarks.kernels --ncu-cases: unknown {', '.join(unknown)} (known: {', '.join(CASES)})")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.kernels --sections ncu_cases needs a CUDA GPU (it runs kernels for ncu)")
+    for name in cases:
         fn = CASES[name]()
         for _ in range(args.reps):
             fn()
         torch.cuda.synchronize()
         print(f"{name}: ran {args.reps} times")
+    return {"ncu_cases": cases, "reps": args.reps}
 
 
 if __name__ == "__main__":

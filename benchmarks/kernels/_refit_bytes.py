@@ -1,8 +1,8 @@
 """Bytes moved per refit (the RL loop's weight sync into vLLM), NVFP4 vs a BF16 learner: computed
 from the shapes, not timed.
 
-    python -m benchmarks.refit_bytes                  # qwen3-moe preset + Qwen3-30B-A3B, several layouts
-    python -m benchmarks.refit_bytes --json benchmarks/results
+    python -m benchmarks.kernels --sections refit_bytes                          # qwen3-moe preset + Qwen3-30B-A3B
+    python -m benchmarks.kernels --sections refit_bytes --json-dir benchmarks/results   # and its JSON line
 
 Two legs (``minite_megatron.serving.refit.refit_traffic``, the counts that
 ``tests/serving/test_refit_sharded.py`` checks against a real two-rank gather):
@@ -22,7 +22,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from . import RESULTS, command
+from .._timing import print_table, save
 
 LAYOUTS = [  # (tp, ep, etp)
     (1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 8), (1, 8, 1), (2, 8, 1), (4, 8, 1), (8, 8, 1),
@@ -44,16 +45,20 @@ def models() -> dict[str, tuple[dict, int]]:
     return {"qwen3-moe preset": cfg(p["layers"], p["vocab"]), "Qwen3-30B-A3B": cfg(48, 151936)}
 
 
-def main(argv=None) -> None:
-    from benchmarks._timing import print_table, save
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap.add_argument("--json-dir", default=RESULTS)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
+    return ap
 
+
+def main(argv=None) -> dict:
     from minite_megatron.serving.refit import refit_traffic
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="", help="directory for refit_bytes.jsonl (empty: none)")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     gib = 2.0**30
-    out = {"benchmark": "refit_bytes", "command": "python -m benchmarks.refit_bytes " + " ".join(argv or sys.argv[1:]),
+    out = {"benchmark": "refit_bytes", "command": command(argv),
            "computed_from_shapes": True, "models": {}}
     for name, (cfg, vocab) in models().items():
         rows = []
@@ -65,15 +70,15 @@ def main(argv=None) -> None:
                          "total BF16 GiB": t.total_bf16 / gib, "x BF16": t.total / t.total_bf16})
         print_table(f"{name}: bytes per refit (NVFP4 learner vs BF16 learner)", rows, list(rows[0]))
         out["models"][name] = {"config": cfg, "vocab": vocab, "rows": rows}
-    if args.json:
-        import datetime
-        import platform
+    import datetime
+    import platform
 
-        import torch
+    import torch
 
-        out.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device="none (computed)",
-                   torch=torch.__version__, python=platform.python_version())
-        print("\nwrote", save(out, "refit_bytes", [args.json]))
+    out.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), device="none (computed)",
+               torch=torch.__version__, python=platform.python_version())
+    print("\nwrote", save(out, "refit_bytes", [args.json_dir, args.out]))
+    return out
 
 
 if __name__ == "__main__":

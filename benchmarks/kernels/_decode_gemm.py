@@ -1,27 +1,26 @@
-"""Decode GEMMs on packed FP4 weights vs BF16 cuBLAS, and their strict (batch-invariant) bits.
+"""Decode GEMMs on packed FP4 weights vs BF16 cuBLAS: tables and launch sweeps.
 
-    python -m benchmarks.decode_gemm                       # every section
-    python -m benchmarks.decode_gemm --sections check,dense --out $OUT
-    python -m benchmarks.decode_gemm --warm-only --shard 3 --shards 8   # compile only (parallel)
+    python -m benchmarks.kernels --sections decode_dense,decode_grouped --out $OUT
+    python -m benchmarks.kernels --sections decode_sweep,decode_dense --decode-m 1,4,16 --no-act-quant
+    python -m benchmarks.kernels --sections decode_dense --warm-only --shard 3/8   # compile only (parallel)
 
 Sections (one JSON line per run in ``benchmarks/results/decode_gemm.jsonl`` and ``--out``):
 
-* ``check``: strict decode configurations against the learner's strict image GEMMs, bit for
-  bit (fp32 and bf16 outputs), on random and adversarial rows (magnitudes spread over 2^+-12
-  inside each row, so any change of accumulation order shows), M = 1, 3, 8, 64 at several row
-  offsets of an M = 4096 learner GEMM; dense and grouped; the default configurations within
-  ``nvfp4.fp32_accumulation_bound``.
-* ``sweep``: default-configuration sweep (BLOCK_N, BLOCK_K, warps, stages, programs per SM) on
-  qkv / o / fc2 at M = 1, 16, 64; the best per padded M is used by the next sections.
-* ``dense``: every Qwen3 shape x M = 1..64: BF16 ``torch.mm`` vs NVFP4 decode (default, strict,
-  and default with the activation's quantization), CUDA-graph replays, weights rotated through
-  more than 4x the L2 so HBM is measured; effective weight GB/s and % of copy bandwidth.
-* ``grouped_sweep``: the grouped decode kernel's launch parameters (tile, warps, K steps in flight,
-  K steps per program) at the same shapes and routings, each checked against the strict result.
-* ``grouped``: MoE decode, batch 1 / 8 / 64 tokens x top-8 of 128 experts, fc1 and fc2:
+* ``decode_sweep``: default-configuration sweep (BLOCK_N, BLOCK_K, warps, stages, programs per SM)
+  on qkv / o / fc2 at M = 1, 16; each configuration's output within
+  ``nvfp4.fp32_accumulation_bound``; the best per padded M is also timed by ``decode_dense``.
+* ``decode_dense``: every Qwen3 shape x M = 1..64: BF16 ``torch.mm`` vs NVFP4 decode (default,
+  strict, and default with the activation's quantization), CUDA-graph replays, weights rotated
+  through more than 4x the L2 so HBM is measured; effective weight GB/s and % of copy bandwidth.
+* ``decode_grouped``: MoE decode, batch 1 / 8 / 64 tokens x top-8 of 128 experts, fc1 and fc2:
   BF16 ``torch._grouped_mm`` on the selected experts (rows already sorted: its permutation is
   not timed) vs NVFP4 ``decode_grouped_gemm`` (unsorted rows, routing included).
+* ``decode_grouped_sweep``: the grouped decode kernel's launch parameters (tile, warps, K steps in
+  flight, K steps per program) at the same shapes and routings, each against the strict result.
+* ``decode_idot_sweep`` / ``decode_idot_dense``: the integer-dot kernels (grouped and dense).
 
+The strict decode kernels' bits (equal to the learner's strict GEMMs) are checked by
+``tests/kernels/test_decode_strict_bitwise_gpu.py``, not here.
 ``--smoke``: tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, not speed).
 """
 
@@ -35,7 +34,8 @@ import time
 
 import torch
 
-from ._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS, command
+from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -74,14 +74,6 @@ def _d(bn, bk, warps, depth, max_chunks, per_sm, min_m_pad=16):
 
 SWEEP = [dict(td.GPU_DECODE), _d(64, 128, 4, 8, 8, 1), _d(64, 128, 4, 2, 2, 4), _d(64, 128, 4, 4, 8, 1),
          _d(64, 64, 4, 8, 8, 2), _d(128, 128, 8, 4, 4, 2)]
-#: strict configurations checked bitwise (M_PAD None: the natural padding, >= 16); the first is
-#: decode_gemm.GPU_STRICT_DECODE
-STRICT_VARIANTS = [dict(td.GPU_STRICT_DECODE),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=2, M_PAD=64),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=2, M_PAD=64, PAD_ROWS=True),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, DEPTH=4, M_PAD=None)]
-CHECK_M = (1, 3, 8, 16, 33, 64)
-DENSE_TIMED_M = (8, 64)  # check_dense_strict: rows timed
 
 _counter = itertools.count()
 
@@ -137,10 +129,6 @@ def copies_for(nbytes: int) -> int:
     return 1 if SMOKE else max(2, -(-4 * L2_BYTES // nbytes))
 
 
-def strict_cfg(variant, m, k):
-    return td.strict_config(m, k, variant)
-
-
 def default_cfg(entry, m, n, k, sms):
     return td.default_config(m, n, k, sms, entry)
 
@@ -172,77 +160,10 @@ def sms() -> int:
     return torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 1
 
 
-# ---- check ----------------------------------------------------------------------------------------
+# ---- helpers -------------------------------------------------------------------------------------
 def _bits_differ(a, b) -> int:
     return int((a.contiguous().view(torch.int32 if a.dtype == torch.float32 else torch.int16)
                 != b.contiguous().view(torch.int32 if b.dtype == torch.float32 else torch.int16)).sum())
-
-
-def sec_check(res):
-    k, n = (64, 48) if SMOKE else (1024, 512)
-    big = 96 if SMOKE else 4096
-    rows = []
-    for data_name, data in (("random", rnd), ("adversarial", adversarial)):
-        qx = quantize_forward(data(big, k), with_image=True)
-        qw = quantize_forward(data(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
-        full = {dt: gemm_forward(qx.image, qw.image, qx.global_decode, qw.global_decode, None, dt, batch_invariant=True)
-                for dt in (torch.float32, BF16)}
-        for variant in STRICT_VARIANTS[:1] if SMOKE else STRICT_VARIANTS:
-            row = {"data": data_name, "strict_config": _name(variant), "mismatched_fp32": 0, "mismatched_bf16": 0,
-                   "learner_small_m_mismatched": 0, "compared": 0}
-            for m in CHECK_M:
-                for start in sorted({0, 29, big - m}):
-                    part = nvfp4.grouped._take_rows(qx, torch.arange(start, start + m, device=DEV))
-                    for dt in (torch.float32, BF16):
-                        if not mine():
-                            continue
-                        try:
-                            got = run_decode(part, qw, strict_cfg(variant, m, k), dt)
-                        except ConfigFailed:
-                            row["failed"] = True
-                            continue
-                        if WARM_ONLY:
-                            continue
-                        key = "mismatched_fp32" if dt == torch.float32 else "mismatched_bf16"
-                        row[key] += _bits_differ(got, full[dt][start : start + m])
-                        row["compared"] += got.numel()
-                        if variant == STRICT_VARIANTS[0]:  # the learner's own batch invariance
-                            own = gemm_forward(part.image, qw.image, part.global_decode, qw.global_decode, None, dt,
-                                               batch_invariant=True)
-                            row["learner_small_m_mismatched"] += _bits_differ(own, full[dt][start : start + m])
-            rows.append(row)
-        # default configurations (the code's and every sweep entry): within the fp32 accumulation bound
-        for i, entry in enumerate(SWEEP[:1] if SMOKE else SWEEP):
-            for m in (1, 3, 16, 64):
-                if not mine():
-                    continue
-                part = nvfp4.grouped._take_rows(qx, torch.arange(m, device=DEV))
-                try:
-                    got = run_decode(part, qw, default_cfg(entry, m, n, k, sms()), torch.float32)
-                except ConfigFailed:
-                    rows.append({"data": data_name, "strict_config": f"default cfg{i} M={m}", "within_bound": False})
-                    continue
-                if WARM_ONLY:
-                    continue
-                ok, ratio = within_bound(got, part, qw)
-                rows.append({"data": data_name, "strict_config": f"default cfg{i} M={m}", "within_bound": ok,
-                             "max_err_over_bound": ratio})
-    rows.append(graph_replay_check())
-    res["check_dense"] = rows
-    verified = []
-    for variant in STRICT_VARIANTS:
-        mine_rows = [r for r in rows if r.get("strict_config") == _name(variant)]
-        if mine_rows and all(r["compared"] > 0 and r["mismatched_fp32"] == 0 and r["mismatched_bf16"] == 0
-                             and not r.get("failed") for r in mine_rows):
-            verified.append(variant)
-    res["strict_verified"] = [_name(v) for v in verified]
-    res["default_within_bound"] = all(r.get("within_bound", True) for r in rows)
-    print_table("strict decode vs the learner's strict GEMM (bits that differ; 0 = bitwise equal)", rows,
-                ["data", "strict_config", "mismatched_fp32", "mismatched_bf16", "learner_small_m_mismatched",
-                 "compared", "within_bound", "max_err_over_bound", "graph_replay_equal"])
-    sec_check_grouped(res)
-    print("strict configurations bitwise equal to the learner's strict GEMM:", [_name(v) for v in verified])
-    return verified
 
 
 def within_bound(got, qa, qw):
@@ -255,156 +176,15 @@ def within_bound(got, qa, qw):
     return bool((err <= tol).all()), float((err / (tol + 1e-300)).max())
 
 
-def graph_replay_check() -> dict:
-    """Capture the dense and grouped decode ops (default and strict) in one CUDA graph; replay
-    on new inputs copied into the captured buffers; outputs must equal eager runs bit for bit."""
-    if SMOKE or WARM_ONLY or not mine():
-        return {"data": "graph", "strict_config": "capture+replay"}
-    k, n, e, r = 2048, 1536, EXPERTS, 64
-    qw = quantize_forward(rnd(e, n, k) * 0.02, global_scale="group", tile=(16, 16))
-    wm = qw.matrix()
-    qd = quantize_forward(rnd(n, k) * 0.02, global_scale="tensor", tile=(16, 16))
-    a = quantize_forward(rnd(r, k), with_image=True)
-    ids = torch.randint(0, e, (r,), device=DEV, dtype=torch.int32)
-
-    def step():
-        return [td.decode_gemm_forward(a.image[:16], qd.codes, qd.block_scales, a.global_decode[:16], qd.global_decode,
-                                       None, BF16, strict) for strict in (False, True)] + \
-               [tg.decode_grouped_gemm_forward(a.image, wm.codes, wm.block_scales, qw.global_decode, ids,
-                                               a.global_decode, e, BF16, strict) for strict in (False, True)]
-
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        outs = step()
-    equal = True
-    for trial in range(3):
-        fresh = quantize_forward(rnd(r, k), with_image=True)
-        a.image.copy_(fresh.image)
-        a.global_decode.copy_(fresh.global_decode)
-        ids.copy_(torch.randint(0, e, (r,), device=DEV, dtype=torch.int32))
-        g.replay()
-        torch.cuda.synchronize()
-        eager = step()
-        equal &= all(_bits_differ(o, x) == 0 for o, x in zip(outs, eager))
-    return {"data": "graph", "strict_config": "capture+replay (3 fresh inputs)", "graph_replay_equal": equal}
-
-
-#: strict grouped decode configurations checked bitwise against the learner (and timed in the
-#: grouped sweep): the unrolled whole-K chain and the rolled one (``GROUP``), which must agree
-STRICT_GROUPED_VARIANTS = {"strict rolled": dict(tg.GPU_STRICT_GROUPED_DECODE),
-                           **{f"strict {name}": dict(entry) for name, entry in tg.STRICT_GROUPED_CANDIDATES.items()}}
-#: dense strict decode configurations checked bitwise against the learner and timed
-#: (``check_dense_strict``): today's unrolled one, the rolled one, and the candidates
-DENSE_STRICT_VARIANTS = {"unrolled": dict(td.GPU_STRICT_DECODE), "rolled": dict(td.GPU_STRICT_DECODE_ROLLED),
-                         **{name: dict(entry) for name, entry in td.STRICT_DENSE_CANDIDATES.items()}}
-CHECK_GROUPED_K = (2048, 768)  # fc1's and fc2's K
-
-
-def sec_check_grouped(res):
-    """Each strict grouped configuration vs the learner's strict grouped GEMM, bit for bit, at
-    fc1's K (2048: where the unrolled chain spills), random and adversarial data, 1 / 8 / 64
-    tokens x top-8; and the default configuration's distance from strict."""
-    rows = []
-    for k, (data_name, data) in itertools.product((64,) if SMOKE else CHECK_GROUPED_K,
-                                                   (("random", rnd), ("adversarial", adversarial))):
-        n, e = (48, 6) if SMOKE else (768, EXPERTS)
-        w = data(e, n, k) * 0.02
-        qw = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
-        for tokens in (1, 8, 64):
-            if not mine():
-                continue
-            r = tokens * (2 if SMOKE else TOPK)
-            ids = torch.stack([torch.randperm(e, device=DEV)[: r // tokens] for _ in range(tokens)]).reshape(-1)
-            ids = ids.to(torch.int32)
-            qa = quantize_forward(data(r, k), with_image=True)
-            wm = qw.matrix()
-            w_sc, w_gs, a_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1), \
-                qa.global_decode.float().reshape(-1)
-            got = {}
-            for label, entry in STRICT_GROUPED_VARIANTS.items():
-                # (the interpreter: its own strict tiles, the variant's K-loop form)
-                cfg = (dict(tg.select_config(r, n, k, e, 1, True), GROUP=entry.get("GROUP", 0),
-                            STAGES=entry.get("STAGES", 0), ONE_SPLIT=entry.get("ONE_SPLIT", False)) if SMOKE
-                       else td.strict_config(16, k, entry))
-                for dt in (torch.float32, BF16):
-                    out = torch.empty(r, n, dtype=dt, device=DEV)
-                    tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, out, e, cfg)
-                    got[label, dt] = out
-            if WARM_ONLY:
-                continue
-            order = torch.argsort(ids.long(), stable=True)
-            sizes = torch.bincount(ids.long(), minlength=e).to(torch.int32)
-            row = {"data": data_name, "tokens": tokens, "rows": r, "K": k}
-            for dt in (torch.float32, BF16):
-                learner = grouped_gemm_forward(qa.image[order], qw.image, sizes, qa.global_decode[order],
-                                               qw.global_decode, None, dt, batch_invariant=True)
-                expect = torch.empty_like(learner)
-                expect[order] = learner
-                for label in STRICT_GROUPED_VARIANTS:
-                    row[f"{label} mismatched_{'fp32' if dt == torch.float32 else 'bf16'}"] = _bits_differ(got[label, dt],
-                                                                                                        expect)
-            strict32 = got["strict rolled", torch.float32]
-            default = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
-                                                     qa.global_decode, e, torch.float32)
-            row["default_vs_strict_max_rel"] = float(((default - strict32).abs() / strict32.abs().clamp_min(1e-30)).max())
-            rows.append(row)
-    res["check_grouped"] = rows
-    cols = ["data", "tokens", "rows", "K"] + [f"{v} mismatched_{d}" for v in STRICT_GROUPED_VARIANTS for d in ("fp32", "bf16")]
-    print_table("strict grouped decode vs the learner's strict grouped GEMM (bits that differ)", rows,
-                cols + ["default_vs_strict_max_rel"])
-
-
-def sec_check_dense_strict(res):
-    """The dense strict decode, unrolled (``GPU_STRICT_DECODE``) and rolled
-    (``GPU_STRICT_DECODE_ROLLED``), vs the learner's strict GEMM bit for bit at the real K (qkv
-    2048, o 4096: where the unrolled chain is longest), M = 1 / 8 / 16 / 64 rows taken inside the
-    learner's M = 4096 GEMM, random and adversarial data, fp32 and bf16; and both timed at M = 8."""
-    variants = DENSE_STRICT_VARIANTS
-    rows = []
-    for shape in ("qkv", "o"):
-        k, n = (64, 48) if SMOKE else SHAPES[shape]
-        big = 96 if SMOKE else 4096
-        for data_name, data in (("random", rnd), ("adversarial", adversarial)):
-            qx = quantize_forward(data(big, k), with_image=True)
-            qw = quantize_forward(data(n, k) * 0.02, global_scale="tensor", tile=(16, 16), with_image=True)
-            full = {dt: gemm_forward(qx.image, qw.image, qx.global_decode, qw.global_decode, None, dt, batch_invariant=True)
-                    for dt in (torch.float32, BF16)}  # (compiled in the warm-up too)
-            for label, entry in variants.items():
-                if not mine():
-                    continue
-                row = {"shape": shape, "K": k, "data": data_name, "variant": label, "mismatched": 0, "compared": 0}
-                for m in (1, 8, 16, 64):
-                    part = nvfp4.grouped._take_rows(qx, torch.arange(29, 29 + m, device=DEV))
-                    for dt in (torch.float32, BF16):
-                        got = try_decode(part, qw, strict_cfg(entry, m, k), dt)
-                        if got is None or WARM_ONLY:
-                            continue
-                        row["mismatched"] += _bits_differ(got, full[dt][29: 29 + m])
-                        row["compared"] += got.numel()
-                for m in DENSE_TIMED_M:
-                    part = nvfp4.grouped._take_rows(qx, torch.arange(m, device=DEV))
-                    out = torch.empty(m, n, dtype=BF16, device=DEV)
-                    cfg = strict_cfg(entry, m, k)
-                    row[f"us_m{m}"] = 1e3 * timed(lambda: run_decode(part, qw, cfg, BF16, out))
-                    if label == "unrolled" and mine():  # the default (split-K) kernel, for scale
-                        dcfg = default_cfg(td.GPU_DECODE, m, n, k, sms())
-                        row[f"default_us_m{m}"] = 1e3 * timed(lambda: run_decode(part, qw, dcfg, BF16, out))
-                rows.append(row)
-    res["check_dense_strict"] = rows
-    print_table("dense strict decode variants vs the learner's strict GEMM (bits that differ), timed", rows,
-                ["shape", "K", "data", "variant", "mismatched", "compared"]
-                + [f"{p}us_m{m}" for m in DENSE_TIMED_M for p in ("", "default_")])
-
 
 # ---- sweep ----------------------------------------------------------------------------------------
-def sec_sweep(res, verified):
-    """Time every SWEEP entry and strict variant on qkv / o / fc2 at M = 1 and 16; each timed
-    configuration's output is checked on the same data (default: the bound; strict: the
-    learner's strict bits), and only valid ones can be chosen."""
+def sec_sweep(res):
+    """Time every SWEEP entry on qkv / o / fc2 at M = 1 and 16; each timed configuration's
+    output is checked on the same data (within the fp32 accumulation bound), and only valid ones
+    can be chosen (the strict configuration's bits are a test's:
+    ``tests/kernels/test_decode_strict_bitwise_gpu.py``)."""
     rows = []
-    times, strict_times = {}, {}
+    times = {}
     for name in ("qkv", "o", "expert_fc2"):
         k, n = (64, 32) if SMOKE else SHAPES[name]
         qws = weights(n, k, copies_for(n * k // 2))
@@ -428,33 +208,19 @@ def sec_sweep(res, verified):
                     t = t if ok else float("nan")
                 row[f"cfg{i}_us"] = 1e3 * t
                 times.setdefault(i, []).append(t)
-            for j, variant in enumerate(STRICT_VARIANTS):
-                if not mine() or (name == "o" and j > 0):  # K = 4096: only the code's strict config (compile time)
-                    continue
-                scfg = strict_cfg(variant, m, k)
-                t = timed(lambda: [run_decode(qx, q, scfg, out=outs) for q in qws]) / len(qws)
-                row[f"strict{j}_us"] = 1e3 * t
-                strict_times.setdefault(j, []).append(t)
             rows.append(row)
     scores = {i: torch.tensor(ts).log().mean().item() for i, ts in times.items() if ts and all(t == t for t in ts)}
     chosen = SWEEP[min(scores, key=scores.get)] if scores else None
-    scores = {j: torch.tensor(ts).log().mean().item() for j, ts in strict_times.items()
-              if STRICT_VARIANTS[j] in verified and ts and all(t == t for t in ts)}
-    chosen_strict = STRICT_VARIANTS[min(scores, key=scores.get)] if scores else None
-    res["sweep"] = {"configs": SWEEP, "strict_configs": STRICT_VARIANTS, "rows": rows, "chosen": chosen,
-                    "chosen_strict": chosen_strict}
+    res["sweep"] = {"configs": SWEEP, "rows": rows, "chosen": chosen}
     print("sweep configs:", {f"cfg{i}": _name(c) for i, c in enumerate(SWEEP)})
     print_table("default decode config sweep (us per GEMM; NaN: outside the bound or not timed)", rows,
                 ["shape", "M"] + [f"cfg{i}_us" for i in range(len(SWEEP))])
-    print("strict configs:", {f"strict{j}": _name(c) for j, c in enumerate(STRICT_VARIANTS)})
-    print_table("strict decode config sweep (us per GEMM)", rows,
-                ["shape", "M"] + [f"strict{j}_us" for j in range(len(STRICT_VARIANTS))])
-    print("chosen:", _name(chosen) if chosen else None, "; strict:", _name(chosen_strict) if chosen_strict else None)
-    return chosen, chosen_strict
+    print("chosen:", _name(chosen) if chosen else None)
+    return chosen
 
 
 # ---- dense table ----------------------------------------------------------------------------------
-def sec_dense(res, ms, chosen, chosen_strict, copy_gbps):
+def sec_dense(res, ms, chosen, copy_gbps):
     """Every Qwen3 shape: BF16 torch.mm vs the decode kernel in the code's configurations
     (``select_config``: what the backend runs) and, where the sweep chose another, that one too.
     The first weight copy's outputs are checked (default: the bound; strict: the learner's bits)."""
@@ -585,7 +351,7 @@ def sec_idot_dense(res, ms):
 # ---- grouped --------------------------------------------------------------------------------------
 def grouped_cases():
     """The MoE decode cases of both grouped sections: per expert shape (fc1, fc2 of 128 experts) and
-    decode tokens (``--grouped-tokens``), the quantized weights, 8 random top-8 routings, a quantized
+    decode tokens (``--decode-tokens``), the quantized weights, 8 random top-8 routings, a quantized
     activation, its BF16 twin and the sorted offsets ``torch._grouped_mm`` reads."""
     for name, (k, n) in (("expert_fc1", SHAPES["expert_fc1"]), ("expert_fc2", SHAPES["expert_fc2"])):
         e = EXPERTS
@@ -652,7 +418,7 @@ def grouped_entry(t) -> dict:
 
 def sec_grouped_sweep(res):
     """The grouped decode kernel's launch parameters at the real MoE shapes (fc1, fc2 of 128
-    experts, top-8; ``--grouped-tokens``), CUDA-graph replays over 8 routings, vs BF16
+    experts, top-8; ``--decode-tokens``), CUDA-graph replays over 8 routings, vs BF16
     ``torch._grouped_mm`` on the same experts; each configuration's bf16 output compared with the
     strict fp32 result (max relative error: bf16 rounding, <= 2^-8, unless the configuration is
     wrong)."""
@@ -667,12 +433,10 @@ def sec_grouped_sweep(res):
         want = tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, routings[0],
                                               qa.global_decode, e, torch.float32, True)
         entries = [(16, 32, 4, 1, 1), (16, 32, 4, 2, 2)] if SMOKE else GROUPED_SWEEP  # interpreter: small tiles
-        strict = {} if SMOKE else STRICT_GROUPED_VARIANTS
-        for entry in list(entries) + list(strict):
+        for entry in entries:
             if not mine():
                 continue
-            cfg = (td.strict_config(16, k, strict[entry]) if entry in strict
-                   else tg.grouped_config(r, k, e, grouped_entry(entry)))
+            cfg = tg.grouped_config(r, k, e, grouped_entry(entry))
             out = torch.empty(r, n, dtype=BF16, device=DEV)
 
             w_sc, w_gs = wm.block_scales.contiguous().view(torch.uint8), qw.global_decode.float().reshape(-1)
@@ -743,14 +507,10 @@ def sec_idot_sweep(res):
                                               qa.global_decode, e, torch.float32, True)
         scale = want.abs().max().clamp_min(1e-30)
         strict_us = {}
-        for label, entry in ({} if SMOKE else STRICT_GROUPED_VARIANTS).items():  # the strict engine's GEMM, for scale
-            if not mine():
-                continue
-            s_cfg = td.strict_config(16, k, entry)
-            s_out = torch.empty(r, n, dtype=BF16, device=DEV)
-            strict_us[label.replace(" ", "_") + "_us"] = 1e3 * timed(
-                lambda: [tg.launch_decode_grouped(qa.image, wm.codes, w_sc, w_gs, ids, a_gs, s_out, e, s_cfg)
-                         for ids in routings]) / len(routings)
+        if not SMOKE and mine():  # the strict engine's GEMM (its one configuration), for scale
+            strict_us["strict_us"] = 1e3 * timed(
+                lambda: [tg.decode_grouped_gemm_forward(qa.image, wm.codes, wm.block_scales, qw.global_decode, ids,
+                                                        qa.global_decode, e, BF16, True) for ids in routings]) / len(routings)
         entries = [(16, 2, True, 1, 4), (16, 2, False, 2, 4)] if SMOKE else IDOT_SWEEP[:IDOT_ENTRIES]
         for entry in entries:
             if not mine():
@@ -788,55 +548,64 @@ def sec_idot_sweep(res):
     res["idot_sweep"] = rows
     print_table("integer-dot grouped decode (top-8 of 128 experts; 8 routings; CUDA-graph replays)", rows,
                 ["shape", "tokens", "distinct_experts", "config", "idot_ids_us", "idot_sorted_us", "tc_default_us",
-                 *[label.replace(" ", "_") + "_us" for label in STRICT_GROUPED_VARIANTS],
+                 "strict_us",
                  "bf16_grouped_mm_us", "speedup_vs_bf16", "idot_weight_GBps", "max_err_fp32", "max_err_bf16",
                  "sorted_vs_ids_bits_differ"])
 
 
-SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep", "idot_dense")  # (+ "check_grouped": check's grouped part; "check_dense_strict")
+SECTIONS = ("decode_sweep", "decode_dense", "decode_grouped", "decode_grouped_sweep", "decode_idot_sweep",
+            "decode_idot_dense")
 
 
-def main(argv=None):
-    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS, IDOT_ENTRIES
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--sections", default=",".join(SECTIONS))
-    p.add_argument("--m", default="1,2,4,8,16,32,64")
+    p.add_argument("--decode-m", default="1,2,4,8,16,32,64", help="rows of the dense decode sections")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--warm-only", action="store_true", help="compile and run once, time nothing")
-    p.add_argument("--shard", type=int, default=0)
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--shard", default="0/1", help="I/N: with --warm-only, only every N-th measurement")
     p.add_argument("--no-act-quant", action="store_true", help="skip the with-activation-quantize column")
     p.add_argument("--no-image-gemm", action="store_true", help="skip the image-GEMM columns (the backend's "
                    "path without the decode kernel)")
-    p.add_argument("--shapes", default=",".join(SHAPES), help="dense shapes to time")
+    p.add_argument("--decode-shapes", default=",".join(SHAPES), help="dense shapes to time")
     p.add_argument("--strict-max-k", type=int, default=0,
                    help="dense table: strict decode only where K <= this (the K = 4096 kernel compiles ~1 min)")
     p.add_argument("--deadline-s", type=float, default=float("inf"),
                    help="stop timing (NaN, saved as null) this many seconds after the start")
-    p.add_argument("--grouped-tokens", default="1,8,64", help="decode tokens of the grouped sections")
-    p.add_argument("--idot-entries", type=int, default=None, help="idot_sweep: time only the first this many entries")
-    args = p.parse_args(argv)
+    p.add_argument("--decode-tokens", default="1,8,64", help="decode tokens of the grouped sections")
+    p.add_argument("--idot-entries", type=int, default=None, help="decode_idot_sweep: time only the first this many")
+    return p
+
+
+def main(argv=None):
+    global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS, IDOT_ENTRIES
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     IDOT_ENTRIES = args.idot_entries
-    GROUPED_TOKENS = tuple(int(t) for t in args.grouped_tokens.split(","))
+    GROUPED_TOKENS = tuple(int(t) for t in args.decode_tokens.split(","))
     SMOKE, WARM_ONLY, ACT_QUANT, IMAGE_GEMM = args.smoke, args.warm_only, not args.no_act_quant, not args.no_image_gemm
-    DENSE = args.shapes.split(",")
+    DENSE = args.decode_shapes.split(",")
     STRICT_MAX_K = args.strict_max_k
     DEADLINE = time.monotonic() + args.deadline_s
-    SHARD = (args.shard, args.shards)
+    try:
+        SHARD = tuple(int(v) for v in args.shard.split("/"))
+        assert len(SHARD) == 2 and 0 <= SHARD[0] < SHARD[1]
+    except (ValueError, AssertionError):
+        raise SystemExit(f"benchmarks.kernels --shard: expected I/N with 0 <= I < N, got {args.shard!r}") from None
     if SMOKE:
         DEV = torch.device("cpu")
     elif not torch.cuda.is_available():
-        sys.exit("decode_gemm: needs a CUDA GPU (or --smoke on the CPU)")
+        sys.exit("benchmarks.kernels (decode sections): needs a CUDA GPU (or --smoke on the CPU)")
     torch.manual_seed(0)
     sections = args.sections.split(",")
-    res = {"benchmark": "decode_gemm", "command": " ".join(["python -m benchmarks.decode_gemm"] + (argv or sys.argv[1:])),
-           **environment()}
+    ms = [int(v) for v in args.decode_m.split(",")]
+    res = {"benchmark": "decode_gemm", "command": command(argv), **environment()}
     copy_gbps = None if (SMOKE or WARM_ONLY) else copy_bandwidth_gbps(DEV)
     res["copy_GBps"] = copy_gbps
     if copy_gbps:
         print(f"device copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
-    chosen, chosen_strict, verified = None, None, []
+
     def partial():
         """The record so far in ``--out`` (a run cut off by its device call's limit keeps its numbers)."""
         if args.out and not WARM_ONLY and not SMOKE:
@@ -845,35 +614,24 @@ def main(argv=None):
             with open(os.path.join(args.out, "decode_gemm.partial.json"), "w") as f:
                 json.dump(res, f, default=str)
 
-    if "check" in sections:
-        verified = sec_check(res)
+    chosen = None
+    for sec in sections:
+        if sec == "decode_sweep":
+            chosen = sec_sweep(res)
+        elif sec == "decode_dense":
+            sec_dense(res, ms, chosen, copy_gbps)
+        elif sec == "decode_grouped":
+            sec_grouped(res)
+        elif sec == "decode_grouped_sweep":
+            sec_grouped_sweep(res)
+        elif sec == "decode_idot_sweep":
+            sec_idot_sweep(res)
+        elif sec == "decode_idot_dense":
+            sec_idot_dense(res, ms)
         partial()
-    elif "check_grouped" in sections:  # only the grouped part of the check (strict variants vs the learner)
-        sec_check_grouped(res)
-        partial()
-    if "check_dense_strict" in sections:
-        sec_check_dense_strict(res)
-        partial()
-    if "sweep" in sections:
-        chosen, chosen_strict = sec_sweep(res, verified)
-        partial()
-    if "dense" in sections:
-        sec_dense(res, [int(v) for v in args.m.split(",")], chosen, chosen_strict, copy_gbps)
-        partial()
-    if "grouped" in sections:
-        sec_grouped(res)
-        partial()
-    if "grouped_sweep" in sections:
-        sec_grouped_sweep(res)
-        partial()
-    if "idot_sweep" in sections:
-        sec_idot_sweep(res)
-        partial()
-    if "idot_dense" in sections:
-        sec_idot_dense(res, [int(v) for v in args.m.split(",")])
     if not WARM_ONLY and not SMOKE:
-        paths = save(res, "decode_gemm", [os.path.join(os.path.dirname(__file__), "results"), args.out])
-        print("saved:", ", ".join(paths))
+        print("saved:", ", ".join(save(res, "decode_gemm", [RESULTS, args.out])))
+    return res
 
 
 if __name__ == "__main__":

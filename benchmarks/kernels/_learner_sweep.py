@@ -1,25 +1,25 @@
 """Launch configs of the kernels the learner step leans on, at the qwen3-moe shapes (one GPU).
 
-    python -m benchmarks.learner_sweep --out $OUT            # every section, 131072 routed rows
-    python -m benchmarks.learner_sweep --sections wgrad,grouped --rows 32768
+    python -m benchmarks.kernels --sections sweep_tile_quantize,sweep_wgrad,sweep_grouped,sweep_rows,sweep_cols --out $OUT
+    python -m benchmarks.kernels --sections sweep_wgrad,sweep_grouped --rows 32768
 
-* ``tile_quantize``: the 16x16 weight-tile quantize of the experts' stacked weights (fc1
+* ``sweep_tile_quantize``: the 16x16 weight-tile quantize of the experts' stacked weights (fc1
   ``[128 * 1536, 2048]``, fc2 ``[128 * 2048, 768]``, per-expert scales, codes and scales only, the
   amax pass included) on the row kernel at each ``QuantizeTiles.weight_tile`` (a ``TritonBackend`` per setting), and the
   generic kernel it replaced; GB/s counts the bytes read twice (amax pass + quantize) and the
   codes and scales written once.
-* ``wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
+* ``sweep_wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
   ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, ``--rows`` routed rows over 128 experts (skewed;
   131072 = the 16384-token step at top-8), fc1 and fc2, against ``torch._grouped_mm``'s BF16 wgrad
   on the same shapes.
-* ``grouped``: the NVFP4 grouped fprop and dgrad GEMMs (``grouped_gemm_op`` on images; dgrad reads
+* ``sweep_grouped``: the NVFP4 grouped fprop and dgrad GEMMs (``grouped_gemm_op`` on images; dgrad reads
   the weight image transposed, as ``grouped_gemm_nt`` does) at each ``(BLOCK_M, BLOCK_N, BLOCK_K,
   warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
-* ``rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
+* ``sweep_rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
   codes and scales) at each ``QuantizeTiles.rows_stochastic``.
-* ``parts``: each pass of those two quantizations alone (amaxes given), with SR / the RHT / the
+* ``sweep_parts``: each pass of those two quantizations alone (amaxes given), with SR / the RHT / the
   image on and off: what each feature of the recipe costs.
-* ``cols``: the wgrad operand quantize of the experts' ``dy`` (tensor scale, SR, RHT, each expert's
+* ``sweep_cols``: the wgrad operand quantize of the experts' ``dy`` (tensor scale, SR, RHT, each expert's
   tokens padded to 16; the column kernel's gather) at each ``QuantizeTiles.cols_tile``.
 
 Times are medians of CUDA events (``triton.testing.do_bench``). One JSON line per run in
@@ -34,7 +34,8 @@ import sys
 
 import torch
 
-from ._timing import bench, ensure_minite_kernels, environment, print_table, save
+from . import RESULTS, command
+from .._timing import bench, ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -244,22 +245,29 @@ def sec_parts(res: dict) -> None:
                 ["operand", "pass", "ms", "read GBps"])
 
 
-def main(argv=None):
-    global ROWS
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="tile_quantize,wgrad,grouped,rows,cols")
+SECTIONS = ("sweep_tile_quantize", "sweep_wgrad", "sweep_grouped", "sweep_rows", "sweep_cols", "sweep_parts")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    ap.add_argument("--sections", default="sweep_tile_quantize,sweep_wgrad,sweep_grouped,sweep_rows,sweep_cols")
     ap.add_argument("--rows", type=int, default=ROWS, help="routed rows (tokens x top-k)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    global ROWS
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_known_args(argv)[0]
     if not torch.cuda.is_available():
-        sys.exit("benchmarks.learner_sweep needs a CUDA GPU")
-    res = {"bench": "learner_sweep", **environment(),
-           "command": "python -m benchmarks.learner_sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
+        sys.exit("benchmarks.kernels (sweep_* sections) needs a CUDA GPU")
+    res = {"bench": "learner_sweep", **environment(), "command": command(argv)}
     ROWS = res["rows"] = args.rows
     for sec in args.sections.split(","):
-        {"tile_quantize": sec_tile_quantize, "wgrad": sec_wgrad, "grouped": sec_grouped, "rows": sec_rows, "parts": sec_parts,
-         "cols": sec_cols}[sec](res)
-    save(res, "learner_sweep", [args.out, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")])
+        {"sweep_tile_quantize": sec_tile_quantize, "sweep_wgrad": sec_wgrad, "sweep_grouped": sec_grouped,
+         "sweep_rows": sec_rows, "sweep_parts": sec_parts, "sweep_cols": sec_cols}[sec](res)
+    save(res, "learner_sweep", [args.out, RESULTS])
     return res
 
 
