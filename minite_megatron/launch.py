@@ -13,7 +13,12 @@ Before running ``SCRIPT`` as ``__main__`` (``runpy``, ``sys.argv = [SCRIPT, *ARG
 4. applies the megatron-core fixes kept in ``patches/`` (:mod:`minite_megatron.training.
    upstream_patches`; in memory, no installed file is edited).
 
-A bad configuration exits with status 2 and one ``error:`` line (like argparse). Works with
+Before any of that it silences the upstream warnings a user cannot act on
+(:mod:`minite_megatron.training.upstream_warnings`, each named there).
+
+A bad configuration exits with status 2 and one ``error:`` line (like argparse, without the usage
+text): a bad flag value, an invalid recipe, a checkpoint whose LR schedule differs from the run's
+flags (it names the flag to add). Works with
 ``torchrun``: ``torchrun --nproc-per-node N -m minite_megatron.launch SCRIPT ARGS``.
 """
 
@@ -22,6 +27,12 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+
+from .training import upstream_warnings
+
+# Also at import: a worker process that multiprocessing *spawns* (megatron's checkpoint writer)
+# re-imports this module, not main(), before it imports megatron.
+upstream_warnings.install()
 
 USAGE = "usage: python -m minite_megatron.launch SCRIPT [ARGS...]  (e.g. examples/pretrain_gpt.py --transformer-impl minite ...)"
 
@@ -42,6 +53,7 @@ def prepare() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    upstream_warnings.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
@@ -52,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     from .megatron_args import MiniteArgumentError
     from .recipe import RecipeError
+    from .training.megatron_wheel import ScheduleMismatch
 
     prepare()
     sys.argv = [script, *script_args]
@@ -60,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, script_dir)  # as `python SCRIPT` would (root scripts import siblings)
     try:
         runpy.run_path(script, run_name="__main__")
-    except (MiniteArgumentError, RecipeError) as e:
+    except (MiniteArgumentError, RecipeError, ScheduleMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
