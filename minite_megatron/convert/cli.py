@@ -23,9 +23,13 @@ import argparse
 import os
 import sys
 
-import torch
+from ..training import upstream_warnings
 
-from .errors import ConvertError
+upstream_warnings.install()  # at import: also in the worker processes that multiprocessing spawns
+
+import torch  # noqa: E402
+
+from .errors import ConvertError  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
