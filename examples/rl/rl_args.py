@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 
 PROG = "train_grpo.py"
 
@@ -16,16 +15,10 @@ class UsageError(ValueError):
     (``train_grpo.py: error: ...``) and exits with status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's errors as one line (status 2), without the usage text of ~80 flags."""
-
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    from minite_megatron.training.cli import OneLineArgumentParser  # one line, status 2, no usage text
+
+    p = OneLineArgumentParser(
         prog=PROG, description="GRPO / DAPO on Megatron-Core with the NVFP4 learner and rollout engine",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
