@@ -24,7 +24,7 @@ Times are ``triton.testing.do_bench`` medians (CUDA events); backward times repl
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import sys
 import time
 
@@ -117,7 +117,7 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)

@@ -27,7 +27,7 @@ Sections (one JSON line per run in ``benchmarks/results/decode_gemm.jsonl`` and 
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import itertools
 import os
 import sys
@@ -798,7 +798,7 @@ SECTIONS = ("check", "sweep", "dense", "grouped", "grouped_sweep", "idot_sweep",
 
 def main(argv=None):
     global SMOKE, DEV, WARM_ONLY, SHARD, DEADLINE, ACT_QUANT, IMAGE_GEMM, DENSE, STRICT_MAX_K, GROUPED_TOKENS, IDOT_ENTRIES
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--m", default="1,2,4,8,16,32,64")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")

@@ -21,7 +21,7 @@ effect) are left out. Prints the total and the most frequent ops.
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import collections
 import os
 import sys
@@ -47,7 +47,7 @@ NOT_KERNELS = {
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--unfused", action="store_true", help="no fused decode kernels (the learner's modules only)")

@@ -17,7 +17,7 @@ top kernels by time (us per step, launches per step, share). One JSON line per r
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import collections
 import os
 import sys
@@ -86,7 +86,7 @@ def profile_engine(name, model, preset, args) -> dict:
 
 def main(argv=None):
     gpu = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
     ap.add_argument("--engines", default="nvfp4,bf16")
     ap.add_argument("--batch", type=int, default=8)

@@ -28,7 +28,7 @@ Times are medians of CUDA events (``triton.testing.do_bench``). One JSON line pe
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import os
 import sys
 
@@ -246,7 +246,7 @@ def sec_parts(res: dict) -> None:
 
 def main(argv=None):
     global ROWS
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="tile_quantize,wgrad,grouped,rows,cols")
     ap.add_argument("--rows", type=int, default=ROWS, help="routed rows (tokens x top-k)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))

@@ -22,7 +22,7 @@ scales, global scales for nvfp4).
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import sys
 import time
 
@@ -102,7 +102,7 @@ def run_case(name, rows, f):
 
 def main(argv=None):
     global SMOKE, DEV
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n")[0])
     add_output_args(ap, __file__)
     args = ap.parse_args(argv)
     SMOKE = args.smoke

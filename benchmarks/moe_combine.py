@@ -21,7 +21,7 @@ torch formulation before it is timed. One JSON line per run in ``benchmarks/resu
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import sys
 
 import torch
@@ -99,7 +99,7 @@ def run(tokens: int, experts: int, topk: int, hidden: int, device) -> list[dict]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)

@@ -22,7 +22,7 @@ that the script itself works; its numbers mean nothing).
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import dataclasses
 import os
 import sys
@@ -488,7 +488,7 @@ SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "
 
 def main(argv=None):
     global SMOKE, DEV, WARM_ONLY, NAIVE
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
     p.add_argument("--grouped-tokens", default="8192", help="tokens before top-8 routing")

@@ -13,6 +13,7 @@ reports).
 from __future__ import annotations
 
 import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 
 import torch
 
@@ -59,7 +60,7 @@ CASES = {
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cases", nargs="*")
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--list", action="store_true")

@@ -17,7 +17,7 @@ exactly the bits of the default one (``same_bits``). Results: one JSON line appe
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import os
 import sys
 import time
@@ -185,7 +185,7 @@ def sec_sweeps(res, copy_gbps):
 
 def main(argv=None):
     global WARM_ONLY, SMOKE, DEV
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default="cases,sweeps")
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")

@@ -18,7 +18,7 @@ BF16: the same layout with every quantized weight in BF16 (2 bytes per element).
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import os
 import sys
 
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
 
     from minite_megatron.serving.refit import refit_traffic
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="", help="directory for refit_bytes.jsonl (empty: none)")
     args = ap.parse_args(argv)
     gib = 2.0**30

@@ -16,7 +16,7 @@ compatibility layer is activated.
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import json
 import os
 import platform
@@ -153,7 +153,7 @@ def measure(device: str = "cpu", dtype: torch.dtype = torch.float32, *, layers: 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     ap.add_argument("--layers", type=int, default=2)
