@@ -345,12 +345,12 @@ def _finish(args, history, sft_records, *, model_info, strict, device, argv, t_s
             say(f"curves: {png}")
 
 
-def _run_cli() -> None:
+def _run_cli(argv=None) -> None:
     """``main()``, with this script's refusals (and the converter's, the recipe's) as one line, status 2."""
     from minite_megatron.convert.errors import ConvertError
 
     try:
-        main()
+        main(argv)
     except (rl_args.UsageError, ConvertError) as e:
         print(f"{rl_args.PROG}: error: {str(e).removeprefix('convert: ')}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -72,6 +72,16 @@ PYTHON_WARNINGS = (
                     "torch/distributed/checkpoint/logger.py, called by megatron/core/dist_checkpointing/strategies/torch.py"),
     UpstreamWarning(FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
                     "torch/distributed/_shard/sharded_tensor, built by megatron/core/dist_checkpointing/strategies/torch.py"),
+    # importing megatron.core.inference (the rollout engine's fallback, Megatron's own engine)
+    UpstreamWarning(DeprecationWarning, r"The following imports from `dynamic_context\.py` will be removed",
+                    "megatron/core/inference/contexts/__init__.py"),
+    # log_single_rank outside torch.distributed (a tool of one process, e.g. a scheduler built in a test)
+    UpstreamWarning(UserWarning, r"Could not determine rank from torch\.distributed",
+                    "megatron/core/_rank_utils.py"),
+    # building Megatron's parser: its --rl-* flags pass type=bool to argparse.BooleanOptionalAction,
+    # which Python 3.12's argparse.py deprecates
+    UpstreamWarning(DeprecationWarning, r"'type' is deprecated as of Python 3\.12",
+                    "megatron/training/arguments.py (_add_rl_args)"),
     # megatron-core's fused kernels are still torch.jit.script'ed
     UpstreamWarning(DeprecationWarning, r"`torch\.jit\.script",
                     "torch/jit/_script.py, called by megatron/core/fusions/*.py"),
