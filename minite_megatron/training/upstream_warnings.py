@@ -82,6 +82,12 @@ PYTHON_WARNINGS = (
     # which Python 3.12's argparse.py deprecates
     UpstreamWarning(DeprecationWarning, r"'type' is deprecated as of Python 3\.12",
                     "megatron/training/arguments.py (_add_rl_args)"),
+    # megatron-core's own spec builders (get_gpt_layer_local_spec, the MoE shared experts) build MLPs
+    # through ModuleSpec without ffn_hidden_size, and the parallel linears without tp_group
+    UpstreamWarning(DeprecationWarning, r"MLP requires ffn_hidden_size, but it was not provided",
+                    "megatron/core/transformer/mlp.py"),
+    UpstreamWarning(DeprecationWarning, r"Warning: tp_group is None, using default tp group",
+                    "megatron/core/tensor_parallel/layers.py"),
     # megatron-core's fused kernels are still torch.jit.script'ed
     UpstreamWarning(DeprecationWarning, r"`torch\.jit\.script",
                     "torch/jit/_script.py, called by megatron/core/fusions/*.py"),
