@@ -52,6 +52,43 @@ def prepare() -> bool:
     return active
 
 
+ARCHITECTURE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads")
+
+
+def checkpoint_args_flags(script_args: list[str]) -> list[str]:
+    """The flags that make ``--load DIR`` of a ``minite-convert hf-to-megatron`` checkpoint build the
+    model it holds, when the command names no architecture: Megatron's ``--use-checkpoint-args``
+    (the architecture from the ``args`` the converter stores) and, the converter storing no
+    tokenizer files, ``--no-use-tokenizer-model-from-checkpoint-args`` (the run's own tokenizer)."""
+    if "--load" not in script_args or "--use-checkpoint-args" in script_args:
+        return []
+    if any(a.split("=")[0] in ARCHITECTURE_FLAGS for a in script_args):
+        return []
+    i = script_args.index("--load")
+    load = script_args[i + 1] if i + 1 < len(script_args) else None
+    if load is None:
+        return []
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return []  # Megatron says what is wrong with --load
+    with open(tracker) as fh:
+        it = fh.read().strip()
+    ckpt = os.path.join(load, "release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else it)
+    try:
+        from megatron.core import dist_checkpointing
+
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+    except Exception:  # noqa: BLE001 - not ours to judge: Megatron's load reports it
+        return []
+    converted = isinstance(common, dict) and isinstance(common.get("hf_config"), dict)
+    if not converted:
+        return []
+    flags = ["--use-checkpoint-args"]
+    if "--use-tokenizer-model-from-checkpoint-args" not in script_args:
+        flags.append("--no-use-tokenizer-model-from-checkpoint-args")
+    return flags
+
+
 def main(argv: list[str] | None = None) -> None:
     upstream_warnings.install()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -67,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     from .training.megatron_wheel import ScheduleMismatch
 
     prepare()
-    sys.argv = [script, *script_args]
+    extra = checkpoint_args_flags(script_args)
+    if extra:
+        print(f"minite launch: --load {script_args[script_args.index('--load') + 1]} holds a minite-convert checkpoint "
+              f"and no architecture flag is given: adding {' '.join(extra)}", file=sys.stderr)
+    sys.argv = [script, *script_args, *extra]
     script_dir = os.path.dirname(os.path.abspath(script))
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # as `python SCRIPT` would (root scripts import siblings)

@@ -49,6 +49,14 @@ def _warnings(text: str) -> list[str]:
     return [line for line in text.splitlines() if WARNING.search(line)]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _one_error_line(stderr: str, prefix: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(prefix)]
@@ -66,6 +74,11 @@ def test_pytest_filters_the_same_upstream_warnings_as_the_entry_points():
     assert lines == upstream_warnings.pytest_filterwarnings()
     for w in upstream_warnings.PYTHON_WARNINGS:
         assert w.source.startswith(("megatron/", "torch/")), w  # each names the upstream file it silences
+        assert ":" not in w.message, w  # pytest's filter syntax splits on ':'
+    with pytest.warns(UserWarning, match="ours"):  # anything else still shows
+        import warnings
+
+        warnings.warn("ours: not an upstream note", UserWarning)
 
 
 def test_megatron_core_reports_its_own_version():
@@ -231,7 +244,7 @@ def test_the_rl_trainer_trains_from_a_converted_transformers_model_by_load_alone
     """``minite-convert hf-to-megatron`` of a transformers Qwen3-MoE, then ``train_grpo.py --load``
     with no model flag: the model is the checkpoint's (not the tiny preset: it was a shape
     mismatch), the run prints no warning, a rerun with the same --save resumes, and more --steps
-    names --override-opt-param-scheduler."""
+    names --override-opt-param-scheduler; the launcher with --load alone trains the same model."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -255,6 +268,18 @@ def test_the_rl_trainer_trains_from_a_converted_transformers_model_by_load_alone
     assert "loaded the weights of" in out and "1 RL steps" in out, out[-3000:]
     summary = json.loads((tmp_path / "log" / "summary.json").read_text())
     assert summary["model"]["hf_config"]["hidden_size"] == 128  # the checkpoint's model, not the preset's 64
+
+    # the launcher: --load alone (no architecture flag) builds the converted model too
+    launch = _run([sys.executable, "-m", "minite_megatron.launch", "examples/pretrain_gpt.py", "--transformer-impl",
+                   "minite", "--load", tmp_path / "ckpt", "--mock-data", "--seq-length", "16", "--micro-batch-size", "2",
+                   "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--attention-backend", "unfused",
+                   "--eval-iters", "0", "--eval-interval", "2", "--vocab-size", "128"], timeout=400,
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    assert "adding --use-checkpoint-args" in launch.stderr, launch.stderr[-3000:]
+    assert re.search(r"^ +hidden_size \.+ 128$", launch.stdout, re.M), launch.stdout[-3000:]  # the checkpoint's
+    assert re.search(r"iteration +\d+/ +2 \|.* lm loss", launch.stdout), launch.stdout[-3000:]
+    assert _warnings(launch.stderr) == [], launch.stderr[-3000:]
 
     more = _run([*rl, "--steps", "2"], timeout=400)  # no --load: resumes from --save
     assert more.returncode == 2, more.stderr[-3000:]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class UpstreamWarning:
-    """One Python warning: ``category`` whose message starts with ``message`` (a regex)."""
+    """One Python warning: ``category`` whose message starts with ``message`` (a regex without
+    ``:``, the field separator of pytest's and Python's ``-W`` filter syntax)."""
 
     category: type[Warning]
     message: str
@@ -86,7 +87,7 @@ PYTHON_WARNINGS = (
     # through ModuleSpec without ffn_hidden_size, and the parallel linears without tp_group
     UpstreamWarning(DeprecationWarning, r"MLP requires ffn_hidden_size, but it was not provided",
                     "megatron/core/transformer/mlp.py"),
-    UpstreamWarning(DeprecationWarning, r"Warning: tp_group is None, using default tp group",
+    UpstreamWarning(DeprecationWarning, r"Warning. tp_group is None, using default tp group",
                     "megatron/core/tensor_parallel/layers.py"),
     # megatron-core's fused kernels are still torch.jit.script'ed
     UpstreamWarning(DeprecationWarning, r"`torch\.jit\.script",
@@ -104,6 +105,9 @@ LOG_RECORDS = (
                       "megatron/core/rerun_state_machine.py"),
     UpstreamLogRecord("megatron.core.rerun_state_machine", r"Result validation enabled",
                       "megatron/core/rerun_state_machine.py"),
+    # --mock-data has no index cache to write
+    UpstreamLogRecord("megatron.core.datasets.gpt_dataset", r"Unable to save MockGPTDataset indexes because path_to_cache is None",
+                      "megatron/core/datasets/gpt_dataset.py"),
     # logged by dist_checkpointing's torch_dist save strategy on the first (synchronous) save too
     UpstreamLogRecord("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
                       "megatron/core/dist_checkpointing/strategies/torch.py"),
