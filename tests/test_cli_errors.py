@@ -10,7 +10,8 @@ iterations stopped with ``AssertionError: OptimizerParamScheduler ...`` naming n
 upstream warnings per run and 2,319 in the test log; ``megatron-core 0.19.2+<our sha>``.
 
 Subprocesses are few (CI has 2 cores): the main job twice (a few iterations, then resumed),
-a conversion, the RL trainer twice, the export and one launcher refusal; everything else runs in
+a conversion, the RL trainer twice, the launcher on the converted checkpoint, the export and
+megatron-to-hf of the main job's checkpoint, one launcher refusal; everything else runs in
 this process.
 """
 
@@ -181,11 +182,12 @@ def test_the_main_jobs_checkpoint_exports_and_converts_to_hf(main_job, tmp_path)
     assert "quantization_config" not in hf_config and hf_config["hidden_size"] == 64
 
     from minite_megatron.export import load_modelopt
-    from minite_megatron.convert import cli as convert_cli
 
     loaded = load_modelopt(out)
     assert loaded  # the export reads back (its bitwise round trip: tests/export)
-    assert convert_cli.main(["megatron-to-hf", "--load", str(ckpt), "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
+    hf = _run([sys.executable, "-m", "minite_megatron.convert", "megatron-to-hf", "--load", ckpt, "--out",
+               tmp_path / "hf", "--no-progress"], timeout=300)
+    assert hf.returncode == 0 and _warnings(hf.stderr) == [], hf.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
