@@ -17,7 +17,7 @@ Prints a table and appends one JSON line (device, versions, config, results).
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import datetime
 import json
 import os
@@ -108,7 +108,7 @@ def run_mode(preset, p, strict, device, dtype, backend, repeats, state=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(SAMPLING), default="qwen3-moe" if torch.cuda.is_available() else "tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16" if torch.cuda.is_available() else "fp32")

@@ -45,6 +45,7 @@ self-test on a CPU).
 from __future__ import annotations
 
 import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import json
 import os
 import shutil
@@ -517,7 +518,7 @@ def _short(detail: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.blackwell_bringup", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="python -m benchmarks.blackwell_bringup", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0", help="the device to run on (default cuda:0)")
     p.add_argument("--backend", default="blackwell", help="NVFP4 backend under test (default blackwell; "
                    "'reference' with --device cpu is the harness's self-test)")

@@ -15,7 +15,7 @@ Prints one table (ms per step, calls, mean us, mean grid) and returns the rows a
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import collections
 import gzip
 import json
@@ -126,7 +126,7 @@ def format_table(rows: list[dict], top: int) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="Chrome trace (.json or .json.gz) written with with_stack=True")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--depth", type=int, default=3, help="project frames per site, innermost first")

@@ -70,7 +70,7 @@ backend is chosen for the device).
 
 from __future__ import annotations
 
-import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import collections
 import gc
 import json
@@ -491,13 +491,13 @@ def main(argv=None):
 
 def _gate_specs(argv) -> list[str]:
     """The ``--gate`` values of ``argv`` (set before the benchmark's own imports and parsing)."""
-    ap = argparse.ArgumentParser(add_help=False)
+    ap = OneLineArgumentParser(add_help=False)
     add_gate_args(ap)
     return ap.parse_known_args(argv)[0].gate
 
 
 def _main(argv=None, gates=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=None,
                     help="a training.presets name or moe16 (default: qwen3-moe; tiny with --smoke)")
     ap.add_argument("--tokens", default="4096,16384", help="tokens per step, comma-separated")

@@ -42,6 +42,7 @@ appends one JSON line.
 from __future__ import annotations
 
 import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import os
 import statistics
 import sys
@@ -456,7 +457,7 @@ ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode.decode_gemm.ROLLED_DENS
 
 def main(argv=None):
     """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after."""
-    gate_ap = argparse.ArgumentParser(add_help=False)
+    gate_ap = OneLineArgumentParser(add_help=False)
     add_gate_args(gate_ap)
     gate_ap.add_argument("--rolled-dense-strict", action="store_true")
     known = gate_ap.parse_known_args(argv)[0]
@@ -465,7 +466,7 @@ def main(argv=None):
 
 
 def _main(argv=None, gates=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
     ap.add_argument("--engines", default="bf16,nvfp4,strict")

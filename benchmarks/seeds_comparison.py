@@ -37,6 +37,7 @@ nothing is estimated, a refused row has no numbers. The table is printed and one
 from __future__ import annotations
 
 import argparse
+from minite_megatron.training.cli import OneLineArgumentParser  # bad flags: one line, status 2
 import os
 import re
 import shlex
@@ -235,7 +236,7 @@ def parse_gap(out_dir: Path) -> dict:
 # Main
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.seeds_comparison", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="python -m benchmarks.seeds_comparison", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows, from {','.join(ROWS)}")
     p.add_argument("--nproc", type=int, default=8, help="GPUs per training run (default 8: EP=8 in the config)")
     p.add_argument("--layers", type=int, default=48, help="transformer layers (default 48, the full model)")

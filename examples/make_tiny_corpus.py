@@ -63,6 +63,9 @@ def documents(n: int, seed: int):
 
 def write_corpus(prefix: str, n_documents: int = 20000, seed: int = 0) -> tuple[int, int]:
     """Write ``prefix.bin``/``prefix.idx``; returns (documents, tokens incl. EOD)."""
+    from minite_megatron.training import upstream_warnings
+
+    upstream_warnings.install()  # megatron-core's import-time notes about apex / TE, named there
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)

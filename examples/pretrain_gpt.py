@@ -46,6 +46,9 @@ def add_example_args(parser):
     group = parser.add_argument_group("examples/pretrain_gpt.py")
     group.add_argument("--progress-bar", action="store_true", help="tqdm progress bar with the loss")
     group.add_argument("--loss-log", type=str, default=None, help="append one JSON line per iteration")
+    # a default, not Megatron's args_defaults (which warns "Overriding default arguments" whenever the
+    # flag is given too)
+    parser.set_defaults(tokenizer_type="NullTokenizer")
     return parser
 
 
@@ -130,9 +133,7 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def main():
-    args = arguments.parse_and_validate_args(
-        extra_args_provider=add_example_args, args_defaults={"tokenizer_type": "NullTokenizer"}
-    )
+    args = arguments.parse_and_validate_args(extra_args_provider=add_example_args)
     if args.progress_bar or args.loss_log:
         progress.install(bar=args.progress_bar, loss_log=args.loss_log)
     model_config = argument_utils.gpt_config_from_args(args)

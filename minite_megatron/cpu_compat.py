@@ -510,7 +510,9 @@ def activate() -> bool:
         _active = True
         version = _megatron_version()
         note = "" if version.startswith(CHECKED_MEGATRON_CORE) else f" (checked against {CHECKED_MEGATRON_CORE}!)"
-        logger.warning(
+        # a warning only when megatron-core is a version the redirect table was not checked against
+        logger.log(
+            logging.WARNING if note else logging.INFO,
             "minite cpu_compat: no CUDA GPU; running megatron-core %s on CPU: %d CUDA uses redirected, "
             "CUDA device arguments mapped to CPU, %d torch.compile fusions run eagerly%s",
             version,

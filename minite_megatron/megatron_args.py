@@ -68,6 +68,7 @@ def add_minite_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     from . import cpu_compat
     from .recipe import add_recipe_args
 
+    parser.error = _one_line_error  # argparse would print Megatron's whole usage (~740 lines) first
     impl = _find_action(parser, "--transformer-impl")
     if impl.choices is not None and MINITE not in impl.choices:
         impl.choices = [*impl.choices, MINITE]
@@ -75,7 +76,19 @@ def add_minite_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         add_recipe_args(parser)
     if cpu_compat.is_active():
         parser.set_defaults(distributed_backend="gloo")
+    if importlib.util.find_spec("one_logger") is None:
+        # megatron/training/global_vars.py prints "WARNING: one_logger package is required ..." on every
+        # run when the package (not on the public registry) is missing; Megatron's --no-one-logger
+        parser.set_defaults(enable_one_logger=False)
     return parser
+
+
+def _one_line_error(message: str):
+    """``ArgumentParser.error`` without the usage text: one line, status 2 (argparse's status)."""
+    import sys
+
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -253,7 +266,7 @@ def _turn_off_missing_extensions(args: argparse.Namespace) -> None:
     }
     for dest, flag, needs in _EXTENSION_DEFAULTS:
         if getattr(args, dest, False) and not available[dest]():
-            logger.warning("minite: %s is not installed; turning off %s (same as %s)", needs, dest, flag)
+            logger.info("minite: %s is not installed; turning off %s (same as %s)", needs, dest, flag)
             setattr(args, dest, False)
 
 

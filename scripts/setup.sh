@@ -35,6 +35,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[test,cutlass]'
-.venv/bin/python -c 'import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'
+# upstream_warnings: no import-time notes of megatron-core, and its own version (not + this repository's git HEAD)
+.venv/bin/python -c 'from minite_megatron.training import upstream_warnings; upstream_warnings.install()
+import torch, megatron.core, minite_megatron; print(f"setup.sh: ok: torch {torch.__version__}, megatron-core {megatron.core.__version__}, minite_megatron {minite_megatron.__version__}")'
 # The second test environment with the real vLLM for tests/serving (docs/serving.md); MINITE_SKIP_VLLM=1 skips it.
 [ "${MINITE_SKIP_VLLM:-0}" = 1 ] || scripts/setup_vllm_env.sh
+echo "setup.sh: done; the README's python / torchrun / minite-* commands run after: source .venv/bin/activate"

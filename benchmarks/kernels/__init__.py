@@ -47,6 +47,7 @@ import argparse
 import importlib
 import os
 import sys
+from minite_megatron.training.cli import OneLineArgumentParser
 
 #: where every family appends its JSON line (and where the recorded history lives)
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
@@ -88,8 +89,9 @@ def plan(sections: list[str]) -> list[tuple[str, list[str]]]:
     """``[(family, its sections)]`` in the order the families first appear in ``sections``."""
     unknown = [s for s in sections if s not in FAMILY_OF]
     if unknown:
-        raise SystemExit(f"benchmarks.kernels: --sections: unknown {', '.join(unknown)} "
-                         f"(known: {', '.join(FAMILY_OF)})")
+        print(f"python -m benchmarks.kernels: error: --sections: unknown {', '.join(unknown)} "
+              f"(known: {', '.join(FAMILY_OF)})", file=sys.stderr)
+        raise SystemExit(2)
     out: dict[str, list[str]] = {}
     for s in sections:
         out.setdefault(FAMILY_OF[s], [])
@@ -101,7 +103,7 @@ def plan(sections: list[str]) -> list[tuple[str, list[str]]]:
 def main(argv=None) -> dict:
     """Run the sections; returns ``{family: its record}`` (the JSON line each family saved)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = argparse.ArgumentParser(prog="python -m benchmarks.kernels", add_help=False)
+    top = OneLineArgumentParser(prog="python -m benchmarks.kernels", add_help=False)
     top.add_argument("--sections", default=",".join(DEFAULT))
     top.add_argument("--list", action="store_true")
     top.add_argument("-h", "--help", action="store_true")
@@ -119,8 +121,8 @@ def main(argv=None) -> dict:
     parsed = {fam: _family(fam).parser().parse_known_args(rest)[1] for fam, _ in families}
     nobody = set.intersection(*(_option_tokens(u) for u in parsed.values())) if parsed else set()
     if nobody:
-        raise SystemExit(f"benchmarks.kernels: {', '.join(sorted(nobody))}: no option of the sections "
-                         f"{args.sections} (python -m benchmarks.kernels --help lists each family's)")
+        top.error(f"{', '.join(sorted(nobody))}: no option of the sections {args.sections} "
+                  f"(python -m benchmarks.kernels --help lists each family's)")
     records = {}
     for fam, secs in families:
         module = _family(fam)

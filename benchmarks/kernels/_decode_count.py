@@ -32,6 +32,7 @@ import subprocess
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from minite_megatron.training.cli import OneLineArgumentParser
 
 NOT_KERNELS = {
     "view", "_unsafe_view", "reshape", "_reshape_alias", "slice", "select", "permute", "transpose", "t", "expand",
@@ -44,7 +45,7 @@ NOT_KERNELS = {
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--strict", action="store_true")
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--unfused", action="store_true", help="no fused decode kernels (the learner's modules only)")

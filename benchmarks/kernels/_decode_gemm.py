@@ -36,6 +36,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -558,7 +559,7 @@ SECTIONS = ("decode_sweep", "decode_dense", "decode_grouped", "decode_grouped_sw
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--decode-m", default="1,2,4,8,16,32,64", help="rows of the dense decode sections")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")

@@ -26,6 +26,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -85,7 +86,7 @@ def profile_engine(name, model, preset, args) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     gpu = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
     ap.add_argument("--engines", default="nvfp4,bf16")
     ap.add_argument("--batch", type=int, default=8)

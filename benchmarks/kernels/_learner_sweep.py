@@ -36,6 +36,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import bench, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -249,7 +250,7 @@ SECTIONS = ("sweep_tile_quantize", "sweep_wgrad", "sweep_grouped", "sweep_rows",
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--sections", default="sweep_tile_quantize,sweep_wgrad,sweep_grouped,sweep_rows,sweep_cols")
     ap.add_argument("--rows", type=int, default=ROWS, help="routed rows (tokens x top-k)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))

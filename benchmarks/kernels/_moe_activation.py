@@ -30,6 +30,7 @@ import torch
 
 from . import RESULTS_ANCHOR, command
 from .._timing import add_output_args, bench, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -102,7 +103,7 @@ def run_case(name, rows, f):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     add_output_args(ap, RESULTS_ANCHOR)
     return ap
 

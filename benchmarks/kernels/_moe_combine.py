@@ -28,6 +28,7 @@ import torch
 
 from . import RESULTS_ANCHOR, command
 from .._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -100,7 +101,7 @@ def run(tokens: int, experts: int, topk: int, hidden: int, device) -> list[dict]
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--topk", type=int, default=8)

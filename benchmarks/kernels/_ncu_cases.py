@@ -17,6 +17,7 @@ import argparse
 import torch
 
 from .._timing import ensure_minite_kernels
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -59,7 +60,7 @@ CASES = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--ncu-cases", default="", help=f"comma-separated, from {', '.join(CASES)}")
     p.add_argument("--reps", type=int, default=4)
     return p

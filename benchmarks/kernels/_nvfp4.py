@@ -32,6 +32,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import Rotating, bench, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -488,7 +489,7 @@ SECTIONS = ("ceilings", "quantize", "bitwise", "gemm_sweep", "gemm", "linear", "
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--tokens", default="8192,16384,32768", help="token counts of the gemm/linear sections")
     p.add_argument("--grouped-tokens", default="8192", help="tokens before top-8 routing")

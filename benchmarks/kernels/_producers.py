@@ -25,6 +25,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -121,7 +122,7 @@ def run_case(name, kind, rows, width, copy_gbps):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")

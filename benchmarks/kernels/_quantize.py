@@ -26,6 +26,7 @@ import torch
 
 from . import RESULTS, command
 from .._timing import bench, copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
@@ -188,7 +189,7 @@ SECTIONS = ("quantize_paths", "quantize_tiles")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth ceiling (default: measure)")
     p.add_argument("--warm-only", action="store_true", help="compile and run every variant once, time nothing")

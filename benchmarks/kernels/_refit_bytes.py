@@ -1,5 +1,6 @@
 """Bytes moved per refit (the RL loop's weight sync into vLLM), NVFP4 vs a BF16 learner: computed
 from the shapes, not timed.
+from minite_megatron.training.cli import OneLineArgumentParser
 
     python -m benchmarks.kernels --sections refit_bytes                          # qwen3-moe preset + Qwen3-30B-A3B
     python -m benchmarks.kernels --sections refit_bytes --json-dir benchmarks/results   # and its JSON line
@@ -46,7 +47,7 @@ def models() -> dict[str, tuple[dict, int]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     ap.add_argument("--json-dir", default=RESULTS)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
     return ap

@@ -5,26 +5,42 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import re
+
+PROG = "train_grpo.py"
+
+
+class UsageError(ValueError):
+    """A flag, file or value this script refuses; ``train_grpo.py`` prints the message as one line
+    (``train_grpo.py: error: ...``) and exits with status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="train_grpo.py", description="GRPO / DAPO on Megatron-Core with the NVFP4 learner and rollout engine",
+    from minite_megatron.training.cli import OneLineArgumentParser  # one line, status 2, no usage text
+
+    p = OneLineArgumentParser(
+        prog=PROG, description="GRPO / DAPO on Megatron-Core with the NVFP4 learner and rollout engine",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--preset", default="tiny", help="fresh model of minite_megatron.training.presets (tiny, qwen3-moe)")
+    m.add_argument("--preset", default=None,
+                   help="fresh model of minite_megatron.training.presets (tiny, qwen3-moe); default tiny, or with "
+                        "--load the model the checkpoint holds")
     m.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     m.add_argument("--hidden-size", type=int, default=None, help="override the preset's hidden size (head dim follows)")
     m.add_argument("--num-experts", type=int, default=None, help="override the preset's routed expert count")
     m.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="override the preset's expert FFN size")
     m.add_argument("--hf-checkpoint", default=None, help="start from a Hugging Face Qwen3 / Qwen3-MoE directory")
     m.add_argument("--load", default=None, help="Megatron checkpoint: an RL run of this script resumes exactly; "
-                   "any other torch_dist checkpoint gives the starting weights")
+                   "any other torch_dist checkpoint (minite-convert hf-to-megatron, pretrain_gpt.py) gives the model "
+                   "(its shapes read from the checkpoint) and its starting weights")
     m.add_argument("--finetune", action="store_true",
                    help="with --load: take the weights only and start a new run (Megatron's --finetune)")
-    m.add_argument("--save", default=None, help="checkpoint directory (Megatron dist_checkpointing, torch_dist)")
+    m.add_argument("--save", default=None, help="checkpoint directory (Megatron dist_checkpointing, torch_dist); a "
+                   "rerun with the same --save (and no --load) resumes from its latest checkpoint")
+    m.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler", action="store_true",
+                   help="with --load: the LR schedule of this run's flags (e.g. more --steps), not the checkpoint's "
+                        "(Megatron's --override-opt_param-scheduler)")
     m.add_argument("--save-interval", type=int, default=0, help="save every N RL steps (0: only at the end)")
     m.add_argument("--params-dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: BF16 on a GPU, FP32 on the CPU")
@@ -97,6 +113,19 @@ def _fail(parser: argparse.ArgumentParser, msg: str):
     parser.error(msg)
 
 
+def _this_scripts_flags(message: str) -> str:
+    """A recipe error in this script's terms: ``--minite-strict`` is ``--strict`` here, every other
+    field is a key of the ``--recipe`` file."""
+    message = re.sub(r"recipe field (\w+) \(--minite-[\w-]+\)", r'recipe field "\1"', message)
+    own = {"strict": "--strict", "backend": "--backend"}
+
+    def flag(m):
+        name = m.group(1).replace("-", "_")
+        return own.get(name, f'"{name}"')
+
+    return re.sub(r"--minite-([\w-]+)", flag, message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check the flags; a bad combination exits with one line naming the flag."""
     parser = build_parser()
@@ -107,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     overrides = [f for f in ("num_layers", "hidden_size", "num_experts", "moe_ffn_hidden_size") if getattr(args, f)]
     if args.hf_checkpoint and overrides:
         _fail(parser, f"--{overrides[0].replace('_', '-')} applies to --preset models, not to --hf-checkpoint")
+    if args.hf_checkpoint and args.preset:
+        _fail(parser, "--preset and --hf-checkpoint both name the model: pass one")
     for name in ("steps", "rollout_batch_size", "ppo_epochs", "mini_batch_size", "micro_batch_size", "sft_batch_size"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             _fail(parser, f"--{name.replace('_', '-')} must be >= {0 if name == 'steps' else 1}")
@@ -138,20 +169,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_recipe(args):
     """The :class:`~minite_megatron.recipe.Recipe` of ``--recipe`` / ``--strict`` / ``--backend`` /
-    ``--no-quant``; raises RecipeError (naming the field) for a bad file."""
-    from minite_megatron.recipe import Recipe
+    ``--no-quant``; raises :class:`UsageError` naming the file, the field and this script's flag
+    (a missing, empty or corrupt file, a wrongly typed field, an invalid combination)."""
+    from minite_megatron.recipe import Recipe, RecipeError, check_fields, read_recipe_file
 
     values = {}
-    if args.recipe:
-        with open(args.recipe) as fh:
-            values = json.load(fh)
-        if not isinstance(values, dict):
-            raise ValueError(f"--recipe {args.recipe}: expected a JSON object of Recipe fields")
+    try:
+        if args.recipe:
+            values = read_recipe_file(args.recipe)
+            check_fields(values)
+    except RecipeError as e:
+        raise UsageError(_this_scripts_flags(str(e).replace(f"--minite-recipe {args.recipe}", f"--recipe {args.recipe}")
+                                             if str(e).startswith("--minite-recipe") else
+                                             f"--recipe {args.recipe}: {_this_scripts_flags(str(e))}")) from None
     if args.strict:
         values["strict"] = True
     if args.backend:
         values["backend"] = args.backend
-    recipe = Recipe.from_dict(values)
+    try:
+        recipe = Recipe.from_dict(values)
+    except RecipeError as e:
+        where = f"--recipe {args.recipe}" if args.recipe else "recipe"
+        raise UsageError(f"{where}: {_this_scripts_flags(str(e))}") from None
     return bf16_recipe(recipe) if args.no_quant else recipe
 
 

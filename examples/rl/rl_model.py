@@ -12,6 +12,7 @@ import os
 import socket
 
 import torch
+from rl_args import UsageError
 
 
 def init_distributed(tp: int, ep: int, seed: int) -> torch.device:
@@ -38,9 +39,9 @@ def init_distributed(tp: int, ep: int, seed: int) -> torch.device:
                                     world_size=1)
     world = dist.get_world_size()
     if world % tp:
-        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}")
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}")
     if world % ep:
-        raise ValueError(f"--expert-model-parallel-size {ep} does not divide the world size {world}")
+        raise UsageError(f"--expert-model-parallel-size {ep} does not divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
@@ -65,24 +66,45 @@ def params_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def model_architecture(args, vocab_size: int, max_seq: int) -> dict:
-    """What identifies the model's shapes (stored in checkpoints and checked on ``--load``)."""
+def model_architecture(args, vocab_size: int, max_seq: int, loaded: dict | None = None) -> dict:
+    """What identifies the model's shapes (stored in checkpoints and checked on ``--load``).
+
+    ``loaded``: :func:`rl_checkpoint.inspect` of ``--load``, used when no flag names the model: an
+    RL run's own architecture, or the HF config that ``minite-convert hf-to-megatron`` stores."""
+    explicit = args.hf_checkpoint or args.preset or any(
+        getattr(args, f) for f in ("num_layers", "hidden_size", "num_experts", "moe_ffn_hidden_size"))
+    if loaded is not None and not explicit:
+        if loaded.get("rl_state") is not None:
+            return dict(loaded["rl_state"]["arch"])
+        if loaded.get("hf_config") is not None:
+            return {"hf_config": loaded["hf_config"], "vocab_divisible_by": loaded["vocab_divisible_by"],
+                    "max_seq": max_seq}
+        # any other checkpoint (e.g. pretrain_gpt.py's) names no model this script builds: the preset's
+        # shapes, checked against the checkpoint's when its weights load
     if args.hf_checkpoint:
+        from minite_megatron.convert import ConvertError
+        from minite_megatron.convert.hf_config import check_hf_config, read_hf_config
+
+        try:  # its config.json, before any process group or model exists
+            check_hf_config(read_hf_config(args.hf_checkpoint))
+        except ConvertError as e:
+            raise UsageError(f"--hf-checkpoint {args.hf_checkpoint}: {str(e).removeprefix('convert: ')}") from None
         return {"hf_checkpoint": os.path.abspath(args.hf_checkpoint), "max_seq": max_seq}
     from minite_megatron.training.presets import PRESETS
 
+    args.preset = args.preset or "tiny"
     if args.preset not in PRESETS:
-        raise ValueError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+        raise UsageError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
     arch = dict(PRESETS[args.preset], vocab=vocab_size)
     if args.num_layers:
         arch["layers"] = int(args.num_layers)
     if args.hidden_size:
         if args.hidden_size % (16 * arch["heads"]):
-            raise ValueError(f"--hidden-size {args.hidden_size}: must be a multiple of 16 x {arch['heads']} heads")
+            raise UsageError(f"--hidden-size {args.hidden_size}: must be a multiple of 16 x {arch['heads']} heads")
         arch["hidden"], arch["head_dim"] = int(args.hidden_size), int(args.hidden_size) // arch["heads"]
     if args.num_experts:
         if args.num_experts < arch["topk"]:
-            raise ValueError(f"--num-experts {args.num_experts}: fewer than the router's top-{arch['topk']}")
+            raise UsageError(f"--num-experts {args.num_experts}: fewer than the router's top-{arch['topk']}")
         arch["experts"] = int(args.num_experts)
     if args.moe_ffn_hidden_size:
         arch["moe_ffn"] = int(args.moe_ffn_hidden_size)
@@ -91,15 +113,18 @@ def model_architecture(args, vocab_size: int, max_seq: int) -> dict:
 
 def build_policy_model(args, arch: dict, recipe, device: torch.device, dtype: torch.dtype, seed: int):
     """A ``GPTModel`` on the minite specs: from ``--hf-checkpoint`` (weights loaded, this rank's
-    shard) or a fresh model of ``--preset`` (weights from ``seed``)."""
-    if args.hf_checkpoint:
+    shard), of the HF config a converted checkpoint holds, or a fresh model of ``--preset`` or of
+    a Megatron checkpoint's shapes (weights from ``seed``; ``--load`` then loads them)."""
+    if "hf_config" in arch:
+        return _gpt_of_hf_config(arch, recipe, device, dtype, args.tp, args.ep)
+    if "hf_checkpoint" in arch:
         try:
             from minite_megatron.convert.hf import build_gpt_from_hf
         except ImportError as e:
             raise RuntimeError(f"--hf-checkpoint needs minite_megatron.convert.hf (the HF importer): {e}") from e
         from minite_megatron.model import finalize_gpt_model
 
-        model = build_gpt_from_hf(args.hf_checkpoint, recipe=recipe, impl="minite", device=device, dtype=dtype,
+        model = build_gpt_from_hf(arch["hf_checkpoint"], recipe=recipe, impl="minite", device=device, dtype=dtype,
                                   max_sequence_length=arch["max_seq"])
         return finalize_gpt_model(model, recipe)
     from minite_megatron.training.presets import build_gpt
@@ -109,6 +134,26 @@ def build_policy_model(args, arch: dict, recipe, device: torch.device, dtype: to
                      **parallel_overrides(args.tp, args.ep))
 
 
+def _gpt_of_hf_config(arch: dict, recipe, device, dtype, tp: int, ep: int):
+    """The model of a converted checkpoint's HF config, on the minite specs, without its weights
+    (``--load`` reads them): the shapes ``minite-convert hf-to-megatron`` wrote, vocab padding included."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from minite_megatron.convert.hf_config import transformer_config_from_hf
+    from minite_megatron.model import finalize_gpt_model
+    from minite_megatron.specs import get_gpt_decoder_block_minite_spec
+
+    config, model_kwargs = transformer_config_from_hf(
+        arch["hf_config"], params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
+        make_vocab_size_divisible_by=arch["vocab_divisible_by"], max_sequence_length=arch["max_seq"],
+        **parallel_overrides(tp, ep))
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_decoder_block_minite_spec(config, recipe),
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(), **model_kwargs)
+    finalize_gpt_model(model, recipe)
+    return model.to(device=device)
+
+
 def check_rollout_layout(model, tp: int, ep: int) -> None:
     """Megatron's static inference engine refuses sequence parallelism unless both TP and EP are > 1
     (``TextGenerationController``); say so before any work is done."""
@@ -116,7 +161,7 @@ def check_rollout_layout(model, tp: int, ep: int) -> None:
 
     config = get_attr_wrapped_model(model, "config")
     if tp > 1 and ep == 1 and config.num_moe_experts:
-        raise ValueError(
+        raise UsageError(
             f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size 1 on an MoE model: Megatron's "
             "static inference engine (the rollouts) supports sequence parallelism only with EP > 1 too; add --ep"
         )

@@ -3,7 +3,9 @@
     python examples/rl/train_grpo.py                              # tiny Qwen3-MoE-shaped model, CPU or GPU
     python examples/rl/train_grpo.py --strict                     # learner == rollout log-probs, bitwise
     python examples/rl/train_grpo.py --hf-checkpoint DIR          # start from a Hugging Face Qwen3(-MoE)
-    python examples/rl/train_grpo.py --save ckpt --save-interval 5 ; ... --load ckpt   # exact resume
+    python examples/rl/train_grpo.py --save ckpt --save-interval 5   # a rerun resumes from ckpt, exactly
+    python examples/rl/train_grpo.py --load ckpt --steps 40 --override-opt-param-scheduler  # train on
+    python examples/rl/train_grpo.py --load ckpt/converted           # a minite-convert checkpoint: its model
     torchrun --nproc-per-node 2 examples/rl/train_grpo.py --ep 2  # data + expert parallel (gloo on CPU)
 
 What one step does (verl / slime vocabulary):
@@ -27,6 +29,9 @@ What one step does (verl / slime vocabulary):
 
 A supervised warm-up (``--sft-steps``) on correct answers first brings the fresh model to a
 policy that is neither hopeless nor saturated, so RL has something to improve.
+
+Bad input (a flag, a ``--recipe`` file, a ``--load`` directory) prints one line,
+``train_grpo.py: error: ...``, and exits with status 2.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, "..", ".."))
+
+from minite_megatron.training import upstream_warnings  # noqa: E402
+
+# before torch and megatron are imported; here (not in main) so that the worker processes
+# multiprocessing spawns, which import this file, filter them too
+upstream_warnings.install()
 
 import torch  # noqa: E402
 
@@ -61,9 +72,32 @@ def main(argv=None) -> dict:
     import rl_model
     from rl_task import AdditionTask
 
+    # every check of the flags and files before any process group, model or log line
+    try:
+        task = AdditionTask(args.digits, reverse=not args.no_reverse, partial_credit=args.partial_credit,
+                            eval_size=args.eval_size)
+    except ValueError as e:  # names the flag (--digits)
+        raise rl_args.UsageError(str(e)) from None
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.answer_length
+    recipe = rl_args.build_recipe(args)
+    max_seq = task.prompt_length + args.max_new_tokens
+    vocab = max(16, -(-task.tokenizer.vocab_size // 16) * 16)  # a multiple of 16 (TP splits of the LM head)
+    if args.load is None and args.save and rl_checkpoint.checkpoint_dir(args.save) is not None:
+        args.load = args.save  # Megatron's resume: a rerun with the same --save continues from its latest checkpoint
+    loaded = rl_checkpoint.inspect(args.load) if args.load else None
+    arch = rl_model.model_architecture(args, vocab, max_seq, loaded)
+    if arch.get("max_seq") != max_seq:
+        raise rl_args.UsageError(f"--load {args.load}: the checkpoint's run has sequences of {arch.get('max_seq')} "
+                                 f"tokens, this run's task needs {max_seq} (--digits / --max-new-tokens differ)")
+
     device = rl_model.init_distributed(args.tp, args.ep, args.seed)
     from megatron.core import parallel_state as ps
     from tqdm import tqdm
+
+    from minite_megatron.training import megatron_wheel
+
+    megatron_wheel.apply()  # a checkpoint's LR schedule that differs from the flags' names the flag
 
     from minite_megatron.diagnostics import GapMonitor
     from minite_megatron.rl import MetricSums, rollout_metrics
@@ -73,20 +107,11 @@ def main(argv=None) -> dict:
     for name, n in (("--rollout-batch-size", args.rollout_batch_size), ("--mini-batch-size", args.mini_batch_size),
                     ("--sft-batch-size", args.sft_batch_size)):
         if n % dp_size:
-            raise ValueError(f"{name} {n} is not a multiple of the data-parallel size {dp_size}")
+            raise rl_args.UsageError(f"{name} {n} is not a multiple of the data-parallel size {dp_size}")
     args.lockstep_rollouts = args.ep > 1  # EP ranks all-to-all in every forward: same step count everywhere
-
-    task = AdditionTask(args.digits, reverse=not args.no_reverse, partial_credit=args.partial_credit,
-                        eval_size=args.eval_size)
     if args.eval_size % dp_size and args.lockstep_rollouts:
-        raise ValueError(f"--eval-size {args.eval_size} must be a multiple of the data-parallel size with --ep > 1")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = task.answer_length
-    recipe = rl_args.build_recipe(args)
+        raise rl_args.UsageError(f"--eval-size {args.eval_size} must be a multiple of the data-parallel size with --ep > 1")
     dtype = rl_model.params_dtype(args.params_dtype, device)
-    max_seq = task.prompt_length + args.max_new_tokens
-    vocab = max(16, -(-task.tokenizer.vocab_size // 16) * 16)  # a multiple of 16 (TP splits of the LM head)
-    arch = rl_model.model_architecture(args, vocab, max_seq)
 
     logging_rank = _is_logging_rank()
     log = rl_logging.RunLog(args.log_dir, enabled=logging_rank, tensorboard=not args.no_tensorboard, console=None)
@@ -108,7 +133,7 @@ def main(argv=None) -> dict:
 
     rl_state = None
     if args.load:
-        rl_state = rl_checkpoint.read_rl_state(args.load)
+        rl_state = loaded["rl_state"]
         if rl_state is None or args.finetune:
             rl_checkpoint.load_weights(args.load, model)
             why = "--finetune" if rl_state is not None else "not an RL checkpoint of this script"
@@ -165,7 +190,8 @@ def main(argv=None) -> dict:
     start = 0
     if rl_state is not None:
         rl_state = rl_checkpoint.load(args.load, model=model, optimizer=optimizer, scheduler=scheduler,
-                                      ref_model=ref_model, expect=expect)
+                                      ref_model=ref_model, expect=expect,
+                                      override_scheduler=args.override_opt_param_scheduler)
         start = int(rl_state["step"])
         say(f"resumed {args.load} at RL step {start}")
     if args.load:
@@ -256,7 +282,10 @@ def main(argv=None) -> dict:
             except (KeyboardInterrupt, Exception) as e:  # noqa: BLE001 - the summary matters more
                 say(f"no final held-out evaluation ({type(e).__name__})")
     bar.close()
-    if args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
+    if start and args.steps <= start:
+        say(f"{args.load} is at RL step {start} of --steps {args.steps}: nothing to train (more --steps with "
+            "--override-opt-param-scheduler trains on)")
+    elif args.save and args.steps == start:  # nothing trained in the loop (e.g. --steps 0 after an SFT warm-up)
         rl_checkpoint.save(args.save, start, model=model, optimizer=optimizer, scheduler=scheduler,
                            ref_model=ref_model, rl_state={**expect, "has_ref_model": ref_model is not None})
         say(f"saved {args.save} at RL step {start}")
@@ -316,9 +345,20 @@ def _finish(args, history, sft_records, *, model_info, strict, device, argv, t_s
             say(f"curves: {png}")
 
 
+def _run_cli(argv=None) -> None:
+    """``main()``, with this script's refusals (and the converter's, the recipe's) as one line, status 2."""
+    from minite_megatron.convert.errors import ConvertError
+
+    try:
+        main(argv)
+    except (rl_args.UsageError, ConvertError) as e:
+        print(f"{rl_args.PROG}: error: {str(e).removeprefix('convert: ')}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
     try:
-        main()
+        _run_cli()
     finally:
         import torch.distributed as dist
 

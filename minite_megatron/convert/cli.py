@@ -5,6 +5,7 @@
     minite-convert hf-to-megatron --hf-dir Qwen3-30B-A3B --out ckpt/qwen3-30b-a3b        # then --load ckpt/...
     torchrun --nproc-per-node 8 -m minite_megatron.convert hf-to-megatron --hf-dir ... --out ... --tp 2 --ep 4
     minite-convert megatron-to-hf --load runs/rl/checkpoints --hf-config Qwen3-30B-A3B --out hf-out
+    minite-convert megatron-to-hf --load runs/tiny_moe/checkpoints --out hf-out   # the HF config from its args
 
 ``hf-to-megatron`` writes a release checkpoint that ``megatron.training``
 loads with ``--load DIR`` or ``--pretrained-checkpoint DIR --finetune``. Megatron re-shards a
@@ -23,15 +24,20 @@ import argparse
 import os
 import sys
 
-import torch
+from ..training import upstream_warnings
 
-from .errors import ConvertError
+upstream_warnings.install()  # at import: also in the worker processes that multiprocessing spawns
+
+import torch  # noqa: E402
+
+from ..training.cli import OneLineArgumentParser  # noqa: E402
+from .errors import ConvertError  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minite-convert", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="minite-convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-megatron", help="HF checkpoint -> Megatron torch_dist checkpoint (release)")
     a.add_argument("--hf-dir", required=True, help="config.json + safetensors (sharded with the index)")
@@ -50,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--load", required=True, help="a --save directory (its tracker file) or a checkpoint directory")
     b.add_argument("--iteration", default=None, help="an iteration number or 'release' (default: the tracker's)")
     b.add_argument("--hf-config", default=None,
-                   help="HF config.json or checkpoint directory (default: the one hf-to-megatron stored)")
+                   help="HF config.json or checkpoint directory (default: the one hf-to-megatron stored, or the "
+                        "one of the model a megatron.training checkpoint's args describe)")
     b.add_argument("--out", required=True, help="the HF output directory")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     b.add_argument("--max-shard-size", default="5GB", help="per safetensors file, e.g. 5GB, 500MB")
@@ -119,14 +126,18 @@ def megatron_to_hf(args) -> None:
     from .megatron_checkpoint import find_torch_dist, stored_hf_config
     from .save import write_hf_from_torch_dist
 
-    ckpt = find_torch_dist(args.load, args.iteration)
+    try:
+        ckpt = find_torch_dist(args.load, args.iteration)
+    except ConvertError as e:
+        raise ConvertError(f"--load {args.load}: {str(e).removeprefix('convert: ')}") from None
     from ..training.presets import init_single_process
 
     init_single_process(seed=None)
     cfg = args.hf_config if args.hf_config is not None else stored_hf_config(ckpt)
-    if cfg is None:
-        raise ConvertError(f"convert: {ckpt} holds no HF config (it was not written by minite-convert); pass "
-                           "--hf-config with the original HF checkpoint directory")
+    if cfg is None:  # a megatron.training run (e.g. a preset's): the HF config of the model its args describe
+        from .megatron_model import model_from_checkpoint
+
+        _, cfg, _, _ = model_from_checkpoint(args.load, iteration=args.iteration)
     names = write_hf_from_torch_dist(ckpt, args.out, cfg, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
                                      progress=False if args.no_progress else None)
     print(f"minite-convert: wrote {args.out} ({len(names)} safetensors file(s), {args.dtype}) from {ckpt}")

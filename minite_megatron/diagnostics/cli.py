@@ -28,7 +28,12 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
+from ..training import upstream_warnings
+from ..training.cli import OneLineArgumentParser
+
+upstream_warnings.install()  # megatron-core's import-time notes (named there); before torch and megatron
+
+import torch  # noqa: E402
 
 from .metrics import DEFAULT_THRESHOLDS, gap_metrics, position_curves
 
@@ -152,7 +157,7 @@ register_subcommand("compare", "compare two traces and write a divergence report
 def build_parser() -> argparse.ArgumentParser:
     for mod in PLUGIN_MODULES:
         importlib.import_module(mod)
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="minite-diagnose", description="miniTE learner/rollout diagnostics: gap metrics and divergence tracing."
     )
     sub = parser.add_subparsers(dest="command", required=True)

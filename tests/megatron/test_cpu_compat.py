@@ -19,7 +19,7 @@ def active(caplog):
     """The layer active during the test; afterwards as it was before (other test modules in this
     process may have activated it and rely on it staying active)."""
     was_active = cpu_compat.is_active()
-    caplog.set_level(logging.WARNING, logger="minite_megatron.cpu_compat")
+    caplog.set_level(logging.INFO, logger="minite_megatron.cpu_compat")
     if was_active:  # re-activate so that the activation line is logged inside this test
         cpu_compat.deactivate()
     assert cpu_compat.activate() is True
