@@ -11,8 +11,10 @@ Run through ``python -m benchmarks.rollout --preset qwen3-30b-a3b`` (or directly
    the RL-shaped run: ``--rl-prompts x --rl-samples`` sequences, up to ``--rl-new`` new tokens,
    rollout tokens/s (wall clock, prefill included).
 2. **strict**: the same timings at batch 1 and 8 and the gap (must be exactly 0).
-3. **bf16** (the project's BF16 engine: Megatron's local spec, 61 GB of weights): only where
-   free memory holds it (else a row saying it does not fit).
+3. **bf16** (the project's BF16 engine: Megatron's local spec, 61 GB of weights, plus the decode
+   step's stacked copy of the experts, 58 GB): at 48 layers where free memory holds it, else at
+   the deepest cut that fits, with the NVFP4 engine at the same cut (``nvfp4_cut``) for the
+   ratio; a row says how many layers fit.
 
 One JSON line per model (``benchmarks/results/rollout_full.jsonl`` and ``--json``).
 """
@@ -40,6 +42,24 @@ def _free_all():
         torch.cuda.reset_peak_memory_stats()
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _free() -> int:
+    """Free device memory (a CPU run -- the tiny preset, a check of this script -- has no limit)."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 1 << 50
+
+
 def _gib(n) -> float:
     return round(n / 2**30, 2)
 
@@ -57,7 +77,7 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list
         t = time_engine(eng, prompts, args.new, args.repeats)
         row = {"engine": name, "batch": b, **t, "graphed": eng._fast.last_timing.get("graphed"),
                "tokens_per_s": b * 1e3 / t["decode_step_ms"],
-               "peak_gib": _gib(torch.cuda.max_memory_allocated())}
+               "peak_gib": _gib(_peak())}
         if gap and b == args.gap_batch:
             row.update(gap_of(model, eng, prompts, args.new))
         rows.append(row)
@@ -67,15 +87,15 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list
         base = [torch.randint(1, preset["vocab"] - 1, (int(n),), generator=g).tolist()
                 for n in torch.linspace(args.prompt_min, args.prompt_max, args.rl_prompts).round().int()]
         prompts = [p for p in base for _ in range(args.rl_samples)]
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         out = eng.generate(prompts, args.rl_new, temperature=1.0, seed=7)
-        torch.cuda.synchronize()
+        _sync()
         wall = time.perf_counter() - t0
         toks = sum(len(r.generated_tokens) for r in out)
         rows.append({"engine": name, "rl": f"{args.rl_prompts}x{args.rl_samples}x{args.rl_new}", "batch": len(prompts),
                      "rollout_tokens": toks, "wall_s": round(wall, 3), "rollout_tokens_per_s": toks / wall,
-                     "peak_gib": _gib(torch.cuda.max_memory_allocated())})
+                     "peak_gib": _gib(_peak())})
         print(rows[-1], flush=True)
     del eng
     return rows
@@ -88,16 +108,61 @@ def kv_peak_row(model, preset, args) -> dict:
 
     _free_all()
     eng = RolloutEngine(model, eod_id=0, max_batch_size=args.kv_batch, max_sequence_length=args.kv_len)
-    prompts = prompts_for(args.kv_batch, args.prompt_min, args.prompt_max, preset["vocab"])
+    # short prompts: the prefill's [B, L, V] logits are not what this row measures
+    prompts = prompts_for(args.kv_batch, 8, 24, preset["vocab"])
     eng.generate(prompts, 4, temperature=1.0, seed=1, stop_at_eod=False)
-    torch.cuda.synchronize()
+    _sync()
     row = {"engine": "nvfp4", "kv_cache": f"{args.kv_batch}x{args.kv_len}",
            "kv_gib": _gib(sum(t.numel() * t.element_size() for t in eng._fast.cache.k + eng._fast.cache.v)),
-           "peak_gib": _gib(torch.cuda.max_memory_allocated())}
+           "peak_gib": _gib(_peak())}
     del eng
     _free_all()
     print(row, flush=True)
     return row
+
+
+def bf16_layers_that_fit(preset: dict, free: int, slack: int = 8 << 30) -> int:
+    """Layers of ``preset`` whose BF16 engine fits ``free`` bytes: its weights, plus the decode
+    step's stacked copy of the experts (Megatron's local ``SequentialMLP`` holds one tensor per
+    expert; the grouped GEMM reads them stacked), plus ``slack``."""
+    from minite_megatron.rollout.resident import resident_bytes
+
+    one = dict(preset, layers=1)
+    zero = dict(preset, layers=0)
+    outer = resident_bytes(zero)["bf16_model"]
+    per_layer = resident_bytes(one)["bf16_model"] - outer
+    per_layer_experts = 2 * preset["experts"] * 3 * preset["hidden"] * preset["moe_ffn"]
+    return max(0, min(preset["layers"], int((free - slack - outer) // (per_layer + per_layer_experts))))
+
+
+def bf16_rows(preset: dict, args, device) -> list[dict]:
+    """The project's BF16 engine at the preset's depth where it fits, else at the deepest cut
+    that fits, with the NVFP4 engine at that cut in the same run (the ratio of the two)."""
+    from benchmarks.rollout import local_bf16_gpt
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
+
+    _free_all()
+    free = _free()
+    layers = bf16_layers_that_fit(preset, free)
+    rows = [{"engine": "bf16", "fits_layers": layers, "of_layers": preset["layers"], "free_gib": _gib(free),
+             "bf16_weights_gib": _gib(resident_bytes(preset)["bf16_model"])}]
+    print("bf16 engine:", rows[0], flush=True)
+    if layers < 1:
+        return rows
+    cut = dict(preset, layers=layers)
+    sizes = [int(b) for b in args.strict_batches.split(",")]
+    model = local_bf16_gpt(cut, args.prompt_max + args.new, device, torch.bfloat16)
+    rows += [dict(r, layers=layers) for r in engine_rows("bf16", model, cut, args, sizes, gap=False, rl=False)]
+    del model
+    if layers < preset["layers"]:  # the NVFP4 engine at the same depth, for the ratio
+        _free_all()
+        model = build_resident_gpt(cut, Recipe(), max_seq=1024, device=device, seed=0)
+        rows += [dict(r, engine="nvfp4_cut", layers=layers)
+                 for r in engine_rows("nvfp4", model, cut, args, sizes, gap=False, rl=False)]
+        del model
+    _free_all()
+    return rows
 
 
 def main(argv=None):
@@ -119,8 +184,9 @@ def main(argv=None):
     ap.add_argument("--kv-len", type=int, default=2048)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.rollout_full: needs a GPU (the whole model's NVFP4 weights are ~20 GB)")
+    if not torch.cuda.is_available() and args.preset != "tiny":
+        raise SystemExit("benchmarks.rollout_full: needs a GPU (the whole model's NVFP4 weights are ~20 GB); "
+                         "on a CPU only --preset tiny (a check of this script)")
 
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
@@ -145,9 +211,9 @@ def main(argv=None):
         t0 = time.perf_counter()
         model = build_resident_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024),
                                    device=device, seed=0)
-        torch.cuda.synchronize()
+        _sync()
         build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),
-                 "weights_gib": _gib(torch.cuda.memory_allocated()), "build_peak_gib": _gib(torch.cuda.max_memory_allocated())}
+                 "weights_gib": _gib(_allocated()), "build_peak_gib": _gib(_peak())}
         print(build, flush=True)
         results["rows"].append(build)
         if name == "nvfp4" and args.kv_batch:
@@ -156,31 +222,21 @@ def main(argv=None):
         results["rows"] += engine_rows(name, model, preset, args, sizes, gap=True, rl=name == "nvfp4")
         del model
     if "bf16" in engines:
-        _free_all()
-        need = resident_bytes(preset)["bf16_model"]
-        free, _ = torch.cuda.mem_get_info()
-        if need + (4 << 30) > free:
-            row = {"engine": "bf16", "fits": False, "bf16_weights_gib": _gib(need), "free_gib": _gib(free)}
-            print("bf16 engine: does not fit:", row, flush=True)
-            results["rows"].append(row)
-        else:
-            from benchmarks.rollout import local_bf16_gpt
-
-            model = local_bf16_gpt(preset, args.prompt_max + args.rl_new, device, torch.bfloat16)
-            results["rows"] += engine_rows("bf16", model, preset, args, [1, 8], gap=False, rl=False)
-            del model
+        results["rows"] += bf16_rows(preset, args, device)
     _free_all()
     by = {(r.get("engine"), r.get("batch")): r for r in results["rows"] if "decode_step_ms" in r}
     ratios = {}
     for b in (1, 8):
         n, s, f = by.get(("nvfp4", b)), by.get(("strict", b)), by.get(("bf16", b))
+        if f and f.get("layers", preset["layers"]) != preset["layers"]:
+            n = by.get(("nvfp4_cut", b))  # the BF16 engine ran at a cut: compare at that depth
         if n and s:
             ratios[f"strict_over_default_b{b}"] = s["decode_step_ms"] / n["decode_step_ms"]
         if n and f:
             ratios[f"bf16_over_nvfp4_b{b}"] = f["decode_step_ms"] / n["decode_step_ms"]
     results["ratios"] = ratios
     print_table(f"rollout at {args.preset} ({preset['layers']} layers)", [r for r in results["rows"] if "decode_step_ms" in r],
-                ["engine", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs"])
+                ["engine", "layers", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs"])
     print("ratios:", ratios, flush=True)
     out = save(results, "rollout_full", [os.path.join(os.path.dirname(__file__), "results"),
                                           os.path.dirname(args.json) if args.json else None])

@@ -79,6 +79,14 @@ def outer_parts(gpt) -> list[tuple[int, torch.nn.Module]]:
     return [(-(i + 1), c) for i, c in enumerate(parts)]
 
 
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give ``module``'s parameters fresh (uninitialized) storage on ``device`` -- the host
+    copies were never written, so nothing is copied -- and move its buffers there."""
+    for p in module.parameters():
+        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+    module.to(device)
+
+
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
     """A ``like``-shaped tensor of one NaN element (stride 0): 2 bytes instead of the weight."""
     return torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(like.shape)
@@ -144,11 +152,11 @@ def build_resident_gpt(preset, recipe, *, max_seq: int, device, seed: int = 0, n
     std = config.init_method_std if std is None else float(std)
     # everything outside the layers (embedding, final norm, head) in BF16 on the device
     for index, child in outer_parts(gpt):
-        child.to(device)
+        _materialize(child, device)
         init_layer(child, seed, index, std)
     freed = 0
     for i, layer in enumerate(gpt.decoder.layers):
-        layer.to(device)
+        _materialize(layer, device)
         init_layer(layer, seed, i, std)
         freed += freeze_nvfp4(layer, keep_expert_images)
         if progress and device.type == "cuda":
