@@ -141,6 +141,7 @@ def bf16_rows(preset: dict, args, device) -> list[dict]:
     from benchmarks.rollout import local_bf16_gpt
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
+    from minite_megatron.training.presets import unallocated_gpt
 
     _free_all()
     free = _free()
@@ -157,7 +158,7 @@ def bf16_rows(preset: dict, args, device) -> list[dict]:
     del model
     if layers < preset["layers"]:  # the NVFP4 engine at the same depth, for the ratio
         _free_all()
-        model = build_resident_gpt(cut, Recipe(), max_seq=1024, device=device, seed=0)
+        model = build_resident_gpt(unallocated_gpt(cut, Recipe(), max_seq=1024), device=device, seed=0)
         rows += [dict(r, engine="nvfp4_cut", layers=layers)
                  for r in engine_rows("nvfp4", model, cut, args, sizes, gap=False, rl=False)]
         del model
@@ -190,7 +191,7 @@ def main(argv=None):
 
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
-    from minite_megatron.training.presets import PRESETS, init_single_process
+    from minite_megatron.training.presets import PRESETS, init_single_process, unallocated_gpt
 
     device = init_single_process(0)
     preset = dict(PRESETS[args.preset])
@@ -209,7 +210,7 @@ def main(argv=None):
             continue
         _free_all()
         t0 = time.perf_counter()
-        model = build_resident_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024),
+        model = build_resident_gpt(unallocated_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024)),
                                    device=device, seed=0)
         _sync()
         build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),

@@ -129,26 +129,15 @@ def freeze_nvfp4(module: torch.nn.Module, keep_expert_images: bool = False) -> i
     return freed
 
 
-def build_resident_gpt(preset, recipe, *, max_seq: int, device, seed: int = 0, num_layers: int | None = None,
-                       keep_expert_images: bool = False, std: float | None = None, progress: bool = False):
-    """The ``GPTModel`` of ``preset`` (a :data:`~minite_megatron.training.presets.PRESETS` name or
-    dict; ``num_layers``: a cut of its first layers) on the minite specs under ``recipe``, BF16
-    activations, random weights from ``seed`` layer by layer, NVFP4 linears resident in their
-    quantized form only (see the module docstring). ``recipe`` must quantize the linears
-    (``Recipe()``, ``Recipe(strict=True)``); ``std``: the weights' N(0, std) (default the
-    config's ``init_method_std``); eval mode."""
-    from ..model import finalize_gpt_model
-    from ..specs import get_gpt_decoder_block_minite_spec
-    from ..training.presets import PRESETS, gpt_from_config, preset_config
-
-    p = dict(PRESETS[preset] if isinstance(preset, str) else preset)
-    if num_layers is not None:
-        p["layers"] = int(num_layers)
+def build_resident_gpt(gpt, *, device, seed: int = 0, keep_expert_images: bool = False, std: float | None = None,
+                       progress: bool = False):
+    """Make ``gpt`` -- a minite-spec ``GPTModel`` whose parameters were never allocated
+    (:func:`minite_megatron.training.presets.unallocated_gpt`; its recipe quantizes the linears)
+    -- resident on ``device``: random weights from ``seed`` layer by layer, NVFP4 linears in
+    their quantized form only (see the module docstring). ``std``: the weights' N(0, std)
+    (default the config's ``init_method_std``). Returns it in eval mode."""
     device = torch.device(device)
-    # parameters made on the host, never initialized: untouched pages, no memory until a layer moves
-    config = preset_config(p, device="cpu", dtype=torch.bfloat16, perform_initialization=False)
-    gpt = gpt_from_config(p, config, get_gpt_decoder_block_minite_spec(config, recipe), max_seq=max_seq)
-    finalize_gpt_model(gpt, recipe)
+    config = gpt.config
     std = config.init_method_std if std is None else float(std)
     # everything outside the layers (embedding, final norm, head) in BF16 on the device
     for index, child in outer_parts(gpt):

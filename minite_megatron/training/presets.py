@@ -6,7 +6,7 @@
 RMSNorm, SwiGLU, RoPE 1e6) with 4 layers and a 32k vocabulary, for one GPU. ``qwen3-30b-a3b``:
 the whole model (48 layers, the 151,936-token vocabulary, untied LM head; 30.5e9 parameters, 61 GB
 in BF16): build it for rollout with :func:`minite_megatron.rollout.resident.build_resident_gpt`
-(NVFP4 weights only, 17 GB, made layer by layer), not with :func:`build_gpt`.
+on :func:`unallocated_gpt` (NVFP4 weights only, 17 GB, made layer by layer), not with :func:`build_gpt`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,21 @@ def _gpt(preset, config, spec, *, max_seq: int, device, seed: int):
     torch.manual_seed(seed)  # CPU initialization
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # GPU initialization (Megatron's RNG tracker)
     return gpt_from_config(preset, config, spec, max_seq=max_seq)
+
+
+def unallocated_gpt(preset: str | dict, recipe, *, max_seq: int, num_layers: int | None = None):
+    """``preset``'s ``GPTModel`` on the minite specs under ``recipe`` (BF16) with its parameters
+    made on the host and never initialized (untouched pages: no memory) -- the input of
+    :func:`minite_megatron.rollout.resident.build_resident_gpt`. ``num_layers``: a cut."""
+    from ..model import finalize_gpt_model
+    from ..specs import get_gpt_decoder_block_minite_spec
+
+    p = dict(PRESETS[preset] if isinstance(preset, str) else preset)
+    if num_layers is not None:
+        p["layers"] = int(num_layers)
+    config = preset_config(p, device="cpu", dtype=torch.bfloat16, perform_initialization=False)
+    gpt = gpt_from_config(p, config, get_gpt_decoder_block_minite_spec(config, recipe), max_seq=max_seq)
+    return finalize_gpt_model(gpt, recipe)
 
 
 def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0,

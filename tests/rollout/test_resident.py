@@ -11,7 +11,7 @@ import torch
 from minite_megatron.recipe import Recipe
 from minite_megatron.rollout.fast_path import check_kv_cache_fits, kv_cache_bytes, max_kv_batch
 from minite_megatron.rollout.resident import build_resident_gpt, init_layer, is_resident, outer_parts, resident_bytes
-from minite_megatron.training.presets import PRESETS, build_gpt, init_single_process, preset_config
+from minite_megatron.training.presets import PRESETS, build_gpt, init_single_process, preset_config, unallocated_gpt
 
 FULL = PRESETS["qwen3-30b-a3b"]
 
@@ -94,7 +94,7 @@ def test_resident_model_is_the_learner_bit_for_bit(strict):
     from minite_megatron.rollout.logprobs import teacher_forced_logprobs
 
     init_single_process(0)
-    res = build_resident_gpt("tiny", Recipe(strict=strict), max_seq=64, device="cpu", seed=3, std=0.3)
+    res = build_resident_gpt(unallocated_gpt("tiny", Recipe(strict=strict), max_seq=64), device="cpu", seed=3, std=0.3)
     ref = _bf16_twin(3, 0.3, strict)
     assert is_resident(res) and not is_resident(ref)
     assert res.minite_resident_freed_bytes > 0
@@ -117,7 +117,7 @@ def test_resident_model_refuses_a_weight_sync():
     from minite_megatron.rollout.engine import RolloutEngine
 
     init_single_process(0)
-    res = build_resident_gpt("tiny", Recipe(), max_seq=64, device="cpu", seed=1)
+    res = build_resident_gpt(unallocated_gpt("tiny", Recipe(), max_seq=64), device="cpu", seed=1)
     eng = RolloutEngine(res, eod_id=0, max_batch_size=2)
     with pytest.raises(ValueError, match="frozen"):
         eng.sync_weights()
