@@ -455,8 +455,21 @@ def strict_kernels_verified(checks: dict) -> bool:
 ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED=true"
 
 
+FULL_SIZE_PRESETS = ("qwen3-30b-a3b",)
+"""Presets too large for a BF16 learner model on one GPU: measured by :mod:`benchmarks.rollout_full`
+(resident NVFP4 models built layer by layer)."""
+
+
 def main(argv=None):
-    """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after."""
+    """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after;
+    ``--preset qwen3-30b-a3b`` runs :mod:`benchmarks.rollout_full` (its own flags)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(args):
+        name = a.split("=", 1)[1] if a.startswith("--preset=") else (args[i + 1] if a == "--preset" and i + 1 < len(args) else None)
+        if name in FULL_SIZE_PRESETS:
+            from benchmarks.rollout_full import main as full_main
+
+            return full_main(args)
     gate_ap = OneLineArgumentParser(add_help=False)
     add_gate_args(gate_ap)
     gate_ap.add_argument("--rolled-dense-strict", action="store_true")

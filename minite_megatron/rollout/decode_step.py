@@ -72,7 +72,7 @@ from ..ops.handoff import activation_key, clear_all
 from ..ops.linear import backend_for, quantize_activation
 from ..modules.deterministic_moe import ordered_sum
 from . import fused_ops
-from .decode_weights import StaticWeight, stacked_nvfp4
+from .decode_weights import DecodeWeights, StaticWeight, stacked_nvfp4
 from .support import is_nvfp4_linear, unwrap_gpt
 
 
@@ -125,7 +125,7 @@ class LinearStep:
             from ..modules.linear import NVFP4RowParallelLinear
 
             self.row = isinstance(module, NVFP4RowParallelLinear)
-            self.weight = StaticWeight(module.quantized_weight)
+            self.weight = weights.nvfp4(module.quantized_weight)
             weights.append(self.weight)
 
     def __call__(self, x: torch.Tensor, fire: bool = False):
@@ -235,8 +235,8 @@ class ExpertsStep:
                 # images only where the learner's order may need them (a backend's fallback
                 # for an unverified strict decode kernel multiplies images)
                 keep = bool(invariant or fc1.recipe.strict)
-                self.w1 = StaticWeight(fc1.quantized_weight, keep_image=keep)
-                self.w2 = StaticWeight(fc2.quantized_weight, keep_image=keep)
+                self.w1 = weights.nvfp4(fc1.quantized_weight, keep_image=keep)
+                self.w2 = weights.nvfp4(fc2.quantized_weight, keep_image=keep)
                 self.lctx1, self.lctx2 = fc1.minite_ctx, fc2.minite_ctx
                 self.recipe = fc1.recipe
             else:
@@ -626,7 +626,9 @@ class DecodeModel:
         if attention not in ("module", "sdpa"):
             raise ValueError(f"attention must be 'module' or 'sdpa', got {attention!r}")
         self.gpt = gpt = unwrap_gpt(model)
-        self.weights: list[StaticWeight] = []
+        from .resident import is_resident
+
+        self.weights = DecodeWeights(alias=is_resident(gpt))
         self.layers = [LayerStep(i, layer, invariant_gemm, self.weights, attention)
                        for i, layer in enumerate(gpt.decoder.layers)]
         attn = gpt.decoder.layers[0].self_attention

@@ -54,14 +54,29 @@ def _clone_nvfp4(q: NVFP4Tensor, keep_image: bool) -> NVFP4Tensor:
                    global_decode=q.global_decode.clone(), image=image)
 
 
+class DecodeWeights(list):
+    """The :class:`StaticWeight` list of a decode model; ``alias``: the model's quantized weights
+    are frozen at fixed addresses (:mod:`.resident`), so the NVFP4 ones are read in place
+    (no second copy of 17 GB at Qwen3-30B-A3B's size) instead of cloned."""
+
+    def __init__(self, alias: bool = False):
+        super().__init__()
+        self.alias = alias
+
+    def nvfp4(self, source: Callable[[], object], *, keep_image: bool = True) -> "StaticWeight":
+        """A :class:`StaticWeight` of a quantized-weight source (not yet listed: append it)."""
+        return StaticWeight(source, keep_image=keep_image, alias=self.alias)
+
+
 class StaticWeight:
     """One decode weight at a fixed address: ``source()`` gives the current version (an
     ``NVFP4Tensor``, or a list of dense expert weights to stack ``[E, N, K]``); :attr:`value` is
     the fixed-address copy the step reads."""
 
-    def __init__(self, source: Callable[[], object], *, keep_image: bool = True):
+    def __init__(self, source: Callable[[], object], *, keep_image: bool = True, alias: bool = False):
         self.source = source
         self.keep_image = keep_image
+        self.alias = alias
         self._seen = None
         self.value = None
         self.refresh()
@@ -82,6 +97,8 @@ class StaticWeight:
                 else:
                     for e, w in enumerate(src):
                         self.value[e].copy_(w.detach())
+            elif self.alias:  # frozen weights (a resident model): the source's own tensors, as they are
+                self.value = src
             elif self.value is None:
                 self.value = _clone_nvfp4(src, self.keep_image)
             else:

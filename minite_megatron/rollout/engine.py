@@ -142,6 +142,12 @@ class RolloutEngine:
     def sync_weights(self) -> None:
         """Make the fast path read the model's current weights now (it does so by itself at every
         ``generate``; call this after replacing parameters other than in place)."""
+        from .resident import is_resident
+        from .support import unwrap_gpt
+
+        if is_resident(unwrap_gpt(self.model)):
+            raise ValueError("RolloutEngine.sync_weights: this model's NVFP4 weights are frozen (built by "
+                             "rollout.resident.build_resident_gpt; it holds no BF16 weights to re-quantize)")
         if self._fast is not None:
             from ..ops.weight_cache import invalidate_weight_caches
 

@@ -48,6 +48,36 @@ def buckets_for(max_batch_size: int) -> list[int]:
     return out + [max_batch_size]
 
 
+def kv_cache_bytes(num_layers: int, max_seq: int, max_batch: int, groups: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes of the static KV cache (keys and values of every layer, ``[S, B, ng, hn]`` each)."""
+    return 2 * num_layers * max_seq * max_batch * groups * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_kv_cache_fits(nbytes: int, free: int, *, max_batch: int, max_seq: int, num_layers: int,
+                        reserve: int) -> None:
+    """Raise ValueError (one line: batch, length, bytes needed and free) when a KV cache of
+    ``nbytes`` plus ``reserve`` (the decode step's working memory) exceeds ``free`` bytes."""
+    if nbytes + reserve > free:
+        raise ValueError(
+            f"rollout: a KV cache of max_batch_size {max_batch} x max_sequence_length {max_seq} ({num_layers} layers) "
+            f"needs {nbytes / 2**30:.2f} GiB (+ {reserve / 2**30:.2f} GiB working memory) but "
+            f"{free / 2**30:.2f} GiB of device memory are free: lower max_batch_size or max_sequence_length")
+
+
+def max_kv_batch(free: int, *, num_layers: int, max_seq: int, groups: int, head_dim: int, dtype: torch.dtype,
+                 reserve: int) -> int:
+    """The largest batch whose KV cache of ``max_seq`` tokens fits ``free - reserve`` bytes (0: none)."""
+    one = kv_cache_bytes(num_layers, max_seq, 1, groups, head_dim, dtype)
+    return max(0, (free - reserve) // one)
+
+
+def step_reserve(max_batch: int, vocab: int, hidden: int) -> int:
+    """Working memory one decode step (or its graph pool) is given room for: the logits and
+    sampling buffers (fp32 ``[B, V]`` a few times) and the activations, with 1 GiB of slack."""
+    return 6 * 4 * max_batch * vocab + 64 * max_batch * hidden * 4 + (1 << 30)
+
+
 class DecodeState:
     """The static buffers one decode step reads and writes (``max_batch`` rows)."""
 
@@ -81,6 +111,13 @@ class FastGenerator:
         self.device = param.device
         self.use_graphs = use_graphs
         self.generator = torch.Generator(device=self.device)
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            check_kv_cache_fits(
+                kv_cache_bytes(self.runner.num_layers, max_sequence_length, max_batch_size, self.runner.groups,
+                               self.runner.head_dim, param.dtype), free,
+                max_batch=max_batch_size, max_seq=max_sequence_length, num_layers=self.runner.num_layers,
+                reserve=step_reserve(max_batch_size, vocab_size, param.shape[-1]))
         self.cache = KVCache(self.runner.num_layers, max_sequence_length, max_batch_size, self.runner.groups,
                              self.runner.head_dim, param.dtype, self.device)
         self.state = DecodeState(max_batch_size, max_sequence_length, self.device)

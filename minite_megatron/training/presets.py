@@ -3,7 +3,10 @@
 
 ``tiny``: a Qwen3-MoE-shaped toy that runs on a CPU. ``qwen3-moe``: Qwen3-30B-A3B's layer shapes
 (hidden 2048, 32 heads / 4 KV groups of 128, 128 experts top-8 with FFN 768, qk-layernorm,
-RMSNorm, SwiGLU, RoPE 1e6) with 4 layers and a 32k vocabulary, for one GPU.
+RMSNorm, SwiGLU, RoPE 1e6) with 4 layers and a 32k vocabulary, for one GPU. ``qwen3-30b-a3b``:
+the whole model (48 layers, the 151,936-token vocabulary, untied LM head; 30.5e9 parameters, 61 GB
+in BF16): build it for rollout with :func:`minite_megatron.rollout.resident.build_resident_gpt`
+on :func:`unallocated_gpt` (NVFP4 weights only, 17 GB, made layer by layer), not with :func:`build_gpt`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ PRESETS = {
     "tiny": dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=4, topk=2, moe_ffn=32, vocab=256),
     "qwen3-moe": dict(layers=4, hidden=2048, heads=32, groups=4, head_dim=128, experts=128, topk=8, moe_ffn=768,
                       vocab=32768),
+    "qwen3-30b-a3b": dict(layers=48, hidden=2048, heads=32, groups=4, head_dim=128, experts=128, topk=8, moe_ffn=768,
+                          vocab=151936),
 }
 
 
@@ -64,15 +69,37 @@ def preset_config(preset: str | dict, *, device, dtype: torch.dtype = torch.floa
     return TransformerConfig(**(fields | overrides))
 
 
-def _gpt(preset, config, spec, *, max_seq: int, device, seed: int):
-    from megatron.core import tensor_parallel
+def gpt_from_config(preset: str | dict, config, spec, *, max_seq: int):
+    """Megatron's ``GPTModel`` of ``preset``'s vocabulary on ``config`` and the layer ``spec``
+    (RoPE base 1e6, untied LM head), weights as ``config`` initializes them."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=max_seq,
+                    position_embedding_type="rope", rotary_base=1_000_000, share_embeddings_and_output_weights=False)
+
+
+def _gpt(preset, config, spec, *, max_seq: int, device, seed: int):
+    from megatron.core import tensor_parallel
+
     torch.manual_seed(seed)  # CPU initialization
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # GPU initialization (Megatron's RNG tracker)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=p["vocab"], max_sequence_length=max_seq,
-                    position_embedding_type="rope", rotary_base=1_000_000)
+    return gpt_from_config(preset, config, spec, max_seq=max_seq)
+
+
+def unallocated_gpt(preset: str | dict, recipe, *, max_seq: int, num_layers: int | None = None):
+    """``preset``'s ``GPTModel`` on the minite specs under ``recipe`` (BF16) with its parameters
+    made on the host and never initialized (untouched pages: no memory) -- the input of
+    :func:`minite_megatron.rollout.resident.build_resident_gpt`. ``num_layers``: a cut."""
+    from ..model import finalize_gpt_model
+    from ..specs import get_gpt_decoder_block_minite_spec
+
+    p = dict(PRESETS[preset] if isinstance(preset, str) else preset)
+    if num_layers is not None:
+        p["layers"] = int(num_layers)
+    config = preset_config(p, device="cpu", dtype=torch.bfloat16, perform_initialization=False)
+    gpt = gpt_from_config(p, config, get_gpt_decoder_block_minite_spec(config, recipe), max_seq=max_seq)
+    return finalize_gpt_model(gpt, recipe)
 
 
 def build_gpt(preset: str | dict, recipe, *, max_seq: int, device, dtype: torch.dtype = torch.float32, seed: int = 0,

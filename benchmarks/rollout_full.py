@@ -1,0 +1,250 @@
+"""The rollout engine at Qwen3-30B-A3B's whole size (48 layers, 151,936 tokens) on one GPU.
+
+Run through ``python -m benchmarks.rollout --preset qwen3-30b-a3b`` (or directly,
+``python -m benchmarks.rollout_full``). Models are :func:`minite_megatron.rollout.resident.build_resident_gpt`'s
+(random weights made layer by layer, NVFP4 weights only: ~20 GB on the device), one at a time:
+
+1. **nvfp4** (default mode): the engine with a ``256 x 2048`` KV cache (peak memory of the target),
+   then decode ms/step and tokens/s at batch 1, 8, 64, 256 (mixed prompt lengths, CUDA graphs),
+   prefill ms; the learner/rollout gap on ``--gap-batch x --new`` sampled tokens (the learner:
+   ``teacher_forced_logprobs`` on the same resident model, i.e. the learner's modules and bits);
+   the RL-shaped run: ``--rl-prompts x --rl-samples`` sequences, up to ``--rl-new`` new tokens,
+   rollout tokens/s (wall clock, prefill included).
+2. **strict**: the same timings at batch 1 and 8 and the gap (must be exactly 0).
+3. **bf16** (the project's BF16 engine: Megatron's local spec, 61 GB of weights, plus the decode
+   step's stacked copy of the experts, 58 GB): at 48 layers where free memory holds it, else at
+   the deepest cut that fits, with the NVFP4 engine at the same cut (``nvfp4_cut``) for the
+   ratio; a row says how many layers fit.
+
+One JSON line per model (``benchmarks/results/rollout_full.jsonl`` and ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks._timing import environment, print_table, save  # noqa: E402
+from minite_megatron.training.cli import OneLineArgumentParser  # noqa: E402
+
+
+def _free_all():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _free() -> int:
+    """Free device memory (a CPU run -- the tiny preset, a check of this script -- has no limit)."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 1 << 50
+
+
+def _gib(n) -> float:
+    return round(n / 2**30, 2)
+
+
+def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list[dict]:
+    from benchmarks.rollout import gap_of, prompts_for, time_engine
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    rows = []
+    max_seq = max(args.prompt_max + args.new, args.prompt_max + args.rl_new)
+    eng = RolloutEngine(model, eod_id=0, max_batch_size=max(batches), max_sequence_length=max_seq,
+                        attention="sdpa" if name == "bf16" else "module")
+    for b in batches:
+        prompts = prompts_for(b, args.prompt_min, args.prompt_max, preset["vocab"])
+        t = time_engine(eng, prompts, args.new, args.repeats)
+        row = {"engine": name, "batch": b, **t, "graphed": eng._fast.last_timing.get("graphed"),
+               "tokens_per_s": b * 1e3 / t["decode_step_ms"],
+               "peak_gib": _gib(_peak())}
+        if gap and b == args.gap_batch:
+            row.update(gap_of(model, eng, prompts, args.new))
+        rows.append(row)
+        print(row, flush=True)
+    if rl:
+        g = torch.Generator().manual_seed(11)
+        base = [torch.randint(1, preset["vocab"] - 1, (int(n),), generator=g).tolist()
+                for n in torch.linspace(args.prompt_min, args.prompt_max, args.rl_prompts).round().int()]
+        prompts = [p for p in base for _ in range(args.rl_samples)]
+        _sync()
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, args.rl_new, temperature=1.0, seed=7)
+        _sync()
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.generated_tokens) for r in out)
+        rows.append({"engine": name, "rl": f"{args.rl_prompts}x{args.rl_samples}x{args.rl_new}", "batch": len(prompts),
+                     "rollout_tokens": toks, "wall_s": round(wall, 3), "rollout_tokens_per_s": toks / wall,
+                     "peak_gib": _gib(_peak())})
+        print(rows[-1], flush=True)
+    del eng
+    return rows
+
+
+def kv_peak_row(model, preset, args) -> dict:
+    """The engine with a ``--kv-batch x --kv-len`` cache: its bytes, and the peak of one batch."""
+    from benchmarks.rollout import prompts_for
+    from minite_megatron.rollout.engine import RolloutEngine
+
+    _free_all()
+    eng = RolloutEngine(model, eod_id=0, max_batch_size=args.kv_batch, max_sequence_length=args.kv_len)
+    # short prompts: the prefill's [B, L, V] logits are not what this row measures
+    prompts = prompts_for(args.kv_batch, 8, 24, preset["vocab"])
+    eng.generate(prompts, 4, temperature=1.0, seed=1, stop_at_eod=False)
+    _sync()
+    row = {"engine": "nvfp4", "kv_cache": f"{args.kv_batch}x{args.kv_len}",
+           "kv_gib": _gib(sum(t.numel() * t.element_size() for t in eng._fast.cache.k + eng._fast.cache.v)),
+           "peak_gib": _gib(_peak())}
+    del eng
+    _free_all()
+    print(row, flush=True)
+    return row
+
+
+def bf16_layers_that_fit(preset: dict, free: int, slack: int = 8 << 30) -> int:
+    """Layers of ``preset`` whose BF16 engine fits ``free`` bytes: its weights, plus the decode
+    step's stacked copy of the experts (Megatron's local ``SequentialMLP`` holds one tensor per
+    expert; the grouped GEMM reads them stacked), plus ``slack``."""
+    from minite_megatron.rollout.resident import resident_bytes
+
+    one = dict(preset, layers=1)
+    zero = dict(preset, layers=0)
+    outer = resident_bytes(zero)["bf16_model"]
+    per_layer = resident_bytes(one)["bf16_model"] - outer
+    per_layer_experts = 2 * preset["experts"] * 3 * preset["hidden"] * preset["moe_ffn"]
+    return max(0, min(preset["layers"], int((free - slack - outer) // (per_layer + per_layer_experts))))
+
+
+def bf16_rows(preset: dict, args, device) -> list[dict]:
+    """The project's BF16 engine at the preset's depth where it fits, else at the deepest cut
+    that fits, with the NVFP4 engine at that cut in the same run (the ratio of the two)."""
+    from benchmarks.rollout import local_bf16_gpt
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
+    from minite_megatron.training.presets import unallocated_gpt
+
+    _free_all()
+    free = _free()
+    layers = bf16_layers_that_fit(preset, free)
+    rows = [{"engine": "bf16", "fits_layers": layers, "of_layers": preset["layers"], "free_gib": _gib(free),
+             "bf16_weights_gib": _gib(resident_bytes(preset)["bf16_model"])}]
+    print("bf16 engine:", rows[0], flush=True)
+    if layers < 1:
+        return rows
+    cut = dict(preset, layers=layers)
+    sizes = [int(b) for b in args.strict_batches.split(",")]
+    model = local_bf16_gpt(cut, args.prompt_max + args.new, device, torch.bfloat16)
+    rows += [dict(r, layers=layers) for r in engine_rows("bf16", model, cut, args, sizes, gap=False, rl=False)]
+    del model
+    if layers < preset["layers"]:  # the NVFP4 engine at the same depth, for the ratio
+        _free_all()
+        model = build_resident_gpt(unallocated_gpt(cut, Recipe(), max_seq=1024), device=device, seed=0)
+        rows += [dict(r, engine="nvfp4_cut", layers=layers)
+                 for r in engine_rows("nvfp4", model, cut, args, sizes, gap=False, rl=False)]
+        del model
+    _free_all()
+    return rows
+
+
+def main(argv=None):
+    ap = OneLineArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="a cut of the preset's first layers")
+    ap.add_argument("--engines", default="nvfp4,strict,bf16")
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--strict-batches", default="1,8")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gap-batch", type=int, default=8, help="gap on gap-batch x new sampled tokens (8 x 64 = 512)")
+    ap.add_argument("--rl-prompts", type=int, default=32)
+    ap.add_argument("--rl-samples", type=int, default=8)
+    ap.add_argument("--rl-new", type=int, default=512)
+    ap.add_argument("--kv-batch", type=int, default=256)
+    ap.add_argument("--kv-len", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and args.preset != "tiny":
+        raise SystemExit("benchmarks.rollout_full: needs a GPU (the whole model's NVFP4 weights are ~20 GB); "
+                         "on a CPU only --preset tiny (a check of this script)")
+
+    from minite_megatron.recipe import Recipe
+    from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
+    from minite_megatron.training.presets import PRESETS, init_single_process, unallocated_gpt
+
+    device = init_single_process(0)
+    preset = dict(PRESETS[args.preset])
+    if args.layers:
+        preset["layers"] = args.layers
+    engines = args.engines.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    accounting = {k: _gib(v) for k, v in resident_bytes(preset).items() if k != "parameters"}
+    results = {"benchmark": "rollout_full", "command": "python -m benchmarks.rollout " + " ".join(argv or sys.argv[1:]),
+               "preset": args.preset, "layers": preset["layers"], "new_tokens": args.new,
+               "prompt_lengths": [args.prompt_min, args.prompt_max], "accounting_gib": accounting,
+               "parameters": resident_bytes(preset)["parameters"], "rows": [], **environment()}
+    print("weights (GiB, computed):", accounting, flush=True)
+    for name in ("nvfp4", "strict"):
+        if name not in engines:
+            continue
+        _free_all()
+        t0 = time.perf_counter()
+        model = build_resident_gpt(unallocated_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024)),
+                                   device=device, seed=0)
+        _sync()
+        build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),
+                 "weights_gib": _gib(_allocated()), "build_peak_gib": _gib(_peak())}
+        print(build, flush=True)
+        results["rows"].append(build)
+        if name == "nvfp4" and args.kv_batch:
+            results["rows"].append(kv_peak_row(model, preset, args))
+        sizes = batches if name == "nvfp4" else [int(b) for b in args.strict_batches.split(",")]
+        results["rows"] += engine_rows(name, model, preset, args, sizes, gap=True, rl=name == "nvfp4")
+        del model
+    if "bf16" in engines:
+        results["rows"] += bf16_rows(preset, args, device)
+    _free_all()
+    by = {(r.get("engine"), r.get("batch")): r for r in results["rows"] if "decode_step_ms" in r}
+    ratios = {}
+    for b in (1, 8):
+        n, s, f = by.get(("nvfp4", b)), by.get(("strict", b)), by.get(("bf16", b))
+        if f and f.get("layers", preset["layers"]) != preset["layers"]:
+            n = by.get(("nvfp4_cut", b))  # the BF16 engine ran at a cut: compare at that depth
+        if n and s:
+            ratios[f"strict_over_default_b{b}"] = s["decode_step_ms"] / n["decode_step_ms"]
+        if n and f:
+            ratios[f"bf16_over_nvfp4_b{b}"] = f["decode_step_ms"] / n["decode_step_ms"]
+    results["ratios"] = ratios
+    print_table(f"rollout at {args.preset} ({preset['layers']} layers)", [r for r in results["rows"] if "decode_step_ms" in r],
+                ["engine", "layers", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs"])
+    print("ratios:", ratios, flush=True)
+    out = save(results, "rollout_full", [os.path.join(os.path.dirname(__file__), "results"),
+                                          os.path.dirname(args.json) if args.json else None])
+    print("saved", out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
