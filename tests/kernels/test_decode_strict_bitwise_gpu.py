@@ -3,7 +3,7 @@
 Strict mode's promise (learner log-probs == sampler log-probs) rests on one fact only the GPU can
 answer: the rollout's decode kernels in their strict configuration (packed FP4 weights, a few
 rows) produce, bit for bit, the rows the learner's strict image GEMM produces for the same rows
-inside a 4096-row GEMM. The interpreter tests (``tests/kernels/triton/test_triton_decode.py``)
+inside a 4096-row GEMM. The interpreter tests (``tests/kernels/triton/decode/test_triton_decode.py``)
 pin it at small shapes, where the K loop is short; these pin it where a wrong accumulation order
 would show: Qwen3-30B-A3B's K (qkv 2048, o 4096, expert fc1 2048 / fc2 768), rows taken at several
 offsets, fp32 and bf16 outputs, fresh random data and adversarial rows (magnitudes spread over

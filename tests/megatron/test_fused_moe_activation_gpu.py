@@ -51,7 +51,7 @@ def test_forward_bitwise_at_the_learner_shape(dtype, inline_glu):
     from minite_kernels.triton.nvfp4.swiglu_quantize import swiglu_quantize
     from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu
 
-    from tests.kernels.triton.test_weighted_swiglu import hard_rows
+    from tests.kernels.triton.moe.test_weighted_swiglu import hard_rows
 
     h, p = _data(1, dtype)
     hh, hp = hard_rows(F, dtype)
@@ -71,7 +71,7 @@ def test_backward_at_the_learner_shape():
     from minite_kernels.triton._build._testing import assert_weighted_swiglu_backward
     from minite_kernels.triton.moe.weighted_swiglu import weighted_swiglu_backward
 
-    from tests.kernels.triton.test_weighted_swiglu import hard_rows
+    from tests.kernels.triton.moe.test_weighted_swiglu import hard_rows
 
     h, p = _data(2)
     hh, hp = hard_rows(F, torch.bfloat16)

@@ -19,7 +19,7 @@ What guarantees ``y == bi_rmsnorm(x)`` (phase 1 is bi_rmsnorm's reduction, uncha
    load-bearing: the sm_90a build of bi_rmsnorm accumulates with ``fma.rn.f32``, and ptxas
    merges ``div.full``'s multiply with ``+ eps`` into one FFMA; a kernel built with
    ``enable_fp_fusion=False`` rounds those steps separately and differs in the last bit.
-   :func:`tests.kernels.triton.test_triton_producers` compiles both kernels for sm_90a and
+   :func:`tests.kernels.triton.nvfp4.test_triton_producers` compiles both kernels for sm_90a and
    checks that the PTX of the reduction (every instruction up to ``sqrt.rn``) is the same.
 3. ``y = x * r * w`` is element-wise (independent of layout), rounded once to ``x.dtype``.
 
