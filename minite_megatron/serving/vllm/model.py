@@ -22,9 +22,8 @@ residual add + ``RMSNorm``  ``fused_add_rms_norm``: the fp32 sum normalised  ``r
 
 The linears, router and experts are the quantization method's (:mod:`.methods`). With
 ``logprobs_mode="raw_logits"`` the log-probs vLLM reports are then the learner's own, bit for bit
-in strict mode; strict mode refuses any other ``logprobs_mode`` and vLLM's compilation
-(``enforce_eager=False``: Inductor fuses the elementwise glue without the learner's BF16 roundings),
-each with one line naming the setting. Sampling is vLLM's sampler on those log-probs (softmax is
+in strict mode; strict mode refuses any other ``logprobs_mode``, and both modes refuse vLLM's
+compilation (``enforce_eager=False``, :func:`check_engine_settings`), each with one line naming the setting. Sampling is vLLM's sampler on those log-probs (softmax is
 shift invariant); note that vLLM's ``repetition_penalty`` scales logits by sign, so on log-probs (all
 <= 0) it acts as on negative logits.
 """
@@ -89,18 +88,21 @@ def _rope_theta(config) -> float:
 
 
 def check_engine_settings(vllm_config, strict: bool) -> None:
-    """Refuse, with one line naming the setting, what would make strict mode compute other bits."""
-    if not strict:
-        return
+    """Refuse, with one line naming the setting, what would compute other bits or cannot run.
+
+    vLLM's compilation (``enforce_eager=False``, its default): vLLM traces the whole model with
+    Dynamo in one graph, which stops at the plugin's NVFP4 tensors (``torch._dynamo.exc.Unsupported:
+    super().unflatten()``), and Inductor would fuse the learner's elementwise ops without their BF16
+    roundings; refused in both modes. Strict mode also needs ``logprobs_mode="raw_logits"``."""
     from vllm.config import CompilationMode
 
     mode = vllm_config.compilation_config.mode
     if mode != CompilationMode.NONE:
-        raise ValueError(f"minite-vllm strict mode: vLLM compilation mode {mode.name} (enforce_eager=False) lets "
-                         "Inductor fuse the learner's elementwise ops without their BF16 roundings; pass "
-                         "enforce_eager=True")
+        raise ValueError(f"minite-vllm: vLLM compilation mode {mode.name} (enforce_eager=False) is not supported: Dynamo "
+                         "cannot trace the plugin's NVFP4 ops and Inductor would drop the learner's BF16 roundings; "
+                         "pass enforce_eager=True")
     lp_mode = vllm_config.model_config.logprobs_mode
-    if lp_mode != "raw_logits":
+    if strict and lp_mode != "raw_logits":
         raise ValueError(f"minite-vllm strict mode: logprobs_mode={lp_mode!r} would report vLLM's log_softmax of the "
                          "learner's log-probs (other last bits); pass logprobs_mode='raw_logits' (the model's logits are "
                          "the learner's log-probs)")
