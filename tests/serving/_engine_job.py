@@ -3,7 +3,8 @@
 
 A learner with sharp weights (init std 0.3: peaked next-token distributions, as a trained model's)
 is exported and served by ``vllm.LLM`` (``logprobs_mode="raw_logits"``, small ``max_num_batched_tokens``
-so long prompts are prefilled in chunks). Through ``LLMEngine.add_request`` / ``step``: three
+so long prompts are prefilled in chunks; 16-token KV blocks, so a request's keys span several
+blocks of the paged cache). Through ``LLMEngine.add_request`` / ``step``: three
 prompts of different lengths submitted together, a fourth added while they decode; half greedy,
 half sampled (temperature 1; no per-request seed: vLLM 0.26 on CPU fails on a seeded request whose prefill is chunked, "CPU Generator does not use offset"). Every generated token's vLLM log-prob is saved with the
 learner's teacher-forced log-prob of the same sequence (the RL learner's computation).
@@ -43,7 +44,7 @@ def make_llm(path: str, strict: bool, enforce_eager: bool = True):
 
     return LLM(model=path, dtype="bfloat16", enforce_eager=enforce_eager, skip_tokenizer_init=True, max_model_len=64,
                max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True, kv_cache_memory_bytes=32 << 20,
-               seed=0, logprobs_mode="raw_logits", enable_prefix_caching=False)
+               seed=0, logprobs_mode="raw_logits", enable_prefix_caching=False, block_size=16)
 
 
 def run(out_path: str, mode: str, compile_: bool = False) -> None:
