@@ -482,7 +482,9 @@ def _main(argv=None, gates=None):
     ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
-    ap.add_argument("--engines", default="bf16,nvfp4,strict")
+    ap.add_argument("--engines", default="bf16,nvfp4,strict",
+                    help="bf16, nvfp4, strict; or vllm alone: vllm.LLM with minite-vllm vs this engine, default and "
+                         "strict (benchmarks/_vllm_engine.py, in .venv-vllm)")
     ap.add_argument("--batches", default="1,8,64" if gpu else "1,4")
     ap.add_argument("--new", type=int, default=64 if gpu else 8)
     ap.add_argument("--prompt-min", type=int, default=16 if gpu else 3)
@@ -517,6 +519,10 @@ def _main(argv=None, gates=None):
     ap.add_argument("--out", default=None)
     add_gate_args(ap)
     args = ap.parse_args(argv)
+    if args.engines == "vllm":
+        from ._vllm_engine import main as vllm_engine_main
+
+        return vllm_engine_main(["--new", str(args.new)] + (["--json", args.json] if args.json else []))
     if args.idot_dense_max_m:
         from minite_kernels.triton.backend import TritonBackend, TritonOptions
         from minite_megatron.nvfp4 import register_backend

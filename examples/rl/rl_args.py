@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-batch-size", type=int, default=16, help="prompts per step (all ranks)")
     g.add_argument("--group", "--n-samples-per-prompt", dest="group", type=int, default=8, help="samples per prompt")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs at the same)")
+    g.add_argument("--rollout-engine", choices=("builtin", "vllm"), default="builtin",
+                   help="builtin: the project's engine on the learner's modules; vllm: an in-process vllm.LLM with the "
+                        "minite-vllm plugin, refitted every step (examples/rl/rl_vllm.py; needs .venv-vllm)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="default: the answer length")
     g.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
     g.add_argument("--mini-batch-size", type=int, default=8, help="prompts per optimizer step (all ranks)")

@@ -151,9 +151,15 @@ def main(argv=None) -> dict:
         elif rec["step"] % max(1, args.sft_steps // 5) == 0 or rec["step"] == args.sft_steps:
             say(f"sft step {rec['step']} | loss {rec['sft/loss']:.4f}")
 
-    engine = RolloutEngine(model, eod_id=task.eod,
-                           max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
-                           max_sequence_length=max_seq)
+    engine_cls = RolloutEngine
+    engine_kwargs = {}
+    if args.rollout_engine == "vllm":
+        from rl_vllm import VllmRolloutEngine as engine_cls  # noqa: N813
+
+        engine_kwargs = {"recipe": recipe}
+    engine = engine_cls(model, eod_id=task.eod,
+                        max_batch_size=max(args.rollout_batch_size // dp_size * args.group, len(task.eval_pairs)),
+                        max_sequence_length=max_seq, **engine_kwargs)
 
     timings = {"build_s": time.perf_counter() - t_start}  # imports, process groups, model, engine
     interrupted = False

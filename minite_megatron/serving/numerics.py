@@ -202,5 +202,76 @@ def moe_forward(x: torch.Tensor, logits: torch.Tensor, w13: NVFP4Tensor, w2: NVF
     return deterministic_unpermute(rows, token_of, logits.shape[0])
 
 
-__all__ = ["glu_activation", "high_precision_linear", "moe_expert_rows", "moe_forward", "nvfp4_linear", "quantize_tokens", "route",
+
+
+# ---- the rest of the learner's layer: norms with the residual add, RoPE, attention, log-probs ------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool) -> torch.Tensor:
+    """:class:`~minite_megatron.modules.norm.MiniteNorm`'s RMSNorm (``zero_centered_gamma`` off, as
+    the Qwen3 export writes): the batch-invariant formulation (strict mode, or default mode with the
+    recipe's ``aligned_ops``), else ``F.rms_norm`` on operands of one dtype."""
+    if invariant:
+        from ..invariant.rmsnorm import rms_norm as invariant_rms_norm
+
+        return invariant_rms_norm(x, weight, eps, False)
+    if x.dtype == weight.dtype:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = residual + x`` in the stream's dtype: Megatron's bias-dropout-add
+    (no bias, no dropout: one BF16 add) and then the next norm of the learner's layer. (vLLM's own
+    ``fused_add_rms_norm`` normalises the fp32 sum before its BF16 rounding: issue 28.)"""
+    h = residual + x
+    return rms_norm(h, weight, eps, invariant), h
+
+
+def rope_freqs(head_dim: int, theta: float, max_positions: int, device=None) -> torch.Tensor:
+    """Megatron's RoPE table ``[S, 1, 1, D]`` fp32 (``RotaryEmbedding(kv_channels=D, rotary_percent=1,
+    rotary_base=theta)(S)``, the learner's own module: every row is the same whatever ``S``)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, rotary_base=theta, use_cpu_initialization=True)
+    return rope(max_positions).to(device) if device is not None else rope(max_positions)
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused, non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``: ``cos`` / ``sin`` of
+    the fp32 table rounded to ``t``'s dtype, then ``t * cos + rotate_half(t) * sin`` in that dtype) on
+    ``t`` ``[T, H, D]`` at ``positions`` ``[T]``."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions.long()], rotary_interleaved=False).squeeze(1)
+
+
+def request_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, invariant: bool) -> torch.Tensor:
+    """One request's causal attention: ``q`` ``[Sq, Hq, D]`` are the last ``Sq`` of the ``Sk`` positions
+    of ``k`` / ``v`` ``[Sk, Hkv, D]`` (a prefill, a prefill chunk or decode steps) -> ``[Sq, Hq, D]``.
+
+    ``invariant`` (strict mode, or the recipe's ``aligned_attention``): the learner's batch- and
+    prefill/decode-invariant attention (:func:`minite_megatron.invariant.attention.attention`), so a
+    query gets the bits of the learner's full-sequence forward; else torch SDPA with the same
+    visibility (:func:`~minite_megatron.invariant.attention.sdpa_attention`, default mode's core attention)."""
+    from ..invariant.attention import attention, sdpa_attention
+
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    fn = attention if invariant else sdpa_attention
+    return fn(qh, kh, vh, scale=scale, causal=True)[0].transpose(0, 1)
+
+
+def logprobs_of_logits(logits: torch.Tensor, strict: bool) -> torch.Tensor:
+    """fp32 ``log_softmax`` over the vocabulary as the learner scores a token
+    (:func:`minite_megatron.rollout.logprobs.token_logprobs` at temperature 1): batch invariant in
+    strict mode, else ``torch.log_softmax`` of the fp32 logits."""
+    if strict:
+        from ..invariant.softmax import log_softmax
+
+        return log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+
+__all__ = ["add_rms_norm", "apply_rope", "glu_activation", "high_precision_linear", "logprobs_of_logits", "moe_expert_rows",
+           "moe_forward", "nvfp4_linear", "quantize_tokens", "request_attention", "rms_norm", "rope_freqs", "route",
            "weight_view"]

@@ -140,7 +140,8 @@ def run(out_path: str) -> None:
         d = tempfile.mkdtemp(prefix=f"minite-whole-{mode}-")
         export_modelopt(d, learner_weights(model), cfg, recipe, rope_theta=1e6, max_position_embeddings=64)
         llm = LLM(model=d, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, max_model_len=64,
-                  max_num_seqs=2, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0)
+                  max_num_seqs=2, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20, seed=0,
+                  logprobs_mode="raw_logits")
         seen: dict = {}
         methods = llm.apply_model(lambda m: vllm_stages(m, seen))[0]
 

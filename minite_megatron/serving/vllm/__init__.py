@@ -3,7 +3,10 @@
 Installed with this package; vLLM finds it through the ``vllm.general_plugins`` entry point
 (``setup.cfg``: ``minite = minite_megatron.serving.vllm:register``) in every process it starts,
 and :func:`register` adds the quantization method ``minite_nvfp4``
-(:class:`~.config.MiniteNvfp4Config`) that an export's ``config.json`` declares. Tested with vLLM
+(:class:`~.config.MiniteNvfp4Config`) that an export's ``config.json`` declares, the model class
+:class:`~.model.MiniteQwen3MoeForCausalLM` for the export's architecture (the learner's norms,
+RoPE and attention: :mod:`.model`, :mod:`.attention`) and the attention backend as vLLM's
+``CUSTOM`` slot. Tested with vLLM
 0.26.0 (the newest release on torch 2.11, the project's torch). Docs: ``docs/serving.md``.
 """
 
@@ -23,6 +26,12 @@ def register() -> None:
     from .config import MiniteNvfp4Config
 
     register_quantization_config(QUANT_METHOD)(MiniteNvfp4Config)
+    # the learner's norms, RoPE and attention for a minite_nvfp4 export (vLLM's own class otherwise)
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    ModelRegistry.register_model("Qwen3MoeForCausalLM", "minite_megatron.serving.vllm.model:MiniteQwen3MoeForCausalLM")
+    register_backend(AttentionBackendEnum.CUSTOM, "minite_megatron.serving.vllm.attention.MiniteAttentionBackend")
     _REGISTERED = True
 
 

@@ -11,7 +11,8 @@ its method (:mod:`.methods`):
   (:class:`~.methods.MiniteFP32LinearMethod`); the BF16 LM head and the other high-precision
   linears (BF16 layers of the recipe): the learner's BF16 GEMM (:class:`~.methods.MiniteBF16LinearMethod`;
   batch invariant in strict mode), never vLLM's CPU repacking, so a refit updates them in place;
-- everything else (embeddings, attention): vLLM's own.
+- everything else: vLLM's own layers; the model class of :mod:`.model` (registered for the
+  export's architecture) puts the learner's norms, RoPE and attention backend into them.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ class MiniteNvfp4Config(QuantizationConfig):
     """
 
     def __init__(self, exclude: list[str], *, strict: bool = False, fp32_router: bool = True,
-                 fp32_lm_head: bool = False, backend: str | None = None, aligned_ops: bool = False):
+                 fp32_lm_head: bool = False, backend: str | None = None, aligned_ops: bool = False,
+                 aligned_attention: bool = False):
         super().__init__()
         self.exclude = list(exclude)
         self.strict = bool(strict)
         # the learner's router is strict routing's in strict mode and with aligned ops (FP32 router)
         self.invariant_routing = bool(strict or (aligned_ops and fp32_router))
+        # the learner's norms (MiniteNorm) and core attention are strict mode's formulations in strict
+        # mode and with aligned ops / aligned attention (the model class, :mod:`.model`)
+        self.invariant_norm = bool(strict or aligned_ops)
+        self.invariant_attention = bool(strict or aligned_attention)
         self.fp32_router = bool(fp32_router)
         self.fp32_lm_head = bool(fp32_lm_head)
         self.backend = backend
@@ -93,7 +99,8 @@ class MiniteNvfp4Config(QuantizationConfig):
         recipe = config.get("recipe") or {}
         return cls(config.get("ignore", []), strict=recipe.get("strict", False),
                    fp32_router=recipe.get("fp32_router", True), fp32_lm_head=recipe.get("fp32_lm_head", False),
-                   backend=recipe.get("backend"), aligned_ops=recipe.get("aligned_ops", False))
+                   backend=recipe.get("backend"), aligned_ops=recipe.get("aligned_ops", False),
+                   aligned_attention=recipe.get("aligned_attention", False))
 
     def is_excluded(self, prefix: str) -> bool:
         """Whether the vLLM module ``prefix`` is high precision (fused modules: all pieces or none)."""
