@@ -37,7 +37,7 @@ for s in $STEPS; do
   case $s in
     pending)  # the GPU checks that would switch on what is written and gated off (BENCHMARKS.md, "pending"):
       # the launch table (MINITE_FAST_LAUNCH), the strict dense decode candidates (STRICT_DENSE_NEXT_VERIFIED),
-      # the MoE layer without its host wait (DEVICE_COUNTS_GPU_VERIFIED); each A/B in one process or one call
+      # each A/B in one process or one call (the MoE layer without its host wait is the default now)
       step fast_launch_test timeout 120 python3 -m pytest -q -p no:cacheprovider -ra tests/kernels/triton/test_fast_launch.py
       for m in 1 0 1 0; do
         step "learner_fast_launch_$m" env MINITE_FAST_LAUNCH=$m timeout 120 python3 -m benchmarks.learner_step \
@@ -45,10 +45,7 @@ for s in $STEPS; do
       done
       step dense_strict_check timeout 150 python3 -m benchmarks.decode_gemm --sections check_dense_strict --out "$OUT"
       step rollout_dense_next timeout 150 python3 -m benchmarks.rollout --engines nvfp4,strict --batches 8 --no-variants \
-        --no-kernel-count --gate minite_kernels.triton.decode_gemm.STRICT_DENSE_NEXT_VERIFIED=true --out "$OUT"
-      step learner_device_counts timeout 200 python3 -m benchmarks.learner_step --tokens 16384 --variants bf16,nvfp4 \
-        --iters 8 --warmup 2 --profile 1 --gate minite_megatron.modules.moe.DEVICE_COUNTS_GPU_VERIFIED=true \
-        --out "$OUT/device_counts" ;;
+        --no-kernel-count --gate minite_kernels.triton.decode_gemm.STRICT_DENSE_NEXT_VERIFIED=true --out "$OUT" ;;
     kernel_tests)  # the Triton kernel tests on CUDA (they run under the interpreter on CPU; not marked gpu)
       step kernel_tests python3 -m pytest -q -p no:cacheprovider -ra tests/kernels/triton ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     decode)  # the decode GEMMs: strict bitwise checks, config sweep, dense + MoE tables against BF16

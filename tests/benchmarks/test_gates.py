@@ -8,49 +8,49 @@ import json
 import pytest
 
 from benchmarks._timing import gates_set
-from minite_megatron.modules import moe
+from minite_megatron.ops import linear as gated
 
-GATE = "minite_megatron.modules.moe.DEVICE_COUNTS_GPU_VERIFIED"
+GATE = "minite_megatron.ops.linear.SHARED_DY_AMAX_GPU_VERIFIED"
 
 
 def test_gate_is_set_for_the_body_and_put_back():
-    before = moe.DEVICE_COUNTS_GPU_VERIFIED
+    before = gated.SHARED_DY_AMAX_GPU_VERIFIED
     with gates_set([f"{GATE}={'false' if before else 'true'}"]) as gates:
-        assert moe.DEVICE_COUNTS_GPU_VERIFIED is (not before)
+        assert gated.SHARED_DY_AMAX_GPU_VERIFIED is (not before)
         assert gates == {GATE: not before}
-    assert moe.DEVICE_COUNTS_GPU_VERIFIED is before
+    assert gated.SHARED_DY_AMAX_GPU_VERIFIED is before
     with pytest.raises(RuntimeError), gates_set([f"{GATE}=1"]):
         raise RuntimeError("the benchmark failed")
-    assert moe.DEVICE_COUNTS_GPU_VERIFIED is before  # also after a failure
+    assert gated.SHARED_DY_AMAX_GPU_VERIFIED is before  # also after a failure
 
 
 @pytest.mark.parametrize("spec, says", [
     (GATE, "expected MODULE.NAME=true|false"),
     (f"{GATE}=yes", "expected MODULE.NAME=true|false"),
-    ("DEVICE_COUNTS_GPU_VERIFIED=true", "expected MODULE.NAME=true|false"),
+    ("SHARED_DY_AMAX_GPU_VERIFIED=true", "expected MODULE.NAME=true|false"),
     ("minite_megatron.modules.no_such_module.X=true", "does not import"),
-    ("minite_megatron.modules.moe.DEVICE_COUNTS_GPU_VERIFID=true", "no bool attribute 'DEVICE_COUNTS_GPU_VERIFID'"),
-    ("minite_megatron.modules.moe.torch=true", "no bool attribute 'torch'"),
+    ("minite_megatron.ops.linear.SHARED_DY_AMAX_GPU_VERIFID=true", "no bool attribute 'SHARED_DY_AMAX_GPU_VERIFID'"),
+    ("minite_megatron.ops.linear.torch=true", "no bool attribute 'torch'"),
 ])
 def test_bad_gate_is_one_line_naming_the_flag(spec, says):
-    before = moe.DEVICE_COUNTS_GPU_VERIFIED
+    before = gated.SHARED_DY_AMAX_GPU_VERIFIED
     with pytest.raises(SystemExit) as e, gates_set([f"{GATE}={'false' if before else 'true'}", spec]):
         pass
     msg = str(e.value)
     assert msg.startswith(f"--gate {spec!r}") and says in msg and "\n" not in msg, msg
-    assert moe.DEVICE_COUNTS_GPU_VERIFIED is before  # the first, valid gate was put back
+    assert gated.SHARED_DY_AMAX_GPU_VERIFIED is before  # the first, valid gate was put back
 
 
 def test_learner_step_records_the_gate_and_puts_it_back(tmp_path):
     from benchmarks import learner_step
 
-    before = moe.DEVICE_COUNTS_GPU_VERIFIED
+    before = gated.SHARED_DY_AMAX_GPU_VERIFIED
     value = "false" if before else "true"
     learner_step.main(["--smoke", "--variants", "bf16", "--iters", "1", "--warmup", "1", "--gate", f"{GATE}={value}",
                        "--out", str(tmp_path), "--json-dir", str(tmp_path)])
     line = json.loads((tmp_path / "learner_step.jsonl").read_text().splitlines()[-1])
     assert line["gates"] == {GATE: not before}
-    assert moe.DEVICE_COUNTS_GPU_VERIFIED is before
+    assert gated.SHARED_DY_AMAX_GPU_VERIFIED is before
 
 
 def test_device_session_gates_name_existing_gates():
