@@ -49,7 +49,7 @@ def add_output_args(ap, bench_file: str) -> None:
 
 def add_gate_args(ap) -> None:
     """``--gate MODULE.NAME=true|false`` (repeatable): set one of the code's GPU-verified gates (a
-    module-level bool such as ``minite_megatron.modules.moe.DEVICE_COUNTS_GPU_VERIFIED``) for this
+    module-level bool such as ``minite_megatron.ops.linear.SHARED_DY_AMAX_GPU_VERIFIED``) for this
     run only, so a switched-off path can be measured against the default in the same command. The
     gates set are recorded in the JSON line (``gates``): :func:`gates_set`."""
     ap.add_argument("--gate", action="append", default=[], metavar="MODULE.NAME=true|false",

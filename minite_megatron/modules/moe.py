@@ -27,18 +27,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from ..nvfp4.group_sizes import DeviceGroupSizes
 
-#: The dispatch without the host wait runs on CPU tensors (the tests). On the H200 (2026-12-01) its GPU
-#: tests passed (``tests/megatron/test_moe_device_counts_gpu.py`` and ``test_host_syncs_gpu.py``: 0 host
-#: syncs and 0 host-to-device copies per step, the synced path's loss and every gradient bit for bit), but
-#: it did not make the learner step faster (``benchmarks.learner_step``, qwen3-moe, 16384 tokens, one
-#: process, same machine: NVFP4 150.4 ms median (min 124.0) vs 130.2 (min 124.6) with the wait, GPU time
-#: 120.74 vs 121.31 ms; the BF16 twin's GPU time 102.4 vs 96.6 ms, a copy of 6.6 ms in 8 calls that its
-#: device-count path added: a ``masked_fill_`` over all of dW, now ``minite_kernels.triton.nvfp4.group_zero``, which
-#: writes only the empty experts' slices; not yet timed on a GPU). So CUDA tensors keep Megatron's wait
-#: (False) until a step measures faster (``benchmarks/device_session.sh pending``, ``--gate``); True runs
-#: the path on CUDA tensors.
-DEVICE_COUNTS_GPU_VERIFIED = False
-
 
 class IdentitySortSkip:
     """Mixin for ``MoEAlltoAllTokenDispatcher`` subclasses: skip the sort by local expert (and its
@@ -111,9 +99,6 @@ class DeviceTokenCounts(IdentitySortSkip):
                 device = next(self._counts_experts.parameters()).device
             why = self._counts_experts.why_host_counts(dtype, device)
             why = None if why is None else f"the experts: {why}"
-        if why is None and torch.device(device).type == "cuda" and not DEVICE_COUNTS_GPU_VERIFIED:
-            why = ("off on CUDA tensors (modules.moe.DEVICE_COUNTS_GPU_VERIFIED: its GPU tests pass, "
-                   "the learner step measured no faster)")
         return why
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):

@@ -5,8 +5,8 @@ The design's host synchronizations of one forward + backward on one GPU (TP = EP
 * **none in the MoE layers** with the minite experts (``modules.moe.DeviceTokenCounts``): the
   token counts stay on the device, the experts get a ``DeviceGroupSizes`` (offsets summed on the
   device, the wgrad operands ``ceil16(T + 15 G)`` wide): no device-to-host copy, no wait, and no
-  host-to-device copy either. Until ``DEVICE_COUNTS_GPU_VERIFIED`` records this test, CUDA tensors
-  keep the synced path below (``device_counts=False``), which this test also pins:
+  host-to-device copy either (the default). The synced path below (``device_counts=False``, what
+  EP > 1 runs) is pinned too:
 * **Megatron's routing counts, once per MoE layer** (forward, the synced path): its all-to-all
   dispatcher copies ``tokens_per_expert`` to the host on a side stream and waits for that copy
   (``d2h_event.synchronize()`` in ``_maybe_dtoh_and_synchronize``, at ``before_permutation_2``),
@@ -46,8 +46,6 @@ def test_a_learner_step_syncs_the_host_only_where_the_design_says(name, device_c
     from minite_megatron.modules import moe
     from minite_megatron.ops.weight_cache import invalidate_weight_caches
     from minite_megatron.training.presets import build_gpt, init_single_process
-
-    monkeypatch.setattr(moe, "DEVICE_COUNTS_GPU_VERIFIED", True)
 
     device = init_single_process(seed=0)
     model = build_gpt(PRESET, RECIPES[name], max_seq=128, device=device, dtype=torch.bfloat16)

@@ -1,8 +1,8 @@
 """On the GPU, a learner step whose MoE layers keep their token counts on the device computes the
 synced step's loss and every gradient bit for bit (GPU; the CPU twin: ``test_moe_device_counts.py``).
 
-The check that ``modules.moe.DEVICE_COUNTS_GPU_VERIFIED`` waits for (with
-``test_host_syncs_gpu.py``: no host sync in the step). Regression (issue 16 item 3): Megatron's
+With ``test_host_syncs_gpu.py`` (no host sync in the step) the check behind the device counts
+being the default on a GPU. Regression (issue 16 item 3): Megatron's
 dispatcher made the host wait for the routing counts in every MoE layer (H200, qwen3-moe, 16384
 tokens, 2026-12-01: the NVFP4 step 127.1 ms for 122.1 ms of GPU time).
 
@@ -36,7 +36,6 @@ def test_a_step_on_device_counts_is_the_synced_steps_bits(name, main_grad, monke
     from minite_megatron.ops.weight_cache import invalidate_weight_caches
     from minite_megatron.training.presets import build_gpt, init_single_process
 
-    monkeypatch.setattr(moe, "DEVICE_COUNTS_GPU_VERIFIED", True)
     monkeypatch.setattr(DeviceGroupSizes, "tolist", lambda self: pytest.fail("device counts brought to the host"))
     device = init_single_process(seed=0)
     model = build_gpt(PRESET, RECIPES[name], max_seq=128, device=device, dtype=torch.bfloat16)
