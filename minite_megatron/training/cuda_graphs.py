@@ -1,0 +1,107 @@
+"""One whole learner forward + backward captured as a CUDA graph and replayed (issue 24).
+
+:func:`why_not_graphable` says, without touching CUDA, why a model and recipe cannot be graphed
+(None where they can); :class:`GraphedStep` captures one step of a fixed token count and replays
+it. What a captured graph freezes, and so what is refused:
+
+* stochastic rounding: its seeds are host ints drawn per quantization (``ops.seeds.next_sr_seed``,
+  passed to the quantize kernels as a scalar), so a replay would repeat the captured draws;
+* strict mode and every MoE layer whose dispatcher answers ``why_host_counts``: the token counts
+  go to the host (a wait, and host ints that size the permutation), which capture forbids;
+* expert parallelism: the all-to-all takes its split sizes on the host.
+
+Weights: the quantized-weight caches (``ops.weight_cache``) are invalidated before capture, so
+the quantize kernels are part of the graph and every replay quantizes the weights as they are
+then (an optimizer step that writes the parameters in place -- every torch / Megatron optimizer
+does -- is seen by the next replay; a parameter *replaced* by a new tensor is not: capture again).
+
+Gradients: set to None before capture, so each parameter's ``.grad`` is a static output of the
+graph, written (not accumulated) by each replay -- the eager step from grads set to None. Keep
+them (do not set them to None) between replays; read them after :meth:`GraphedStep.step`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def why_not_graphable(model: torch.nn.Module, recipe, device: torch.device | str) -> str | None:
+    """None if one forward + backward of ``model`` under ``recipe`` on ``device`` can be captured
+    as a CUDA graph (module docstring), else the reason, one line. Touches no CUDA state."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (got {device})"
+    if recipe is not None and getattr(recipe, "strict", False):
+        return "strict mode keeps Megatron's host token counts (a host wait per MoE layer)"
+    if recipe is not None and recipe.precision == "nvfp4" and recipe.grad_stochastic_rounding:
+        return ("grad_stochastic_rounding: the stochastic-rounding seeds are host ints, a graph would "
+                "replay the captured draws (use grad_stochastic_rounding=False)")
+    config = getattr(model, "config", None)
+    if config is not None and (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
+        return "expert parallelism: the all-to-all takes its split sizes on the host"
+    for name, module in model.named_modules():
+        why_host = getattr(module, "why_host_counts", None)
+        if callable(why_host) and hasattr(module, "dispatch_preprocess"):  # a token dispatcher
+            why = why_host(torch.bfloat16 if config is None else config.params_dtype, device)
+            if why is not None:
+                return f"{name}: the MoE token counts go to the host ({why})"
+    return None
+
+
+class GraphedStep:
+    """One forward + backward of ``loss_fn(tokens, labels)`` (a scalar loss of ``model``) for
+    inputs of the shapes of ``tokens`` / ``labels``, captured once and replayed by :meth:`step`.
+
+    ``warmup``: eager iterations on a side stream before capture (lazy state, autotuning,
+    allocator pools)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, tokens: torch.Tensor, labels: torch.Tensor,
+                 *, recipe=None, warmup: int = 3):
+        from ..ops.weight_cache import invalidate_weight_caches
+
+        why = why_not_graphable(model, recipe, tokens.device)
+        if why is not None:
+            raise ValueError(f"GraphedStep: cannot graph this step: {why}")
+        self.model, self.loss_fn = model, loss_fn
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.static_tokens, self.static_labels = tokens.clone(), labels.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._set_grads_none()
+                invalidate_weight_caches()
+                loss_fn(self.static_tokens, self.static_labels).backward()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self._set_grads_none()
+        invalidate_weight_caches()  # the quantize kernels run inside the graph, every replay
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            loss = loss_fn(self.static_tokens, self.static_labels)
+            loss.backward()
+        self.static_loss = loss.detach()
+        self.static_grads = [p.grad for p in self.params]
+        invalidate_weight_caches()  # an eager step after this one quantizes afresh (the graph's pool is its own)
+        torch.cuda.synchronize()
+
+    def _set_grads_none(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Copy ``tokens`` / ``labels`` into the static buffers and replay; the loss (a static
+        tensor: clone it to keep it past the next replay). The gradients are in ``.grad``."""
+        if tokens.shape != self.static_tokens.shape or labels.shape != self.static_labels.shape:
+            raise ValueError(f"GraphedStep.step: tokens {tuple(tokens.shape)} / labels {tuple(labels.shape)}: the graph "
+                             f"was captured for {tuple(self.static_tokens.shape)} / {tuple(self.static_labels.shape)}")
+        for p, g in zip(self.params, self.static_grads):
+            if p.grad is not g:
+                raise RuntimeError("GraphedStep.step: a parameter's .grad was replaced since capture "
+                                   "(keep the graph's gradients; do not set them to None between replays)")
+        self.static_tokens.copy_(tokens)
+        self.static_labels.copy_(labels)
+        self.graph.replay()
+        return self.static_loss

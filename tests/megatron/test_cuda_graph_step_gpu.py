@@ -1,0 +1,96 @@
+"""A learner forward + backward captured as a CUDA graph computes the eager step's loss and every
+gradient bit for bit, replay after replay on fresh data and after the weights change (GPU).
+
+Failures pinned: a graph that froze the quantized weights (the weight caches must re-quantize in
+every replay: the weights are changed in place between replays here), stale static inputs, a
+gradient accumulated instead of written; and the recipes a graph would silently break (stochastic
+rounding's host seeds, strict's host counts) are refused with their reason, never captured.
+"""
+
+import pytest
+import torch
+
+from minite_megatron.recipe import Recipe
+from minite_megatron.testing import assert_bitwise_equal
+
+pytestmark = pytest.mark.gpu
+
+PRESET = dict(layers=2, hidden=256, heads=4, groups=2, head_dim=64, experts=8, topk=2, moe_ffn=128, vocab=512)
+SEQ, BATCH = 128, 2
+
+RECIPES = {
+    "bf16_twin": Recipe(precision="bf16"),
+    "nvfp4_rne": Recipe(grad_stochastic_rounding=False),
+}
+
+
+def _build(recipe):
+    from minite_megatron.training.presets import build_gpt, init_single_process
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = init_single_process(seed=0)
+    model = build_gpt(PRESET, recipe, max_seq=SEQ, device=device, dtype=torch.bfloat16)
+    model.train()
+    pos = torch.arange(SEQ, device=device).unsqueeze(0).expand(BATCH, -1)
+
+    def loss_fn(tokens, labels):
+        return model(tokens, pos, None, labels=labels).float().mean()
+
+    return model, loss_fn, device
+
+
+def _data(seed, device):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, PRESET["vocab"], (BATCH, SEQ), generator=g).to(device) for _ in range(2))
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_graphed_step_is_the_eager_steps_bits(name):
+    from minite_megatron.ops.weight_cache import invalidate_weight_caches
+    from minite_megatron.training.cuda_graphs import GraphedStep, why_not_graphable
+
+    model, loss_fn, device = _build(RECIPES[name])
+    assert why_not_graphable(model, RECIPES[name], device) is None
+    params = dict(model.named_parameters())
+
+    def eager(tokens, labels):
+        for p in params.values():
+            p.grad = None
+        invalidate_weight_caches()
+        loss = loss_fn(tokens, labels)
+        loss.backward()
+        out = loss.detach().clone(), {n: p.grad.detach().clone() for n, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        return out
+
+    eager(*_data(0, device))  # warm-up
+    graphed = GraphedStep(model, loss_fn, *_data(0, device), recipe=RECIPES[name])
+    for i in range(3):
+        data = _data(100 + i, device)
+        loss = graphed.step(*data).clone()
+        got = {n: p.grad.detach().clone() for n, p in params.items()}
+        saved = [p.grad for p in params.values()]
+        for p in params.values():
+            p.grad = None
+        want_loss, want = eager(*data)
+        for p, g in zip(params.values(), saved):
+            p.grad = g  # the graph's static gradients back in place
+        assert_bitwise_equal(loss, want_loss, f"loss, replay {i}")
+        for n in want:
+            assert_bitwise_equal(got[n], want[n], f"{n}, replay {i}")
+        with torch.no_grad():  # an optimizer-like in-place update: the next replay must see it
+            for p in params.values():
+                p.mul_(0.99)
+
+
+@pytest.mark.parametrize("recipe,reason", [(Recipe(), "stochastic"), (Recipe(strict=True), "strict")],
+                         ids=["sr", "strict"])
+def test_graphing_is_refused_with_its_reason(recipe, reason):
+    from minite_megatron.training.cuda_graphs import GraphedStep, why_not_graphable
+
+    model, loss_fn, device = _build(recipe)
+    assert reason in why_not_graphable(model, recipe, device)
+    with pytest.raises(ValueError, match=reason):
+        GraphedStep(model, loss_fn, *_data(0, device), recipe=recipe)
