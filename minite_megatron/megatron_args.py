@@ -147,7 +147,11 @@ def check_minite_flags(args: argparse.Namespace) -> None:
             )
             errors.append(f"{flag} cannot be combined with --transformer-impl minite ({hint})")
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
-        errors.append("--cuda-graph-impl cannot be combined with --transformer-impl minite (not supported yet)")
+        errors.append(
+            f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with --transformer-impl minite: Megatron's "
+            "graph managers are not wired to the minite layers yet; what is supported is a whole forward + backward "
+            "captured by minite_megatron.training.cuda_graphs.GraphedStep (TP = EP = 1, no stochastic rounding, "
+            "not strict; why_not_graphable says why not)")
     if getattr(args, "multi_latent_attention", False):
         errors.append("--multi-latent-attention cannot be combined with --transformer-impl minite (not supported yet)")
     if getattr(args, "spec", None) is not None:

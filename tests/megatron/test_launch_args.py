@@ -106,12 +106,20 @@ def test_tensor_parallel_shard_must_stay_a_multiple_of_16(monkeypatch):
         (["--fp4-format", "e2m1"], "--fp4-format"),
         (["--spec", "my.module", "my_spec"], "--spec"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
     ],
 )
 def test_te_and_conflicting_flags_fail_naming_the_flag(monkeypatch, extra, flag):
     """Pins: these are rejected before Megatron's own checks (which would ask for TE instead)."""
     with pytest.raises(MiniteArgumentError, match=f"{flag} cannot be combined with --transformer-impl minite"):
         _parse(BASE + extra, monkeypatch)
+
+
+def test_cuda_graph_impl_names_what_is_supported(monkeypatch):
+    """Pins: Megatron's graph flags with minite layers get one line naming the supported graph
+    (GraphedStep), not a traceback from a graph manager the minite layers are not wired to."""
+    with pytest.raises(MiniteArgumentError, match="GraphedStep"):
+        _parse(BASE + ["--cuda-graph-impl", "transformer_engine"], monkeypatch)
 
 
 def test_unknown_recipe_field_in_a_recipe_file_names_the_field(monkeypatch, tmp_path):
