@@ -19,6 +19,8 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
   attention);
 * ``nvfp4_sdpa`` (not in the default list): the default recipe with ``aligned_ops`` and
   ``aligned_attention`` off (what the aligned ops cost the learner);
+* ``nvfp4_rne``: the default recipe with ``grad_stochastic_rounding=False`` (round to nearest: what
+  a CUDA graph can replay, ``training.cuda_graphs``);
 * ``strict``: ``Recipe(strict=True)`` (batch-invariant kernels, FP32 LM head);
 * ``local`` (not in the default list): Megatron's local spec (experts looped, unfused attention).
 
@@ -55,6 +57,13 @@ the most frequent; ``triton_launches_per_step``) and on a GPU the host synchroni
 runs the GPU's code path under the interpreter (the Triton NVFP4 backend, the ``bi_*`` kernels of
 the aligned ops, the MoE combine kernel; about a minute per NVFP4 step of ``moe16``).
 
+With ``--graphs eager,graphed`` every variant also runs as one captured CUDA graph
+(``training.cuda_graphs.GraphedStep``: row ``VARIANT@graphed``) where ``why_not_graphable`` allows,
+else the row carries its reason (``graph_refused``). On a GPU every row has ``gpu_kernel_ms``,
+``gemm_kernel_ms`` and ``kernels_per_step`` (one profiled step, :func:`kernel_stats`) and a
+B200 / B300 ``projection_not_a_measurement`` (:func:`projection`, printed under "PROJECTION (not
+a measurement)").
+
 FLOPs (:func:`step_flops`): the model's matmuls only -- qkv / o projections, router, experts
 (top-k rows each), LM head, and attention's ``QK^T`` and ``PV`` with the causal half counted
 (``2 * S^2 * D`` per head and sequence for both together) -- times 3 for forward + backward
@@ -85,7 +94,7 @@ from ._timing import add_gate_args, ensure_minite_kernels, environment, gates_se
 
 ensure_minite_kernels()
 
-VARIANTS = ("anchor", "bf16", "nvfp4", "strict")
+VARIANTS = ("anchor", "bf16", "nvfp4", "nvfp4_rne", "strict")
 #: Presets of this script beside ``training.presets.PRESETS``: ``moe16``, a qwen3-moe-shaped model
 #: small enough for a CPU (16 experts top-4) whose per-step op counts scale like the real one's.
 LOCAL_PRESETS = {
@@ -124,9 +133,7 @@ def build(variant: str, preset: dict, seq: int, device, dtype, changes: dict | N
     if variant == "local":
         model = _build_local(preset, seq, device, dtype)
     else:
-        unaligned = dict(aligned_ops=False, aligned_attention=False)
-        recipe = {"bf16": Recipe(precision="bf16", **unaligned), "nvfp4": Recipe(), "nvfp4_sdpa": Recipe(**unaligned),
-                  "strict": Recipe(strict=True)}[variant].replace(**(changes or {}))
+        recipe = recipe_of(variant, changes)
         model = build_gpt(preset, recipe, max_seq=seq, device=device, dtype=dtype)
     model.train()
 
@@ -135,6 +142,18 @@ def build(variant: str, preset: dict, seq: int, device, dtype, changes: dict | N
         return model(tokens, pos, None, labels=labels).mean()
 
     return run, model
+
+
+def recipe_of(variant: str, changes: dict | None = None):
+    """The minite recipe of a variant (None: ``anchor`` and ``local`` have no minite layers)."""
+    from minite_megatron.recipe import Recipe
+
+    if variant in ("anchor", "local"):
+        return None
+    unaligned = dict(aligned_ops=False, aligned_attention=False)
+    return {"bf16": Recipe(precision="bf16", **unaligned), "nvfp4": Recipe(), "nvfp4_sdpa": Recipe(**unaligned),
+            "nvfp4_rne": Recipe(grad_stochastic_rounding=False),
+            "strict": Recipe(strict=True)}[variant].replace(**(changes or {}))
 
 
 def _build_local(p: dict, seq: int, device, dtype):
@@ -462,6 +481,13 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
             _zero_grads(model)
         row["step_ms_weights_cached"] = statistics.median(cached)
     row.update(memory_by_phase(run, model, data, cuda, args.weight_refresh))
+    if cuda:
+        def one_step():
+            _refresh(args.weight_refresh)
+            run(*data).backward()
+            _zero_grads(model)
+
+        row.update(kernel_stats(one_step))
     if args.count_ops:
         row.update(count_host_work(run, model, data, args.weight_refresh, cuda))
     if args.profile:
@@ -471,6 +497,98 @@ def _run_variant(variant, preset, batch, seq, args, device, dtype, out_dir, labe
         path = os.path.join(out_dir, f"host_profile_{label.replace('+', '_')}_{batch * seq}.txt") if out_dir else None
         row["host_profile"] = host_profile(run, model, data, args.host_profile, args.weight_refresh, path, args.top, cuda)
     del run, model, data
+    gc.collect()
+    return row
+
+
+#: Substrings of the names of GEMM kernels (cuBLAS / CUTLASS / nvjet / torch grouped mm / Triton dot kernels).
+GEMM_KERNEL_MARKS = ("gemm", "matmul", "nvjet", "cutlass", "_mm", "sm90_xmma", "wgmma", "dot")
+#: The projection's rates (dense, PFLOPS), datasheet values: NVIDIA Blackwell datasheet / HGX B200 and
+#: B300 pages (B200: FP4 9, BF16 2.25; B300: FP4 13.5 -- 15 is the sparse-free headline of some
+#: pages; BF16 2.25) and the H100 SXM datasheet (BF16 0.989).
+DATASHEET_PFLOPS = {"H100": {"bf16": 0.989}, "B200": {"fp4": 9.0, "bf16": 2.25}, "B300": {"fp4": 13.5, "bf16": 2.25}}
+
+
+def kernel_stats(step, steps: int = 1) -> dict:
+    """GPU kernels of ``steps`` calls of ``step`` (torch.profiler, CUDA activity): kernel time and
+    kernel count per step, and the time per step of GEMM kernels (:data:`GEMM_KERNEL_MARKS`)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total = gemm = 0.0
+    count = 0
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "memcpy" in name or "memset" in name:
+            continue
+        t = e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
+        total += t
+        count += 1
+        if any(m in name for m in GEMM_KERNEL_MARKS):
+            gemm += t
+    return {"gpu_kernel_ms": total / steps, "gemm_kernel_ms": gemm / steps, "kernels_per_step": count / steps}
+
+
+def projection(row: dict, fp4: bool) -> dict:
+    """The B200 / B300 projection of a measured row (module docstring; NOT a measurement): every
+    kernel's H100 time divided by the BF16 dense-rate ratio (Blackwell / H100, 2.25 / 0.989), the GEMM
+    kernels of an NVFP4 variant further by the FP4 / BF16 dense-rate ratio (H100 runs them at BF16
+    rate); the step = max(measured host time, projected GPU time) (host and GPU overlap; the host
+    time is taken as measured: the same host CPU)."""
+    out = {}
+    for gpu in ("B200", "B300"):
+        r = DATASHEET_PFLOPS[gpu]
+        bf16 = r["bf16"] / DATASHEET_PFLOPS["H100"]["bf16"]
+        gemm = row["gemm_kernel_ms"] / bf16 / (r["fp4"] / r["bf16"] if fp4 else 1.0)
+        gpu_ms = (row["gpu_kernel_ms"] - row["gemm_kernel_ms"]) / bf16 + gemm
+        out[gpu] = {"projected_gpu_ms": gpu_ms, "projected_step_ms": max(row["host_ms"], gpu_ms)}
+    return out
+
+
+def _run_graphed(variant, preset, batch, seq, args, device, dtype, label, changes=None) -> dict:
+    """The variant's step captured as one CUDA graph (``training.cuda_graphs.GraphedStep``) and replayed
+    on fresh weights each step (an in-place update, as an optimizer's); a row with the refusal's reason
+    where ``why_not_graphable`` says no."""
+    from minite_megatron.training.cuda_graphs import GraphedStep, why_not_graphable
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run, model = build(variant, preset, seq, device, dtype, changes)
+    recipe = recipe_of(variant, changes)
+    why = why_not_graphable(model, recipe, device)
+    if why is not None:
+        del run, model
+        return {"variant": label, "graph_refused": why}
+    g = torch.Generator(device="cpu").manual_seed(7)
+    tokens = torch.randint(0, preset["vocab"], (batch, seq), generator=g).to(device)
+    labels = torch.randint(0, preset["vocab"], (batch, seq), generator=g).to(device)
+    t0 = time.perf_counter()
+    graphed = GraphedStep(model, run, tokens, labels, recipe=recipe, warmup=max(1, args.warmup))
+    capture_s = time.perf_counter() - t0
+    clock = Clock(True)
+    for _ in range(args.warmup):
+        graphed.step(tokens, labels)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, host = [], []
+    for _ in range(args.iters):
+        start = clock.start()
+        t_host = time.perf_counter()
+        graphed.step(tokens, labels)
+        host.append((time.perf_counter() - t_host) * 1e3)
+        times.append(clock.ms(start))
+    row = {"variant": label, "step_ms": statistics.median(times), "step_ms_all": times, "host_ms": statistics.median(host),
+           "host_ms_all": host, "tokens_per_s": batch * seq / statistics.median(times) * 1e3, "capture_s": capture_s,
+           "peak_gib": _peak(True), "loss_first_step": float(graphed.static_loss)}
+    row.update(kernel_stats(lambda: graphed.step(tokens, labels)))
+    del graphed, run, model
     gc.collect()
     return row
 
@@ -503,6 +621,9 @@ def _main(argv=None, gates=None):
     ap.add_argument("--tokens", default="4096,16384", help="tokens per step, comma-separated")
     ap.add_argument("--seq-length", type=int, default=4096, help="sequence length (sequences = tokens / this)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS + ('local', 'nvfp4_sdpa')}")
+    ap.add_argument("--graphs", default="eager",
+                    help="comma-separated of eager,graphed: graphed rows (VARIANT@graphed) capture the step as one "
+                         "CUDA graph where training.cuda_graphs.why_not_graphable allows, else carry its reason")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--weight-refresh", choices=("step", "cached"), default="step")
@@ -551,6 +672,11 @@ def _main(argv=None, gates=None):
             sys.exit(f"--variants: unknown variant {v!r} (variants {VARIANTS + ('local', 'nvfp4_sdpa')}, switches {tuple(SWITCHES)})")
         if switches and base in ("anchor", "local"):
             sys.exit(f"--variants: {v!r}: the +switches set minite recipe fields; {base!r} has no minite layers")
+    graphs = [m for m in args.graphs.split(",") if m]
+    if not graphs or any(m not in ("eager", "graphed") for m in graphs):
+        sys.exit(f"--graphs {args.graphs!r}: a comma-separated list of eager,graphed")
+    if "graphed" in graphs and device.type != "cuda":
+        sys.exit("--graphs graphed needs a CUDA GPU")
     records = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         if tokens % args.seq_length:
@@ -558,15 +684,25 @@ def _main(argv=None, gates=None):
         batch, seq = tokens // args.seq_length, args.seq_length
         flops = step_flops(preset, batch, seq)
         rows = []
-        for v in variants:
-            print(f"... {v} at {tokens} tokens", flush=True)
+        for v, mode in [(v, m) for v in variants for m in graphs]:
+            label = v if mode == "eager" else f"{v}@graphed"
+            print(f"... {label} at {tokens} tokens", flush=True)
             try:
-                row = run_variant(v, preset, batch, seq, args, device, dtype, args.out)
+                if mode == "eager":
+                    row = run_variant(v, preset, batch, seq, args, device, dtype, args.out)
+                else:
+                    base, *sw = v.split("+")
+                    changes = {k: val for x in sw for k, val in SWITCHES[x].items()}
+                    row = _run_graphed(base, preset, batch, seq, args, device, dtype, label, changes)
+                    if "graph_refused" in row:
+                        print(f"    not graphed: {row['graph_refused']}", flush=True)
+                        rows.append(row)
+                        continue
             except Exception as e:  # one broken variant must not cost the others' numbers: report it
                 import traceback
 
                 traceback.print_exc()
-                rows.append({"variant": v, "error": f"{type(e).__name__}: {e}"[:300]})
+                rows.append({"variant": label, "error": f"{type(e).__name__}: {e}"[:300]})
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -574,9 +710,14 @@ def _main(argv=None, gates=None):
             row["model_tflops_per_s"] = flops / row["step_ms"] / 1e9
             row["mfu"] = row["model_tflops_per_s"] / args.peak_tflops
             rows.append(row)
-            print(f"    {row['step_ms']:.2f} ms, peak {row['peak_gib']:.2f} GiB, first step {row['first_step_s']:.1f} s",
+            print(f"    {row['step_ms']:.2f} ms, host {row['host_ms']:.2f} ms, peak {row['peak_gib']:.2f} GiB, "
+                  f"kernels/step {row.get('kernels_per_step')}",
                   flush=True)
-        by = {r["variant"]: r for r in rows if "error" not in r}
+        by = {r["variant"]: r for r in rows if "error" not in r and "graph_refused" not in r}
+        for r in by.values():
+            if "gpu_kernel_ms" in r:
+                r["projection_not_a_measurement"] = projection(r, fp4=r["variant"].split("+")[0].split("@")[0]
+                                                               in ("nvfp4", "nvfp4_rne", "nvfp4_sdpa", "strict"))
         ratios = {}
         if "nvfp4" in by and "bf16" in by:
             ratios["nvfp4_over_bf16_time"] = by["nvfp4"]["step_ms"] / by["bf16"]["step_ms"]
@@ -584,6 +725,10 @@ def _main(argv=None, gates=None):
             gpu = {v: by[v].get("profile", {}).get("gpu_ms_per_step") for v in ("nvfp4", "bf16")}
             if gpu["nvfp4"] and gpu["bf16"]:  # with --profile: the kernels' time alone (no host waits)
                 ratios["nvfp4_over_bf16_gpu_time"] = gpu["nvfp4"] / gpu["bf16"]
+        if "nvfp4_rne@graphed" in by and "bf16@graphed" in by:
+            ratios["nvfp4_rne_graphed_over_bf16_graphed_time"] = by["nvfp4_rne@graphed"]["step_ms"] / by["bf16@graphed"]["step_ms"]
+        if "nvfp4_rne@graphed" in by and "bf16" in by:
+            ratios["nvfp4_rne_graphed_over_bf16_eager_time"] = by["nvfp4_rne@graphed"]["step_ms"] / by["bf16"]["step_ms"]
         if "strict" in by and "nvfp4" in by:
             ratios["strict_over_default_time"] = by["strict"]["step_ms"] / by["nvfp4"]["step_ms"]
         if "nvfp4" in by and "nvfp4_sdpa" in by:
@@ -591,13 +736,26 @@ def _main(argv=None, gates=None):
         if "bf16" in by and "anchor" in by:
             ratios["bf16_over_anchor_time"] = by["bf16"]["step_ms"] / by["anchor"]["step_ms"]
         print_table(f"learner step, {preset_name}, {tokens} tokens ({batch} x {seq}), {env['device']}",
-                    [r for r in rows if "error" not in r],
-                    ["variant", "step_ms", "host_ms", "tokens_per_s", "model_tflops_per_s", "mfu", "peak_gib", "peak_forward_gib",
+                    list(by.values()),
+                    ["variant", "step_ms", "host_ms", "gpu_kernel_ms", "gemm_kernel_ms", "kernels_per_step", "tokens_per_s", "model_tflops_per_s", "mfu", "peak_gib", "peak_forward_gib",
                      "peak_backward_gib", "saved_for_backward_gib", "params_gib", "loss_first_step", "first_step_s"])
         print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items() if v is not None))
         for r in rows:
             if "error" in r:
                 print(f"FAILED {r['variant']}: {r['error']}")
+            if "graph_refused" in r:
+                print(f"NOT GRAPHED {r['variant']}: {r['graph_refused']}")
+        proj = [r for r in by.values() if "projection_not_a_measurement" in r]
+        if proj:
+            print("\nPROJECTION (not a measurement): B200 / B300 from this run's host time and per-kernel GPU times; "
+                  "every kernel / (2.25 / 0.989, the BF16 dense-rate ratio), an NVFP4 variant's GEMM kernels further / "
+                  "(FP4 / BF16 dense rate: B200 9 / 2.25 = 4x, B300 13.5 / 2.25 = 6x); datasheet values (NVIDIA "
+                  "Blackwell datasheet, HGX B200 / B300 pages; H100 SXM datasheet); step = max(host, projected GPU)")
+            for r in proj:
+                pj = r["projection_not_a_measurement"]
+                print(f"    {r['variant']:<22} host {r['host_ms']:8.2f} ms | " + " | ".join(
+                    f"{gpu}: GPU {pj[gpu]['projected_gpu_ms']:8.2f} ms, step {pj[gpu]['projected_step_ms']:8.2f} ms"
+                    for gpu in ("B200", "B300")))
         for r in rows:
             if "aten_ops_per_step" in r:
                 line = (f"{r['variant']}: {r['aten_ops_per_step']} aten ops per step "
