@@ -562,7 +562,8 @@ def _run_graphed(variant, preset, batch, seq, args, device, dtype, label, change
     torch.cuda.reset_peak_memory_stats()
     run, model = build(variant, preset, seq, device, dtype, changes)
     recipe = recipe_of(variant, changes)
-    why = why_not_graphable(model, recipe, device)
+    why = ("plain torch (not the minite layers): run eager only here (a failed capture would leave the "
+           "device for the variants after it)") if recipe is None else why_not_graphable(model, recipe, device)
     if why is not None:
         del run, model
         return {"variant": label, "graph_refused": why}
