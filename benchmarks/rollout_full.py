@@ -16,14 +16,19 @@ Run through ``python -m benchmarks.rollout --preset qwen3-30b-a3b`` (or directly
    the deepest cut that fits, with the NVFP4 engine at the same cut (``nvfp4_cut``) for the
    ratio; a row says how many layers fit.
 
-One JSON line per model (``benchmarks/results/rollout_full.jsonl`` and ``--json``).
+One JSON line per run (``benchmarks/results/rollout_full.jsonl`` and ``--json``), also after an
+error in a section (a row names it, the next section runs), ``--budget-s`` (later sections are
+skipped, a row says so) or SIGTERM / SIGINT (``"interrupted"``); ``<json>.partial`` holds the
+results so far after every row. Batch 1 also reports the kernels one decode step launches
+(``kernels_per_step``, CUPTI over graph replays) and the decode time per kernel (``us_per_kernel``).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
+import json
 import os
+import signal
 import sys
 import time
 
@@ -33,6 +38,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks._timing import environment, print_table, save  # noqa: E402
 from minite_megatron.training.cli import OneLineArgumentParser  # noqa: E402
+
+
+class Interrupted(Exception):
+    """SIGTERM / SIGINT (the step's timeout): stop, then write the JSON line of what ran."""
 
 
 def _free_all():
@@ -65,11 +74,15 @@ def _gib(n) -> float:
     return round(n / 2**30, 2)
 
 
-def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list[dict]:
-    from benchmarks.rollout import gap_of, prompts_for, time_engine
+def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool, rows: list | None = None,
+                flush=lambda: None, kernels: bool = False) -> list[dict]:
+    """Rows of one engine, appended to ``rows`` as they come (``flush()`` after each one); with
+    ``kernels``, last (the profiler stays initialized after it), the kernels one decode step
+    launches at batch 1 and the time per kernel."""
+    from benchmarks.rollout import gap_of, kernels_per_step, prompts_for, time_engine
     from minite_megatron.rollout.engine import RolloutEngine
 
-    rows = []
+    rows = [] if rows is None else rows
     max_seq = max(args.prompt_max + args.new, args.prompt_max + args.rl_new)
     eng = RolloutEngine(model, eod_id=0, max_batch_size=max(batches), max_sequence_length=max_seq,
                         attention="sdpa" if name == "bf16" else "module")
@@ -83,6 +96,7 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list
             row.update(gap_of(model, eng, prompts, args.new))
         rows.append(row)
         print(row, flush=True)
+        flush()
     if rl:
         g = torch.Generator().manual_seed(11)
         base = [torch.randint(1, preset["vocab"] - 1, (int(n),), generator=g).tolist()
@@ -98,6 +112,15 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool) -> list
                      "rollout_tokens": toks, "wall_s": round(wall, 3), "rollout_tokens_per_s": toks / wall,
                      "peak_gib": _gib(_peak())})
         print(rows[-1], flush=True)
+        flush()
+    if kernels and torch.cuda.is_available():
+        one = next((r for r in rows if r.get("engine") == name and r.get("batch") == 1 and "decode_step_ms" in r), None)
+        if one is not None:
+            k = kernels_per_step(eng, prompts_for(1, args.prompt_min, args.prompt_max, preset["vocab"]))
+            one.update(kernels_per_step=k, kernels_per_layer_upper=k / preset["layers"],
+                       us_per_kernel=one["decode_step_ms"] * 1e3 / k if k else None)
+            print({"engine": name, "batch": 1, "kernels_per_step": k, "us_per_kernel": one["us_per_kernel"]}, flush=True)
+            flush()
     del eng
     return rows
 
@@ -177,7 +200,9 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt-min", type=int, default=16)
     ap.add_argument("--prompt-max", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1, help="timed generate calls per row (after one warm-up)")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="seconds after which the remaining sections are skipped (a row says so)")
     ap.add_argument("--gap-batch", type=int, default=8, help="gap on gap-batch x new sampled tokens (8 x 64 = 512)")
     ap.add_argument("--rl-prompts", type=int, default=32)
     ap.add_argument("--rl-samples", type=int, default=8)
@@ -206,25 +231,76 @@ def main(argv=None):
                "prompt_lengths": [args.prompt_min, args.prompt_max], "accounting_gib": accounting,
                "parameters": resident_bytes(preset)["parameters"], "rows": [], **environment()}
     print("weights (GiB, computed):", accounting, flush=True)
-    for name in ("nvfp4", "strict"):
-        if name not in engines:
-            continue
+    partial = (args.json or os.path.join(os.path.dirname(__file__), "results", "rollout_full.jsonl")) + ".partial"
+    t_start = time.perf_counter()
+
+    def flush():  # the results so far, overwritten after every section (a kill still leaves them)
+        os.makedirs(os.path.dirname(os.path.abspath(partial)), exist_ok=True)
+        with open(partial, "w") as f:
+            f.write(json.dumps(results) + "\n")
+
+    def section(name, fn):
+        """Run one section unless the time budget is spent; an error is one row, the rest still runs."""
+        elapsed = time.perf_counter() - t_start
+        if elapsed > args.budget_s:
+            results["rows"].append({"section": name, "skipped": f"time budget {args.budget_s:.0f} s spent ({elapsed:.0f} s)"})
+            print(results["rows"][-1], flush=True)
+            return
+        try:
+            fn()
+        except (Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 -- reported as a row, the next section still runs
+            results["rows"].append({"section": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+            print(results["rows"][-1], flush=True)
         _free_all()
-        t0 = time.perf_counter()
-        model = build_resident_gpt(unallocated_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024)),
-                                   device=device, seed=0)
-        _sync()
-        build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),
-                 "weights_gib": _gib(_allocated()), "build_peak_gib": _gib(_peak())}
-        print(build, flush=True)
-        results["rows"].append(build)
-        if name == "nvfp4" and args.kv_batch:
-            results["rows"].append(kv_peak_row(model, preset, args))
-        sizes = batches if name == "nvfp4" else [int(b) for b in args.strict_batches.split(",")]
-        results["rows"] += engine_rows(name, model, preset, args, sizes, gap=True, rl=name == "nvfp4")
-        del model
-    if "bf16" in engines:
-        results["rows"] += bf16_rows(preset, args, device)
+        flush()
+
+    def engine_section(name):
+        def run():
+            t0 = time.perf_counter()
+            model = build_resident_gpt(unallocated_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024)),
+                                       device=device, seed=0)
+            _sync()
+            build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),
+                     "weights_gib": _gib(_allocated()), "build_peak_gib": _gib(_peak())}
+            print(build, flush=True)
+            results["rows"].append(build)
+            if name == "nvfp4" and args.kv_batch:
+                results["rows"].append(kv_peak_row(model, preset, args))
+                flush()
+            sizes = batches if name == "nvfp4" else [int(b) for b in args.strict_batches.split(",")]
+            engine_rows(name, model, preset, args, sizes, gap=True, rl=name == "nvfp4",
+                        rows=results["rows"], flush=flush, kernels=name == "nvfp4")
+            del model
+        return run
+
+    def on_signal(signum, _frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    results["complete"] = False
+    try:
+        for name in ("nvfp4", "strict"):
+            if name in engines:
+                _free_all()
+                section(name, engine_section(name))
+        if "bf16" in engines:
+            section("bf16", lambda: results["rows"].extend(bf16_rows(preset, args, device)))
+        results["complete"] = True
+    except (Interrupted, KeyboardInterrupt) as e:
+        results["interrupted"] = str(e) or type(e).__name__
+        print("interrupted:", results["interrupted"], "-- writing the results so far", flush=True)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        results["wall_s"] = round(time.perf_counter() - t_start, 1)
+        finish(results, preset, args)
+    return results
+
+
+def finish(results, preset, args):
+    """The ratios, the table and the JSON line (also after an interruption: what ran so far)."""
     _free_all()
     by = {(r.get("engine"), r.get("batch")): r for r in results["rows"] if "decode_step_ms" in r}
     ratios = {}
@@ -238,12 +314,16 @@ def main(argv=None):
             ratios[f"bf16_over_nvfp4_b{b}"] = f["decode_step_ms"] / n["decode_step_ms"]
     results["ratios"] = ratios
     print_table(f"rollout at {args.preset} ({preset['layers']} layers)", [r for r in results["rows"] if "decode_step_ms" in r],
-                ["engine", "layers", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs"])
+                ["engine", "layers", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs",
+                 "kernels_per_step", "us_per_kernel"])
     print("ratios:", ratios, flush=True)
     out = save(results, "rollout_full", [os.path.join(os.path.dirname(__file__), "results"),
                                           os.path.dirname(args.json) if args.json else None])
-    print("saved", out)
-    return results
+    if args.json and os.path.abspath(args.json) not in {os.path.abspath(o) for o in out}:
+        with open(args.json, "a") as f:  # also the file --json names
+            f.write(json.dumps(results) + "\n")
+        out.append(args.json)
+    print("saved", out, flush=True)
 
 
 if __name__ == "__main__":

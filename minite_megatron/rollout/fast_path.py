@@ -26,7 +26,7 @@ import torch
 
 from .cuda_graphs import StepGraphs
 from .decode_step import DecodeModel, KVCache
-from .logprobs import token_logprobs
+from .logprobs import CHUNK_BYTES, token_logprobs
 from .rollout import Rollout
 from .sampling import SamplingConfig, nonfinite_rows, sample_tokens
 
@@ -76,6 +76,31 @@ def step_reserve(max_batch: int, vocab: int, hidden: int) -> int:
     """Working memory one decode step (or its graph pool) is given room for: the logits and
     sampling buffers (fp32 ``[B, V]`` a few times) and the activations, with 1 GiB of slack."""
     return 6 * 4 * max_batch * vocab + 64 * max_batch * hidden * 4 + (1 << 30)
+
+
+def prefill_bytes(batch: int, length: int, vocab: int, hidden: int, dtype: torch.dtype) -> int:
+    """Working memory of one prefill over ``[batch, length]`` prompts: the ``[B, L, V]`` logits
+    twice (the output layer's ``[L, B, V]`` and the model's ``[B, L, V]`` copy), the log-probs'
+    fp32 blocks (:data:`.logprobs.CHUNK_BYTES`, input and output), the activations (32 of
+    ``[B*L, H]``), and 1 GiB of slack."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 2 * batch * length * vocab * elt + 3 * CHUNK_BYTES + 32 * batch * length * hidden * elt + (1 << 30)
+
+
+def check_prefill_fits(nbytes: int, free: int, *, batch: int, length: int) -> None:
+    """Raise ValueError (one line) when a prefill's working memory ``nbytes`` exceeds ``free``."""
+    if nbytes > free:
+        raise ValueError(
+            f"rollout: a prefill of {batch} prompts x {length} tokens needs {nbytes / 2**30:.2f} GiB of working "
+            f"memory (logits, log-probs, activations) but {free / 2**30:.2f} GiB of device memory are free "
+            "(after the weights and the KV cache): pass fewer or shorter prompts per generate call")
+
+
+def device_free(device) -> int:
+    """Bytes a new allocation on ``device`` can get: the driver's free memory plus what PyTorch's
+    caching allocator holds unused."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class DecodeState:
@@ -197,6 +222,10 @@ class FastGenerator:
             grid[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         grid, lengths_dev = grid.to(dev), lengths.to(dev)
 
+        if dev.type == "cuda":
+            check_prefill_fits(prefill_bytes(b, longest, self.vocab_size, self.runner.gpt.embedding.word_embeddings.weight.shape[-1],
+                                             self.runner.gpt.embedding.word_embeddings.weight.dtype),
+                               device_free(dev), batch=b, length=longest)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if dev.type == "cuda" else None
         if events:
             events[0].record()

@@ -35,19 +35,31 @@ def check_temperature(temperature: float) -> float:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, temperature: float = 1.0, *,
-                   check: bool = True) -> torch.Tensor:
+                   check: bool = True, chunk_bytes: int | None = None) -> torch.Tensor:
     """fp32 ``log_softmax(fp32(logits) / temperature)[..., tokens]`` for ``logits`` ``[..., V]``
     and ``tokens`` ``[...]``.
 
     ``strict`` selects the batch-invariant log-softmax. ``check=False`` skips the host-side
     check of the token ids (a sync; the CUDA-graph decode step samples the ids itself): the
     same numbers. Raises ValueError for token ids outside ``[0, V)`` (with ``check``),
-    mismatched shapes or a temperature that is not finite and > 0."""
+    mismatched shapes or a temperature that is not finite and > 0. The fp32 work runs on blocks of
+    rows of at most ``chunk_bytes`` (default :data:`CHUNK_BYTES`), with the bits of one call."""
     temperature = check_temperature(temperature)
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     if tuple(tokens.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} vs logits {tuple(logits.shape)}")
     if check and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
         raise ValueError(f"token_logprobs: token ids must lie in [0, {logits.shape[-1]})")
+    rows = max(1, chunk_bytes // (4 * max(logits.shape[-1], 1)))
+    return _by_rows(lambda x, t: _row_logprobs(x, t, strict, temperature), logits, tokens, rows)
+
+
+CHUNK_BYTES = 512 << 20
+"""fp32 working set of one :func:`token_logprobs` chunk: a prefill's ``[B, L, V]`` logits (a
+152k vocabulary) are scored a block of rows at a time, never as one ``[B, L, V]`` fp32 copy."""
+
+
+def _row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, temperature: float) -> torch.Tensor:
     if temperature != 1.0:
         logits = logits.to(torch.float32) / temperature
     if strict:
@@ -57,6 +69,22 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, strict: bool, tem
         return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _by_rows(fn, logits: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """``fn(logits, tokens)`` over blocks of at most ``rows`` rows of ``logits`` ``[..., V]`` (views
+    along the leading dimensions, no copy of the whole), concatenated: each row's log-softmax is
+    its own reduction, so the bits are those of one call over the whole."""
+    if logits.dim() == 1:
+        return fn(logits, tokens)
+    n = logits.shape[0]
+    per = math.prod(logits.shape[1:-1])  # rows of one slice along dim 0
+    if n * per <= rows:
+        return fn(logits, tokens)
+    if per <= rows:
+        step = max(1, rows // max(per, 1))
+        return torch.cat([fn(logits[i: i + step], tokens[i: i + step]) for i in range(0, n, step)])
+    return torch.stack([_by_rows(fn, logits[i], tokens[i], rows) for i in range(n)])
 
 
 def pad_sequences(sequences: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, list[int]]:

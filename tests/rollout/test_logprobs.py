@@ -65,3 +65,40 @@ def test_token_logprobs_temperature_is_log_softmax_of_scaled_logits():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="temperature"):
             token_logprobs(logits, tokens, False, temperature=bad)
+
+
+def _unchunked(logits, tokens, strict, temperature):
+    """The log-probs as one call over the whole ``[..., V]`` (what the chunked code replaces)."""
+    if temperature != 1.0:
+        logits = logits.to(torch.float32) / temperature
+    if strict:
+        from minite_megatron.invariant.softmax import log_softmax
+
+        lp = log_softmax(logits, dim=-1)
+    else:
+        lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return torch.gather(lp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_logprobs_in_row_chunks_have_the_bits_of_one_call(strict, temperature, dtype):
+    """Scoring a prefill's ``[B, L, V]`` logits in blocks of rows (the fix of the batch-256 OOM:
+    no ``[B, L, V]`` fp32 copy) gives the bits of one log-softmax over the whole, for every block
+    size (several slices of dim 0 per block, part of one slice, one row), on the engine's
+    non-contiguous ``logits[:, :-1]`` view, with hard rows (+-inf, huge, ties)."""
+    g = torch.Generator().manual_seed(5)
+    b, length, v = 5, 7, 97
+    logits = (torch.randn(b, length, v, generator=g) * 6).to(dtype)
+    logits[0, 1] = 0  # ties
+    logits[1, 2, :5] = float("-inf")
+    logits[2, 3, 7] = 3e4
+    logits[3, 0, ::3] = -3e4
+    view, tokens = logits[:, :-1], torch.randint(0, v, (b, length - 1), generator=g)
+    want = _unchunked(view, tokens, strict, temperature)
+    for rows in (1, 2, 3, length - 1, length, 2 * (length - 1) + 1, b * length):
+        got = token_logprobs(view, tokens, strict, temperature, chunk_bytes=rows * 4 * v)
+        assert_bitwise_equal(got, want)
+    assert_bitwise_equal(token_logprobs(view[:, 0], tokens[:, 0], strict, temperature, chunk_bytes=4 * v),
+                         _unchunked(view[:, 0], tokens[:, 0], strict, temperature))

@@ -121,3 +121,19 @@ def test_resident_model_refuses_a_weight_sync():
     eng = RolloutEngine(res, eod_id=0, max_batch_size=2)
     with pytest.raises(ValueError, match="frozen"):
         eng.sync_weights()
+
+
+def test_prefill_working_set_is_checked_in_one_line():
+    """A prefill whose logits / log-probs / activations cannot fit the memory left after the
+    weights and the KV cache is refused in one line naming the batch and the prompt length (the
+    batch-256 run died in an OOM inside ``log_softmax`` instead); the benchmark's batch of 256
+    prompts of 96 tokens fits the ~45 GiB an 80 GB card leaves it."""
+    from minite_megatron.rollout.fast_path import check_prefill_fits, prefill_bytes
+
+    need = prefill_bytes(256, 96, 151936, 2048, torch.bfloat16)
+    assert need >= 2 * 256 * 96 * 151936 * 2  # the [B, L, V] logits and their copy
+    assert need < 24 * 2**30
+    check_prefill_fits(need, 45 * 2**30, batch=256, length=96)
+    with pytest.raises(ValueError, match=r"prefill of 256 prompts x 2048 tokens") as e:
+        check_prefill_fits(prefill_bytes(256, 2048, 151936, 2048, torch.bfloat16), 45 * 2**30, batch=256, length=2048)
+    assert "\n" not in str(e.value)
