@@ -242,5 +242,5 @@ def test_diagnose_exits_2_with_one_line_for_a_corrupt_or_empty_pt(tmp_path, comm
 def test_diagnose_exits_2_with_one_line_for_an_unknown_preset(tmp_path):
     proc = _diagnose("run", "--out", tmp_path / "out", "--preset", "qwen9")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "minite-diagnose run: error: unknown --preset 'qwen9'; known: qwen3-moe, tiny" in proc.stderr
+    assert "minite-diagnose run: error: unknown --preset 'qwen9'; known: qwen3-30b-a3b, qwen3-moe, tiny" in proc.stderr
     assert "Traceback" not in proc.stderr

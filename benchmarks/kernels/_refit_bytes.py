@@ -1,6 +1,5 @@
 """Bytes moved per refit (the RL loop's weight sync into vLLM), NVFP4 vs a BF16 learner: computed
 from the shapes, not timed.
-from minite_megatron.training.cli import OneLineArgumentParser
 
     python -m benchmarks.kernels --sections refit_bytes                          # qwen3-moe preset + Qwen3-30B-A3B
     python -m benchmarks.kernels --sections refit_bytes --json-dir benchmarks/results   # and its JSON line
@@ -25,6 +24,7 @@ import sys
 
 from . import RESULTS, command
 from .._timing import print_table, save
+from minite_megatron.training.cli import OneLineArgumentParser
 
 LAYOUTS = [  # (tp, ep, etp)
     (1, 1, 1), (2, 1, 2), (4, 1, 4), (8, 1, 8), (1, 8, 1), (2, 8, 1), (4, 8, 1), (8, 8, 1),
