@@ -16,12 +16,29 @@ activations), TP = EP = 1, one rank, ``--temperature 1`` (vLLM's raw log-probs a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import tempfile
+
+import numpy as np
 
 import torch
 
 from minite_megatron.rollout.rollout import Rollout
+
+
+@contextlib.contextmanager
+def _caller_rng_preserved():
+    """vLLM reseeds the global torch/numpy/python RNGs when it builds (``seed=``) and may draw from
+    them while it samples; the learner's data draws must not shift because an engine exists."""
+    states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
 
 
 class VllmRolloutEngine:
@@ -46,9 +63,10 @@ class VllmRolloutEngine:
         self.workdir = tempfile.mkdtemp(prefix="minite-rl-vllm-")
         export_modelopt(self.workdir, learner_weights(gpt), self.config, recipe, rope_theta=float(gpt.rotary_base),
                         max_position_embeddings=max_sequence_length)
-        self.llm = LLM(model=self.workdir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                       max_model_len=max_sequence_length, max_num_seqs=max_batch_size, seed=0,
-                       logprobs_mode="raw_logits", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+        with _caller_rng_preserved():
+            self.llm = LLM(model=self.workdir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+                           max_model_len=max_sequence_length, max_num_seqs=max_batch_size, seed=0,
+                           logprobs_mode="raw_logits", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
         self.refits = []
 
     def sync_weights(self) -> None:
@@ -81,7 +99,8 @@ class VllmRolloutEngine:
                             top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,
                             logprobs=0, detokenize=False, ignore_eos=True,
                             stop_token_ids=[self.eod] if stop_at_eod else None)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        with _caller_rng_preserved():
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
         rollouts = []
         for p, o in zip(prompts, outs):
             gen = list(o.outputs[0].token_ids)
