@@ -103,7 +103,7 @@ def test_quantize_tiles_are_a_backend_option(monkeypatch):
     seen = []
     real_op = quantize.quantize_op
     monkeypatch.setattr(quantize, "quantize_op", lambda *a: (seen.append(a[-1]), real_op(*a))[1])
-    x = randn(32, 64)
+    x = randn(32, 64).to(DEVICE)
     be = TritonBackend(TritonOptions(quantize_tiles=tiles))
     assert_nvfp4_equal(be.quantize(x, with_image=True), BACKEND.quantize(x, with_image=True))
     assert seen == [tiles.as_list(), None]
