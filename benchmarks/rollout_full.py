@@ -306,10 +306,10 @@ def finish(results, preset, args):
     ratios = {}
     for b in (1, 8):
         n, s, f = by.get(("nvfp4", b)), by.get(("strict", b)), by.get(("bf16", b))
+        if n and s:  # both at the preset's depth
+            ratios[f"strict_over_default_b{b}"] = s["decode_step_ms"] / n["decode_step_ms"]
         if f and f.get("layers", preset["layers"]) != preset["layers"]:
             n = by.get(("nvfp4_cut", b))  # the BF16 engine ran at a cut: compare at that depth
-        if n and s:
-            ratios[f"strict_over_default_b{b}"] = s["decode_step_ms"] / n["decode_step_ms"]
         if n and f:
             ratios[f"bf16_over_nvfp4_b{b}"] = f["decode_step_ms"] / n["decode_step_ms"]
     results["ratios"] = ratios
