@@ -110,23 +110,35 @@ def _check_global_shape(key: str, shape: tuple, lay: Layout, ckpt: HFCheckpoint,
                            f"{list(want)} (the model was built for another config)")
 
 
-def load_hf_weights(model, hf_dir: str | os.PathLike, *, progress: bool | None = None) -> LoadReport:
-    """Load the HF checkpoint ``hf_dir`` into ``model`` (this rank's shard only; module docstring).
+@dataclass
+class HFLoadPlan:
+    """What :func:`load_hf_weights` reads for one model, before anything is read: the opened
+    checkpoint, its dims, the model's ``ShardedTensor`` s (``tensors``: ``load_preprocess``'ed,
+    keyed by the model's state-dict names, e.g. ``decoder.layers.3.mlp.router.weight``), the
+    factories that merge them back (``factories``, same keys) and each checkpoint key's
+    :class:`~.mapping.Layout`."""
 
-    Args:
-        model: a built ``GPTModel`` (local or minite spec; DDP / Float16Module wrappers are
-            looked through) under the current Megatron parallel state.
-        hf_dir: a directory with ``config.json`` and ``model.safetensors`` or the sharded files
-            plus ``model.safetensors.index.json``.
-        progress: a tqdm bar over the tensors on rank 0 (None: only on a terminal).
+    ckpt: HFCheckpoint
+    dims: HFModelDims
+    fused_experts: bool
+    tensors: dict
+    factories: dict
+    layouts: dict[str, Layout]
+    count: int
 
-    Returns:
-        a :class:`LoadReport`. Raises ConvertError (one line) on any mismatch (module docstring).
-    """
+    def take(self, prefix: str) -> tuple[dict, dict]:
+        """Remove and return the tensors and factories of the state-dict names under ``prefix``
+        (a module's, ending in ``.``): what one part of the model loads."""
+        keys = [k for k in self.tensors if k.startswith(prefix)]
+        return ({k: self.tensors.pop(k) for k in keys},
+                {k: self.factories.pop(k) for k in keys if k in self.factories})
+
+
+def plan_hf_load(model, hf_dir: str | os.PathLike) -> HFLoadPlan:
+    """Open ``hf_dir`` and check it against ``model`` (the module docstring's checks; nothing is read)."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
-    from tqdm import tqdm
 
     gpt = unwrap_gpt(model)
     ckpt, d, fused = open_checkpoint(hf_dir)
@@ -140,35 +152,86 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, *, progress: bool | None =
         if key not in layouts:
             layouts[key] = layout(key, d, fused_experts=fused)
             _check_global_shape(key, shape, layouts[key], ckpt, d)
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    bar = tqdm(total=len(todo), desc="convert: HF -> Megatron", unit="tensor", disable=(not rank0) or
-               (None if progress is None else not progress))
+    return HFLoadPlan(ckpt, d, fused, tensors, factories, layouts, len(todo))
+
+
+def read_hf_tensors(plan: HFLoadPlan, tensors: dict, on_tensor=None) -> int:
+    """Replace, in place, every ``ShardedTensor`` of ``tensors`` (all of ``plan.tensors`` or a
+    :meth:`HFLoadPlan.take`) by its local piece read from the checkpoint; ``on_tensor(t)`` is
+    called with each piece read. Returns the bytes read."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     bytes_read = 0
 
     def read(st: ShardedTensor) -> torch.Tensor:
         nonlocal bytes_read
         key, _, sl = per_layer(st.key, st.global_shape, st.global_slice())
-        lay = layouts[key]
+        lay = plan.layouts[key]
         if lay.experts is not None:
             experts = [sl[0]] if isinstance(sl[0], int) else list(range(sl[0].start, sl[0].stop))
-            parts = [_piece_rows(ckpt, lay, e, sl[1], sl[2], st.dtype) for e in experts]
+            parts = [_piece_rows(plan.ckpt, lay, e, sl[1], sl[2], st.dtype) for e in experts]
             out = parts[0] if isinstance(sl[0], int) else torch.stack(parts)
         else:
-            out = _piece_rows(ckpt, lay, None, sl[0], sl[1] if len(sl) > 1 else None, st.dtype)
+            out = _piece_rows(plan.ckpt, lay, None, sl[0], sl[1] if len(sl) > 1 else None, st.dtype)
         out = out.reshape(st.local_shape)
         bytes_read += out.numel() * out.element_size()
-        bar.update(1)
+        if on_tensor is not None:
+            on_tensor(out)
         return out
 
     dict_list_map_inplace(lambda x: read(x) if isinstance(x, ShardedTensor) else x, tensors)
-    bar.close()
-    ckpt.close()
+    return bytes_read
+
+
+def load_read_tensors(module: torch.nn.Module, tensors: dict, factories: dict, prefix: str = "") -> None:
+    """Merge the read ``tensors`` (:func:`read_hf_tensors`) with their ``factories`` and copy them
+    into ``module`` (whose state-dict names are the keys less ``prefix``); every parameter of
+    ``module`` must be among them."""
+    from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+
     state = apply_factory_merges(tensors, factories)
-    missing, unexpected = gpt.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    state = {k[len(prefix):]: v for k, v in state.items()}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [prefix + k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [prefix + k for k in unexpected]
     if missing or unexpected:
         raise ConvertError(f"convert: after loading, the model lacks {missing[:3]} / has unexpected {unexpected[:3]}")
-    return LoadReport(tensors=len(todo), bytes_read=bytes_read, fused_experts=fused)
 
 
-__all__ = ["LoadReport", "load_hf_weights", "open_checkpoint", "unwrap_gpt"]
+def load_hf_weights(model, hf_dir: str | os.PathLike, *, progress: bool | None = None, on_tensor=None) -> LoadReport:
+    """Load the HF checkpoint ``hf_dir`` into ``model`` (this rank's shard only; module docstring).
+
+    Args:
+        model: a built ``GPTModel`` (local or minite spec; DDP / Float16Module wrappers are
+            looked through) under the current Megatron parallel state.
+        hf_dir: a directory with ``config.json`` and ``model.safetensors`` or the sharded files
+            plus ``model.safetensors.index.json``.
+        progress: a tqdm bar over the tensors on rank 0 (None: only on a terminal).
+        on_tensor: called with each tensor piece read (a measure of what is held, in tests).
+
+    Returns:
+        a :class:`LoadReport`. Raises ConvertError (one line) on any mismatch (module docstring).
+    """
+    from tqdm import tqdm
+
+    gpt = unwrap_gpt(model)
+    plan = plan_hf_load(gpt, hf_dir)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    bar = tqdm(total=plan.count, desc="convert: HF -> Megatron", unit="tensor", disable=(not rank0) or
+               (None if progress is None else not progress))
+
+    def counted(t: torch.Tensor) -> None:
+        bar.update(1)
+        if on_tensor is not None:
+            on_tensor(t)
+
+    bytes_read = read_hf_tensors(plan, plan.tensors, counted)
+    bar.close()
+    plan.ckpt.close()
+    load_read_tensors(gpt, plan.tensors, plan.factories)
+    return LoadReport(tensors=plan.count, bytes_read=bytes_read, fused_experts=plan.fused_experts)
+
+
+__all__ = ["HFLoadPlan", "LoadReport", "load_hf_weights", "load_read_tensors", "open_checkpoint", "plan_hf_load",
+           "read_hf_tensors", "unwrap_gpt"]

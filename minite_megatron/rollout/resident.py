@@ -130,23 +130,30 @@ def freeze_nvfp4(module: torch.nn.Module, keep_expert_images: bool = False) -> i
 
 
 def build_resident_gpt(gpt, *, device, seed: int = 0, keep_expert_images: bool = False, std: float | None = None,
-                       progress: bool = False):
+                       progress: bool = False, fill=None):
     """Make ``gpt`` -- a minite-spec ``GPTModel`` whose parameters were never allocated
     (:func:`minite_megatron.training.presets.unallocated_gpt`; its recipe quantizes the linears)
-    -- resident on ``device``: random weights from ``seed`` layer by layer, NVFP4 linears in
-    their quantized form only (see the module docstring). ``std``: the weights' N(0, std)
-    (default the config's ``init_method_std``). Returns it in eval mode."""
+    -- resident on ``device``: weights layer by layer, NVFP4 linears in their quantized form only
+    (see the module docstring). ``std``: the weights' N(0, std) (default the config's
+    ``init_method_std``). ``fill(index, module)``: where the weights come from instead of the
+    seeds -- called on each part of :func:`outer_parts` (negative ``index``), then on each layer,
+    with the part's parameters allocated on ``device`` and unwritten; it must write every one
+    (:func:`minite_megatron.convert.stream.build_resident_gpt_from_hf`: a Hugging Face
+    checkpoint's, read layer by layer). Returns it in eval mode."""
     device = torch.device(device)
     config = gpt.config
     std = config.init_method_std if std is None else float(std)
+    if fill is None:
+        def fill(index, module):
+            init_layer(module, seed, index, std)
     # everything outside the layers (embedding, final norm, head) in BF16 on the device
     for index, child in outer_parts(gpt):
         _materialize(child, device)
-        init_layer(child, seed, index, std)
+        fill(index, child)
     freed = 0
     for i, layer in enumerate(gpt.decoder.layers):
         _materialize(layer, device)
-        init_layer(layer, seed, i, std)
+        fill(i, layer)
         freed += freeze_nvfp4(layer, keep_expert_images)
         if progress and device.type == "cuda":
             log.info("resident model: layer %d/%d built (%.1f GiB allocated)", i + 1, len(gpt.decoder.layers),

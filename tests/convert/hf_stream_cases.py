@@ -1,0 +1,89 @@
+"""Shared by ``test_hf_stream.py`` (CPU) and ``test_hf_stream_gpu.py``: a tiny sharded Qwen3-MoE
+checkpoint, the importer's path to the same resident model, and the bitwise comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from minite_megatron.testing import assert_bitwise_equal
+
+from .conftest import make_hf_model, save_hf
+
+TINY = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=8, topk=2, moe_ffn=32, vocab=256)
+"""The preset the tiny checkpoint has the shapes of (every layer MoE: 8 experts top-2, qk-norm)."""
+
+
+def save_tiny(path, seed: int = 5):
+    """``TINY`` as a random ``Qwen3MoeForCausalLM`` in BF16, sharded into ~10 files of <= 40 KB
+    (a layer's tensors spread over several shards)."""
+    model = make_hf_model("moe", seed=seed, mlp_only_layers=[], num_experts=8, vocab_size=256)
+    return save_hf(model, path, max_shard_size="40KB")
+
+
+def importer_resident(path, recipe, device):
+    """The importer's path: the whole checkpoint loaded (``build_gpt_from_hf``), then every layer
+    quantized and its BF16 weights dropped as the resident builder does."""
+    from minite_megatron.convert import build_gpt_from_hf
+    from minite_megatron.rollout.resident import freeze_nvfp4
+
+    ref = build_gpt_from_hf(path, impl="minite", recipe=recipe, device=device, dtype=torch.bfloat16).eval()
+    for layer in ref.decoder.layers:
+        freeze_nvfp4(layer)
+    return ref
+
+
+def quantized_modules(gpt) -> dict:
+    from minite_megatron.modules.grouped_linear import NVFP4GroupedLinear
+    from minite_megatron.rollout.support import is_nvfp4_linear
+
+    return {n: m for n, m in gpt.named_modules()
+            if (isinstance(m, NVFP4GroupedLinear) and m.precision == "nvfp4") or is_nvfp4_linear(m)}
+
+
+def assert_same_resident(a, b) -> int:
+    """Every BF16 parameter and every field of every pinned quantized weight (codes, block scales,
+    global decode scales, images) equal in raw bits; the dropped weights placeholders in both.
+    Returns the number of quantized weights compared."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, x in pa.items():
+        y = pb[name]
+        dropped = x.stride() == (0,) * x.dim() and x.numel() > 1
+        assert dropped == (y.stride() == (0,) * y.dim() and y.numel() > 1), name
+        if dropped:
+            assert torch.isnan(x).all() and torch.isnan(y).all(), name
+        else:
+            assert_bitwise_equal(x, y, name)
+    qa, qb = quantized_modules(a), quantized_modules(b)
+    assert qa.keys() == qb.keys() and qa
+    for name, m in qa.items():
+        x, y = m.quantized_weight(), qb[name].quantized_weight()
+        for f in dataclasses.fields(x):
+            u, v = getattr(x, f.name), getattr(y, f.name)
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                assert isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor), f"{name}.{f.name}"
+                assert_bitwise_equal(u, v, f"{name}.{f.name}")
+            else:
+                assert u == v, f"{name}.{f.name}"
+    return len(qa)
+
+
+class LiveBytes:
+    """``on_tensor`` hook: the bytes of the tensors read that are still alive (each one's
+    ``weakref.finalize`` subtracts it when it is freed), and their peak."""
+
+    def __init__(self):
+        self.now = self.peak = self.count = 0
+
+    def __call__(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        self.now += n
+        self.count += 1
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self._freed, n)
+
+    def _freed(self, n: int) -> None:
+        self.now -= n
