@@ -2,7 +2,10 @@
 
 Run through ``python -m benchmarks.rollout --preset qwen3-30b-a3b`` (or directly,
 ``python -m benchmarks.rollout_full``). Models are :func:`minite_megatron.rollout.resident.build_resident_gpt`'s
-(random weights made layer by layer, NVFP4 weights only: ~20 GB on the device), one at a time:
+(random weights made layer by layer, NVFP4 weights only: ~20 GB on the device; with ``--hf-checkpoint DIR``
+the weights of a Hugging Face Qwen3-30B-A3B checkpoint, read layer by layer from its safetensors shards
+and quantized as they come: :func:`minite_megatron.convert.hf_stream.build_resident_gpt_from_hf`), one
+at a time:
 
 1. **nvfp4** (default mode): the engine with a ``256 x 2048`` KV cache (peak memory of the target),
    then decode ms/step and tokens/s at batch 1, 8, 64, 256 (mixed prompt lengths, CUDA graphs),
@@ -14,7 +17,8 @@ Run through ``python -m benchmarks.rollout --preset qwen3-30b-a3b`` (or directly
 3. **bf16** (the project's BF16 engine: Megatron's local spec, 61 GB of weights, plus the decode
    step's stacked copy of the experts, 58 GB): at 48 layers where free memory holds it, else at
    the deepest cut that fits, with the NVFP4 engine at the same cut (``nvfp4_cut``) for the
-   ratio; a row says how many layers fit.
+   ratio; a row says how many layers fit. With ``--hf-checkpoint`` the BF16 engine loads the
+   checkpoint where the whole model fits; a cut has random weights (both engines; ``weights``).
 
 One JSON line per run (``benchmarks/results/rollout_full.jsonl`` and ``--json``), also after an
 error in a section (a row names it, the next section runs), ``--budget-s`` (later sections are
@@ -159,13 +163,27 @@ def bf16_layers_that_fit(preset: dict, free: int, slack: int = 8 << 30) -> int:
     return max(0, min(preset["layers"], int((free - slack - outer) // (per_layer + per_layer_experts))))
 
 
+def resident_model(preset: dict, strict: bool, max_seq: int, device, hf_checkpoint: str | None = None):
+    """The resident NVFP4 model of ``preset``: the checkpoint's weights streamed layer by layer
+    (``hf_checkpoint``), else random weights from seed 0."""
+    from minite_megatron.recipe import Recipe
+
+    if hf_checkpoint:
+        from minite_megatron.convert.hf_stream import build_resident_gpt_from_hf
+
+        return build_resident_gpt_from_hf(hf_checkpoint, Recipe(strict=strict), device=device, preset=preset,
+                                          max_seq=max_seq)
+    from minite_megatron.rollout.resident import build_resident_gpt
+    from minite_megatron.training.presets import unallocated_gpt
+
+    return build_resident_gpt(unallocated_gpt(preset, Recipe(strict=strict), max_seq=max_seq), device=device, seed=0)
+
+
 def bf16_rows(preset: dict, args, device) -> list[dict]:
     """The project's BF16 engine at the preset's depth where it fits, else at the deepest cut
     that fits, with the NVFP4 engine at that cut in the same run (the ratio of the two)."""
     from benchmarks.rollout import local_bf16_gpt
-    from minite_megatron.recipe import Recipe
-    from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
-    from minite_megatron.training.presets import unallocated_gpt
+    from minite_megatron.rollout.resident import resident_bytes
 
     _free_all()
     free = _free()
@@ -177,13 +195,21 @@ def bf16_rows(preset: dict, args, device) -> list[dict]:
         return rows
     cut = dict(preset, layers=layers)
     sizes = [int(b) for b in args.strict_batches.split(",")]
-    model = local_bf16_gpt(cut, args.prompt_max + args.new, device, torch.bfloat16)
-    rows += [dict(r, layers=layers) for r in engine_rows("bf16", model, cut, args, sizes, gap=False, rl=False)]
+    real = bool(args.hf_checkpoint) and layers == preset["layers"]  # a checkpoint cannot be cut
+    if real:
+        from minite_megatron.convert import build_gpt_from_hf
+
+        model = build_gpt_from_hf(args.hf_checkpoint, impl="local", device=device, dtype=torch.bfloat16,
+                                  max_sequence_length=args.prompt_max + args.new).eval()
+    else:
+        model = local_bf16_gpt(cut, args.prompt_max + args.new, device, torch.bfloat16)
+    weights = {"weights": "hf" if real else "random"}
+    rows += [dict(r, layers=layers, **weights) for r in engine_rows("bf16", model, cut, args, sizes, gap=False, rl=False)]
     del model
     if layers < preset["layers"]:  # the NVFP4 engine at the same depth, for the ratio
         _free_all()
-        model = build_resident_gpt(unallocated_gpt(cut, Recipe(), max_seq=1024), device=device, seed=0)
-        rows += [dict(r, engine="nvfp4_cut", layers=layers)
+        model = resident_model(cut, False, 1024, device)
+        rows += [dict(r, engine="nvfp4_cut", layers=layers, **weights)
                  for r in engine_rows("nvfp4", model, cut, args, sizes, gap=False, rl=False)]
         del model
     _free_all()
@@ -209,25 +235,40 @@ def main(argv=None):
     ap.add_argument("--rl-new", type=int, default=512)
     ap.add_argument("--kv-batch", type=int, default=256)
     ap.add_argument("--kv-len", type=int, default=2048)
+    ap.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                    help="a Hugging Face Qwen3-30B-A3B directory (config.json + safetensors shards): the engines run "
+                         "on its weights, streamed into NVFP4 layer by layer (default: random weights)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and args.preset != "tiny":
         raise SystemExit("benchmarks.rollout_full: needs a GPU (the whole model's NVFP4 weights are ~20 GB); "
                          "on a CPU only --preset tiny (a check of this script)")
 
-    from minite_megatron.recipe import Recipe
-    from minite_megatron.rollout.resident import build_resident_gpt, resident_bytes
-    from minite_megatron.training.presets import PRESETS, init_single_process, unallocated_gpt
+    from minite_megatron.rollout.resident import resident_bytes
+    from minite_megatron.training.presets import PRESETS, init_single_process
 
-    device = init_single_process(0)
+    if args.preset not in PRESETS:
+        ap.error(f"--preset {args.preset!r} is not one of {sorted(PRESETS)}")
     preset = dict(PRESETS[args.preset])
     if args.layers:
+        if args.hf_checkpoint:
+            ap.error("--layers cuts a random-weight model; --hf-checkpoint loads the whole checkpoint (drop --layers)")
         preset["layers"] = args.layers
+    if args.hf_checkpoint:  # refused before anything is built: the directory, config.json vs the preset, the shards
+        from minite_megatron.convert import ConvertError
+        from minite_megatron.convert.hf_stream import check_hf_checkpoint
+
+        try:
+            check_hf_checkpoint(args.hf_checkpoint, args.preset)
+        except ConvertError as e:
+            ap.error(f"--hf-checkpoint {args.hf_checkpoint}: {str(e).removeprefix('convert: ')}")
+    device = init_single_process(0)
     engines = args.engines.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     accounting = {k: _gib(v) for k, v in resident_bytes(preset).items() if k != "parameters"}
     results = {"benchmark": "rollout_full", "command": "python -m benchmarks.rollout " + " ".join(argv or sys.argv[1:]),
                "preset": args.preset, "layers": preset["layers"], "new_tokens": args.new,
+               "weights": os.path.abspath(args.hf_checkpoint) if args.hf_checkpoint else "random (seed 0)",
                "prompt_lengths": [args.prompt_min, args.prompt_max], "accounting_gib": accounting,
                "parameters": resident_bytes(preset)["parameters"], "rows": [], **environment()}
     print("weights (GiB, computed):", accounting, flush=True)
@@ -259,8 +300,7 @@ def main(argv=None):
     def engine_section(name):
         def run():
             t0 = time.perf_counter()
-            model = build_resident_gpt(unallocated_gpt(preset, Recipe(strict=name == "strict"), max_seq=max(args.kv_len, 1024)),
-                                       device=device, seed=0)
+            model = resident_model(preset, name == "strict", max(args.kv_len, 1024), device, args.hf_checkpoint)
             _sync()
             build = {"engine": name, "build_s": round(time.perf_counter() - t0, 1),
                      "weights_gib": _gib(_allocated()), "build_peak_gib": _gib(_peak())}

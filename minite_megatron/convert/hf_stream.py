@@ -68,6 +68,28 @@ def check_preset(d: HFModelDims, preset: str | dict, where: str) -> None:
         raise ConvertError(f"convert: {where}: tie_word_embeddings true != false (the {name} preset's LM head is untied)")
 
 
+def check_hf_checkpoint(hf_dir: str | os.PathLike, preset: str | dict | None = None) -> HFModelDims:
+    """Every check :func:`build_resident_gpt_from_hf` makes before it reads a weight, without
+    building anything (a tool's early refusal): the directory, ``config.json``, the preset's
+    shapes, the index, its shards and the tensor set. Returns the checkpoint's dims."""
+    from .load import open_checkpoint
+
+    root = _checkpoint_dir(hf_dir)
+    d = hf_dims(root)
+    if preset is not None:
+        check_preset(d, preset, str(root / "config.json"))
+    ckpt, _, _ = open_checkpoint(root)
+    ckpt.close()
+    return d
+
+
+def _checkpoint_dir(hf_dir: str | os.PathLike) -> Path:
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise ConvertError(f"convert: {root} is not a directory (a Hugging Face checkpoint: config.json + safetensors)")
+    return root
+
+
 def unallocated_gpt_from_hf(hf_dir: str | os.PathLike, recipe=None, *, preset: str | dict | None = None,
                             max_seq: int | None = None):
     """The ``GPTModel`` of the checkpoint ``hf_dir``'s ``config.json`` on the minite specs under
@@ -83,9 +105,7 @@ def unallocated_gpt_from_hf(hf_dir: str | os.PathLike, recipe=None, *, preset: s
     from ..specs import get_gpt_decoder_block_minite_spec
     from .hf import _ensure_parallel_state
 
-    root = Path(hf_dir)
-    if not root.is_dir():
-        raise ConvertError(f"convert: {root} is not a directory (a Hugging Face checkpoint: config.json + safetensors)")
+    root = _checkpoint_dir(hf_dir)
     d = hf_dims(root)
     if preset is not None:
         check_preset(d, preset, str(root / "config.json"))
@@ -169,4 +189,5 @@ def build_resident_gpt_from_hf(hf_dir: str | os.PathLike, recipe=None, *, device
     return gpt
 
 
-__all__ = ["PRESET_FIELDS", "StreamReport", "build_resident_gpt_from_hf", "check_preset", "unallocated_gpt_from_hf"]
+__all__ = ["PRESET_FIELDS", "StreamReport", "build_resident_gpt_from_hf", "check_hf_checkpoint", "check_preset",
+           "unallocated_gpt_from_hf"]

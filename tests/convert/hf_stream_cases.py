@@ -16,10 +16,10 @@ TINY = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, experts=8, topk
 """The preset the tiny checkpoint has the shapes of (every layer MoE: 8 experts top-2, qk-norm)."""
 
 
-def save_tiny(path, seed: int = 5):
-    """``TINY`` as a random ``Qwen3MoeForCausalLM`` in BF16, sharded into ~10 files of <= 40 KB
-    (a layer's tensors spread over several shards)."""
-    model = make_hf_model("moe", seed=seed, mlp_only_layers=[], num_experts=8, vocab_size=256)
+def save_tiny(path, seed: int = 5, layers: int = 2):
+    """``TINY`` (``layers`` deep) as a random ``Qwen3MoeForCausalLM`` in BF16, sharded into files
+    of <= 40 KB (~5 a layer: a layer's tensors spread over several shards)."""
+    model = make_hf_model("moe", seed=seed, mlp_only_layers=[], num_experts=8, vocab_size=256, num_hidden_layers=layers)
     return save_hf(model, path, max_shard_size="40KB")
 
 

@@ -145,3 +145,42 @@ def test_missing_dir_index_shard_or_tensor_is_one_line(tiny_dir, tmp_path):
     gone = _copy(tiny_dir, tmp_path / "no_shard")
     (gone / idx[name]).unlink()
     _refused(gone, f"names shard {re.escape(idx[name])}, which is missing")
+
+
+def _bench_args(path, out):
+    return ["--preset", "tiny", "--hf-checkpoint", str(path), "--engines", "nvfp4", "--batches", "2", "--new", "3",
+            "--prompt-min", "4", "--prompt-max", "8", "--kv-batch", "0", "--gap-batch", "2", "--rl-prompts", "1",
+            "--rl-samples", "2", "--rl-new", "2", "--json", str(out)]
+
+
+def test_rollout_full_runs_the_engine_on_a_checkpoint(tmp_path, monkeypatch):
+    """``benchmarks/rollout_full.py --hf-checkpoint DIR`` (the tiny preset's shapes, on the CPU):
+    the NVFP4 engine's rows on the checkpoint's weights, no section error, the JSON line names them."""
+    import benchmarks.rollout_full as bench
+
+    from .conftest import make_hf_model, save_hf
+
+    path = save_hf(make_hf_model("moe", seed=2, mlp_only_layers=[], vocab_size=256), tmp_path / "hf",
+                   max_shard_size="40KB")
+    monkeypatch.setattr(bench, "save", lambda results, name, dirs: [])  # not into benchmarks/results/
+    out = bench.main(_bench_args(path, tmp_path / "r.jsonl"))
+    assert out["complete"] and out["weights"] == str(path.resolve())
+    assert not [r for r in out["rows"] if "error" in r or "skipped" in r]
+    timed = [r for r in out["rows"] if "decode_step_ms" in r]
+    assert [r["batch"] for r in timed] == [2] and timed[0]["gap_tokens"] == 6
+    assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])["weights"] == str(path.resolve())
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], r"--hf-checkpoint \S+: \S+/config\.json: num_experts 8 != 4 \(the tiny preset\)$"),
+    (["--layers", "1"], r"--layers cuts a random-weight model"),
+])
+def test_rollout_full_refuses_a_checkpoint_in_one_line(tiny_dir, tmp_path, capsys, extra, match):
+    import benchmarks.rollout_full as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(_bench_args(tiny_dir, tmp_path / "r.jsonl") + extra)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(match, err), err
+    assert not (tmp_path / "r.jsonl").exists()
