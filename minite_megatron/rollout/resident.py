@@ -9,7 +9,9 @@ specs with its parameters unallocated on the host, then for each layer in turn:
 
 1. moves the layer to the GPU (BF16, ~1.3 GB for one Qwen3-30B-A3B layer) and fills its
    parameters from the layer's own seed (:func:`init_layer`, a generator seeded with
-   ``(seed, layer index)``: the same values whatever else is built);
+   ``(seed, layer index)``: the same values whatever else is built) -- or, with ``fill``, from
+   elsewhere: :func:`minite_megatron.convert.hf_stream.build_resident_gpt_from_hf` reads the
+   layer's tensors from a Hugging Face checkpoint;
 2. quantizes every NVFP4 linear with the module's own ``quantized_weight()`` (the learner's
    quantizer, the bits a learner holding these BF16 weights would use);
 3. replaces the linear's BF16 parameters by a zero-stride NaN placeholder of the same shape and
