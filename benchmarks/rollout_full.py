@@ -19,6 +19,11 @@ at a time:
    the deepest cut that fits, with the NVFP4 engine at the same cut (``nvfp4_cut``) for the
    ratio; a row says how many layers fit. With ``--hf-checkpoint`` the BF16 engine loads the
    checkpoint where the whole model fits; a cut has random weights (both engines; ``weights``).
+4. **lean** (the lean plain-torch BF16 anchor, :class:`LeanDecode`): one decode step of
+   :class:`benchmarks.lean_moe.LeanMoE`'s model (random weights; experts stacked ``[E, N, K]``
+   through ``torch._grouped_mm``, SDPA over a static KV cache, sampling over the whole vocabulary)
+   in one CUDA graph, at the preset's depth where its BF16 weights fit (no stacked copy: 57 GB at
+   48 layers), else at the deepest cut that fits (a row says how many layers fit).
 
 One JSON line per run (``benchmarks/results/rollout_full.jsonl`` and ``--json``), also after an
 error in a section (a row names it, the next section runs), ``--budget-s`` (later sections are
@@ -216,11 +221,148 @@ def bf16_rows(preset: dict, args, device) -> list[dict]:
     return rows
 
 
+class LeanDecode:
+    """The lean plain-torch BF16 anchor of one decode step: :class:`benchmarks.lean_moe.LeanMoE`'s
+    weights and math (RMSNorm, fused qkv, qk-RMSNorm, RoPE, GQA, fp32 softmax top-k router, experts
+    through ``torch._grouped_mm`` with device-side offsets, SwiGLU, untied head) for one new token
+    of each of ``batch`` sequences, attending over a static ``[layers, batch, groups, max_seq,
+    head_dim]`` KV cache, then one sample per sequence over the whole vocabulary (temperature 1,
+    the exponential race: no host sync). :meth:`step` works in place on ``tokens`` / ``pos``, so it
+    can be captured in one CUDA graph and replayed."""
+
+    def __init__(self, model, batch: int, max_seq: int):
+        self.m, self.batch, self.max_seq = model, batch, max_seq
+        dev, dt = model.embed.device, model.embed.dtype
+        shape = (len(model.layers), batch, model.ng, max_seq, model.d)
+        self.k = torch.zeros(shape, device=dev, dtype=dt)
+        self.v = torch.zeros(shape, device=dev, dtype=dt)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.rows = torch.arange(batch, device=dev)
+        self.slots = torch.arange(max_seq, device=dev)
+
+    def logits(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``[batch, vocab]`` logits of ``tokens`` at positions ``pos`` (their K / V written into
+        the cache at ``pos``; earlier positions read from it)."""
+        import torch.nn.functional as F
+
+        from benchmarks.lean_moe import _rope
+
+        m = self.m
+        b = tokens.shape[0]
+        cos, sin = m.cos[pos][:, None], m.sin[pos][:, None]
+        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
+        x = F.embedding(tokens, m.embed)
+        for i, layer in enumerate(m.layers):
+            h = F.rms_norm(x, (m.h,), layer.n1, 1e-6)
+            q, k, v = F.linear(h, layer.qkv).view(b, m.nh + 2 * m.ng, m.d).split([m.nh, m.ng, m.ng], dim=1)
+            q = _rope(F.rms_norm(q, (m.d,), layer.qn, 1e-6), cos, sin)
+            k = _rope(F.rms_norm(k, (m.d,), layer.kn, 1e-6), cos, sin)
+            self.k[i][self.rows, :, pos] = k
+            self.v[i][self.rows, :, pos] = v
+            o = F.scaled_dot_product_attention(q[:, :, None], self.k[i], self.v[i], attn_mask=mask,
+                                               scale=m.d ** -0.5, enable_gqa=True)
+            x = x + F.linear(o.reshape(b, m.nh * m.d), layer.o)
+            x = x + m._moe(layer, F.rms_norm(x, (m.h,), layer.n2, 1e-6))
+        return F.linear(F.rms_norm(x, (m.h,), m.norm, 1e-6), m.head)
+
+    def step(self) -> None:
+        probs = torch.softmax(self.logits(self.tokens, self.pos).float(), dim=-1)
+        self.tokens.copy_((probs / torch.empty_like(probs).exponential_()).argmax(dim=-1))
+        self.pos.add_(1)
+
+
+def lean_layers_that_fit(preset: dict, free: int, kv_per_layer: int, slack: int = 6 << 30) -> int:
+    """Layers of ``preset`` whose lean anchor fits ``free`` bytes: BF16 weights (experts stacked
+    once, no copy), ``kv_per_layer`` bytes of KV cache a layer, plus ``slack``."""
+    from minite_megatron.rollout.resident import resident_bytes
+
+    outer = resident_bytes(dict(preset, layers=0))["bf16_model"]
+    per_layer = resident_bytes(dict(preset, layers=1))["bf16_model"] - outer + kv_per_layer
+    return max(0, min(preset["layers"], int((free - slack - outer) // per_layer)))
+
+
+def time_lean(dec: LeanDecode, start: int, steps: int) -> dict:
+    """ms per decode step of ``dec`` from position ``start`` (the cache before it random):
+    ``steps`` replays of one captured CUDA graph (eager where there is no GPU or the capture fails)."""
+    g = torch.Generator(device=dec.k.device).manual_seed(3)
+    dec.k.normal_(generator=g)
+    dec.v.normal_(generator=g)
+    dec.tokens.random_(1, dec.m.embed.shape[0] - 1, generator=g)
+
+    def reset():
+        dec.pos.fill_(start)
+
+    reset()
+    for _ in range(3):  # warm-up (and the kernels' first calls) outside the graph
+        dec.step()
+    graph, why = None, None
+    if dec.k.is_cuda:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                reset()
+                dec.step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                dec.step()
+        except Exception as e:  # noqa: BLE001 -- reported in the row, timed eagerly
+            graph, why = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    run = graph.replay if graph is not None else dec.step
+    reset()
+    run()
+    _sync()
+    reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    _sync()
+    out = {"decode_step_ms": (time.perf_counter() - t0) * 1e3 / steps, "graphed": graph is not None}
+    if why:
+        out["graph_error"] = why
+    return out
+
+
+def lean_rows(preset: dict, args) -> list[dict]:
+    """The lean anchor at ``--strict-batches`` (the BF16 engine's batches), at the preset's depth
+    where it fits, else at the deepest cut that fits."""
+    from benchmarks.lean_moe import LeanMoE
+
+    _free_all()
+    sizes = [int(b) for b in args.strict_batches.split(",")]
+    max_seq = args.prompt_max + args.new
+    kv_per_layer = 2 * max(sizes) * preset["groups"] * max_seq * preset["head_dim"] * 2
+    free = _free()
+    layers = lean_layers_that_fit(preset, free, kv_per_layer)
+    rows = [{"engine": "lean_bf16", "fits_layers": layers, "of_layers": preset["layers"], "free_gib": _gib(free)}]
+    print("lean anchor:", rows[0], flush=True)
+    if layers < 1:
+        return rows
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    dims = {k: preset[k] for k in ("hidden", "heads", "groups", "head_dim", "experts", "topk", "moe_ffn", "vocab")}
+    model = LeanMoE(layers=layers, **dims, max_seq=max_seq, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        for b in sizes:
+            dec = LeanDecode(model, b, max_seq)
+            row = {"engine": "lean_bf16", "layers": layers, "batch": b, "weights": "random",
+                   **time_lean(dec, args.prompt_max, args.new), "peak_gib": _gib(_peak())}
+            row["tokens_per_s"] = b * 1e3 / row["decode_step_ms"]
+            rows.append(row)
+            print(row, flush=True)
+            del dec
+    del model
+    _free_all()
+    return rows
+
+
 def main(argv=None):
     ap = OneLineArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="a cut of the preset's first layers")
-    ap.add_argument("--engines", default="nvfp4,strict,bf16")
+    ap.add_argument("--engines", default="nvfp4,strict,bf16,lean")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--strict-batches", default="1,8")
     ap.add_argument("--new", type=int, default=64)
@@ -327,6 +469,8 @@ def main(argv=None):
                 section(name, engine_section(name))
         if "bf16" in engines:
             section("bf16", lambda: results["rows"].extend(bf16_rows(preset, args, device)))
+        if "lean" in engines:
+            section("lean", lambda: results["rows"].extend(lean_rows(preset, args)))
         results["complete"] = True
     except (Interrupted, KeyboardInterrupt) as e:
         results["interrupted"] = str(e) or type(e).__name__
@@ -352,6 +496,12 @@ def finish(results, preset, args):
             n = by.get(("nvfp4_cut", b))  # the BF16 engine ran at a cut: compare at that depth
         if n and f:
             ratios[f"bf16_over_nvfp4_b{b}"] = f["decode_step_ms"] / n["decode_step_ms"]
+        lean = by.get(("lean_bf16", b))
+        if lean:  # at the NVFP4 row of the same depth: the preset's, or the BF16 engine's cut
+            same = [r for r in (by.get(("nvfp4", b)), by.get(("nvfp4_cut", b)))
+                    if r and r.get("layers", preset["layers"]) == lean["layers"]]
+            if same:
+                ratios[f"lean_bf16_over_nvfp4_b{b}"] = lean["decode_step_ms"] / same[0]["decode_step_ms"]
     results["ratios"] = ratios
     print_table(f"rollout at {args.preset} ({preset['layers']} layers)", [r for r in results["rows"] if "decode_step_ms" in r],
                 ["engine", "layers", "batch", "decode_step_ms", "tokens_per_s", "prefill_ms", "peak_gib", "gap_mean_abs",
