@@ -4,6 +4,7 @@ computes the model it stands for: token by token over its KV cache, the logits o
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,3 +66,20 @@ def test_fit_counts_weights_and_cache():
     assert lean_layers_that_fit(full, 79 * 2**30, kv) == 48
     cut = lean_layers_that_fit(full, 40 * 2**30, kv)
     assert 20 < cut < 48
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_is_captured_in_one_cuda_graph_gpu():
+    """On a GPU the step (``torch._grouped_mm`` with most experts empty at batch 1, the cache
+    writes, the sampling) is captured and replayed: the row says ``graphed`` and the replays move
+    the positions as eager steps do."""
+    torch.manual_seed(0)
+    m = LeanMoE(**DIMS, max_seq=24, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    for b in (1, 8):
+        dec = LeanDecode(m, batch=b, max_seq=24)
+        with torch.no_grad():
+            row = time_lean(dec, start=8, steps=16)
+        assert row["graphed"] is True, row.get("graph_error")
+        assert dec.pos.tolist() == [24] * b
+        assert ((dec.tokens >= 0) & (dec.tokens < DIMS["vocab"])).all()
