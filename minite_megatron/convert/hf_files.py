@@ -40,6 +40,7 @@ class HFCheckpoint:
         from .hf_config import read_hf_config
 
         self.config = read_hf_config(self.root)
+        self.indexed = (self.root / INDEX_FILE).is_file()
         self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -10,7 +10,9 @@ tensor, and exactly the rows and columns of the local piece are read from the sa
 through ``safe_open(...).get_slice(...)`` (``model.safetensors.index.json`` names the file of
 each tensor). Megatron's factory merges then rebuild the local parameters and
 ``load_state_dict`` copies them in place (parameter version counters move, so weight caches see
-the change). No rank materialises a tensor it does not hold.
+the change). No rank materialises a tensor it does not hold. The three steps are separate
+functions (:func:`plan_hf_load`, :func:`read_hf_tensors`, :func:`load_read_tensors`) so that a
+part of the model can be read and loaded at a time (:mod:`.hf_stream`).
 
 Checks before anything is read, each one line (:class:`~.errors.ConvertError`): the config is a
 supported Qwen3 / Qwen3-MoE config; the checkpoint holds exactly the tensors that config implies
@@ -28,7 +30,7 @@ import torch
 
 from .errors import ConvertError
 from .hf_config import HFModelDims, hf_dims
-from .hf_files import HFCheckpoint
+from .hf_files import INDEX_FILE, SINGLE_FILE, HFCheckpoint
 from .mapping import Layout, fused_expert_names, hf_tensor_shapes, layout, per_layer
 
 
@@ -54,7 +56,9 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> tuple[HFCheckpoint, HFModelDim
     expected = hf_tensor_shapes(d, fused_experts=fused)
     for name, shape in expected.items():
         if name not in ckpt:
-            raise ConvertError(f"convert: the checkpoint in {ckpt.root} lacks tensor {name} (its config.json implies it)")
+            where = (f"{INDEX_FILE} names no shard for it" if ckpt.indexed else f"{SINGLE_FILE} does not hold it")
+            raise ConvertError(f"convert: the checkpoint in {ckpt.root} lacks tensor {name} (its config.json implies it; "
+                               f"{where})")
         if ckpt.shapes[name] != shape:
             raise ConvertError(f"convert: tensor {name} in {ckpt.weight_map[name]} has shape {list(ckpt.shapes[name])}; "
                                f"config.json implies {list(shape)}")

@@ -137,7 +137,8 @@ def test_missing_dir_index_shard_or_tensor_is_one_line(tiny_dir, tmp_path):
     shutil.copy(tiny_dir / "config.json", bare / "config.json")
     _refused(bare, r"has neither model\.safetensors\.index\.json nor model\.safetensors")
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    _refused(_copy(tiny_dir, tmp_path / "no_key", index={name: None}), f"lacks tensor {re.escape(name)}")
+    _refused(_copy(tiny_dir, tmp_path / "no_key", index={name: None}),
+             rf"lacks tensor {re.escape(name)} .*model\.safetensors\.index\.json names no shard for it")
     idx = json.loads((tiny_dir / "model.safetensors.index.json").read_text())["weight_map"]
     other = next(s for s in sorted(set(idx.values())) if s != idx[name])
     _refused(_copy(tiny_dir, tmp_path / "wrong_shard", index={name: other}),
@@ -184,3 +185,16 @@ def test_rollout_full_refuses_a_checkpoint_in_one_line(tiny_dir, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and re.search(match, err), err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_missing_tensor_of_a_single_file_checkpoint_names_the_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from .conftest import make_hf_model, save_hf
+
+    path = save_hf(make_hf_model("moe", seed=3, mlp_only_layers=[], num_experts=8, vocab_size=256), tmp_path / "one")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_norm.weight"
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _refused(path, rf"lacks tensor {re.escape(name)} .*model\.safetensors does not hold it")
