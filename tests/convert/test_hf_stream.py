@@ -41,7 +41,9 @@ def _hf_bytes(path, prefix: str = "") -> int:
 def test_streamed_build_is_the_importer_bit_for_bit(tiny_dir, strict):
     """Every code, block scale, global scale and image of every quantized weight, and every BF16
     tensor (embedding, head, norms, router), equal in raw bits to loading the whole checkpoint
-    with the importer and quantizing it; so are the learner's log-probs on both."""
+    with the importer and quantizing it; so are the learner's log-probs and the engine's rollouts
+    on both, and in strict mode the rollouts' log-probs are the learner's (gap 0)."""
+    from minite_megatron.rollout.engine import RolloutEngine
     from minite_megatron.rollout.logprobs import teacher_forced_logprobs
 
     assert len(list(tiny_dir.glob("*.safetensors"))) >= 6 and (tiny_dir / "model.safetensors.index.json").is_file()
@@ -57,6 +59,14 @@ def test_streamed_build_is_the_importer_bit_for_bit(tiny_dir, strict):
     assert a[0].std() > 0.05
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+    outs = [RolloutEngine(m, eod_id=0, max_batch_size=2).generate(seqs, 4, seed=1, stop_at_eod=False) for m in (res, ref)]
+    for r1, r2 in zip(*outs):
+        assert r1.generated_tokens == r2.generated_tokens
+        assert torch.equal(r1.generated_log_probs, r2.generated_log_probs)
+    if strict:  # the learner/rollout gap on the checkpoint's weights: 0
+        learner = teacher_forced_logprobs(res, [r.tokens for r in outs[0]])
+        for r, lp in zip(outs[0], learner):
+            assert torch.equal(lp[len(r.prompt_tokens) - 1:].float(), r.generated_log_probs.float())
 
 
 def test_one_part_is_held_at_a_time(tiny_dir):

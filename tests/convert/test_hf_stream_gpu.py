@@ -1,6 +1,6 @@
 """The streamed Hugging Face build of the resident NVFP4 model on a GPU (``device="cuda"``): bit
 for bit the importer's full load on the same GPU followed by the same quantization (the GPU
-backend's quantizer), and a device peak below the BF16 model's bytes. Skipped without a GPU."""
+backend's quantizer; the engine's rollouts equal, strict mode's gap 0), and a device peak below the BF16 model's bytes. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_process"),
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_streamed_build_on_cuda_is_the_importer_bit_for_bit(tmp_path, strict):
+    from minite_megatron.rollout.engine import RolloutEngine
     from minite_megatron.rollout.logprobs import teacher_forced_logprobs
 
     path = save_tiny(tmp_path / "hf")
@@ -29,6 +30,14 @@ def test_streamed_build_on_cuda_is_the_importer_bit_for_bit(tmp_path, strict):
     seqs = [[1, 5, 7, 9, 11, 3, 2], [4, 4, 2, 8, 200]]
     for x, y in zip(teacher_forced_logprobs(res, seqs), teacher_forced_logprobs(ref, seqs)):
         assert torch.equal(x, y)
+    outs = [RolloutEngine(m, eod_id=0, max_batch_size=2).generate(seqs, 4, seed=1, stop_at_eod=False) for m in (res, ref)]
+    for r1, r2 in zip(*outs):
+        assert r1.generated_tokens == r2.generated_tokens
+        assert torch.equal(r1.generated_log_probs, r2.generated_log_probs)
+    if strict:  # the learner/rollout gap on the checkpoint's weights: 0
+        learner = teacher_forced_logprobs(res, [r.tokens for r in outs[0]])
+        for r, lp in zip(outs[0], learner):
+            assert torch.equal(lp[len(r.prompt_tokens) - 1:].float().cpu(), r.generated_log_probs.float().cpu())
 
 
 def test_streamed_build_never_holds_the_bf16_model_on_the_device(tmp_path):
