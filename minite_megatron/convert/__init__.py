@@ -15,5 +15,7 @@ Every refusal is a :class:`~.errors.ConvertError` with one line naming the field
 
 from .errors import ConvertError
 from .hf import build_gpt_from_hf, load_hf_weights, save_hf_checkpoint, transformer_config_from_hf
+from .hf_stream import build_resident_gpt_from_hf
 
-__all__ = ["ConvertError", "build_gpt_from_hf", "load_hf_weights", "save_hf_checkpoint", "transformer_config_from_hf"]
+__all__ = ["ConvertError", "build_gpt_from_hf", "build_resident_gpt_from_hf", "load_hf_weights", "save_hf_checkpoint",
+           "transformer_config_from_hf"]
