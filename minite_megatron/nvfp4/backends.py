@@ -32,8 +32,11 @@ def triton_interpreting() -> bool:
     """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET``,
     :mod:`minite_megatron.settings`)? Read without importing Triton, once: the launchers ask on
     every launch (~600 times a learner step). Code that sets the variable after the first call
-    calls ``settings.cache_clear()``."""
+    calls ``settings.cache_clear()`` (or ``triton_interpreting.cache_clear()``, the same)."""
     return settings().triton_interpret
+
+
+triton_interpreting.cache_clear = settings.cache_clear
 
 
 class BackendUnavailable(RuntimeError):
