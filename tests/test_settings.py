@@ -140,17 +140,19 @@ def test_read_once_cleared_on_request_and_overridden_for_a_block(monkeypatch):
 
 
 def test_a_bad_variable_fails_the_first_read(monkeypatch):
-    from minite_megatron.nvfp4.backends import get_backend
+    from minite_megatron.nvfp4.backends import get_backend, invariant_backend
 
     monkeypatch.setenv("MINITE_STRICT_BACKEND", "no backend")
     settings.cache_clear()
     with pytest.raises(SettingsError, match="^MINITE_STRICT_BACKEND='no backend'"):
         get_backend(None, "cpu")
-    monkeypatch.setenv("MINITE_STRICT_BACKEND", "torch")  # a name, but not a backend's: get_backend says so
+    monkeypatch.setenv("MINITE_STRICT_BACKEND", "torch")  # a name, but not a backend's: the lookup says so
     monkeypatch.setenv("MINITE_BACKEND", "nosuch")
     settings.cache_clear()
     with pytest.raises(ValueError, match="^MINITE_BACKEND='nosuch': unknown NVFP4 backend; known: reference"):
         get_backend(None, "cpu")
+    with pytest.raises(ValueError, match="^MINITE_STRICT_BACKEND='torch': unknown NVFP4 backend; known: reference"):
+        invariant_backend("cpu")
 
 
 def test_exported_variables_are_listed(monkeypatch):

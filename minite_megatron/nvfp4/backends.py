@@ -373,7 +373,10 @@ def invariant_backend(device: torch.device | str) -> Backend:
     ``MINITE_STRICT_BACKEND``'s where set, else :func:`get_backend` ``(None, device)``. Its
     ``supports(op)`` says whether its kernel runs; where not, the caller runs the torch formulation.
     Learner and rollout engine ask the same question on the same device, so they run the same one."""
-    return get_backend(settings().strict_backend, device)
+    name = settings().strict_backend
+    if name is not None and name not in backend_names():
+        raise ValueError(f"MINITE_STRICT_BACKEND={name!r}: unknown NVFP4 backend; known: {', '.join(backend_names())}")
+    return get_backend(name, device)
 
 
 def available_backends(device: torch.device | str | None = None) -> dict[str, str | None]:
