@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -87,6 +86,8 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .settings import export_default, unexport
 
 logger = logging.getLogger(__name__)
 
@@ -502,8 +503,7 @@ def activate() -> bool:
             mrandom._CUDA_RNG_STATE_TRACKER = None
             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
         unwrapped = _unwrap_compiled_fusions()
-        if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        if export_default("CUDA_DEVICE_MAX_CONNECTIONS", "1"):
             _env_set.append("CUDA_DEVICE_MAX_CONNECTIONS")
         _mode = CudaToCpuMode()
         _mode.__enter__()
@@ -548,7 +548,7 @@ def deactivate() -> None:
             setattr(mod, attr, original)
         _originals.clear()
         for name in _env_set:
-            os.environ.pop(name, None)
+            unexport(name)
         _env_set.clear()
         for holder, attr, value in reversed(_unwrapped):
             setattr(holder, attr, value)

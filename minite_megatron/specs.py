@@ -15,7 +15,6 @@ fair BF16 twin: the same modules with every linear in BF16. The builders below o
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
@@ -48,6 +47,7 @@ from .modules.activation import MiniteActivation
 from .modules.norm import MiniteNorm
 from .ops.handoff import Handoff
 from .recipe import Recipe
+from .settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class MiniteSpecProvider(BackendSpecProvider):
             from .modules.deterministic_moe import StrictMoELayer
 
             return StrictMoELayer
-        if os.environ.get("MINITE_MEGATRON_COMBINE") == "1":
+        if settings().megatron_combine:
             return MiniteMoELayer
         from .modules.deterministic_moe import DeterministicMoELayer
 

@@ -35,6 +35,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _settings_read_again():
+    """Each test reads the environment afresh after it (``minite_megatron.settings`` reads it once per
+    process): a test that set a variable through ``monkeypatch`` leaves no stale settings behind.
+    Torn down after the test's own ``monkeypatch`` (set up first), so it sees the restored variables."""
+    yield
+    from minite_megatron.settings import settings
+
+    settings.cache_clear()
+
+
 @pytest.fixture
 def seed_all():
     torch.manual_seed(1234)

@@ -148,10 +148,10 @@ def test_a_gpu_backend_on_a_cpu_is_refused_at_argument_time(parse, monkeypatch):
     # kernels in sys.modules for every later test (regression: "0 active drivers" in tests/ops).
     import minite_kernels.triton.backend  # noqa: F401
 
-    from minite_megatron.nvfp4.backends import triton_interpreting
+    from minite_megatron.settings import settings
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the test suite's interpreter is not a GPU)
-    triton_interpreting.cache_clear()  # (read once per process: the variable changed)
+    settings.cache_clear()  # (read once per process: the variable changed)
     try:
         with pytest.raises(MiniteArgumentError, match=r"--minite-backend triton: NVFP4 backend 'triton' unavailable on cpu"):
             parse("--minite-backend", "triton")
@@ -160,7 +160,7 @@ def test_a_gpu_backend_on_a_cpu_is_refused_at_argument_time(parse, monkeypatch):
         assert parse("--minite-backend", "reference").minite_backend == "reference"
     finally:
         monkeypatch.undo()  # the variable back, then the cached answer with it
-        triton_interpreting.cache_clear()
+        settings.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,12 @@ imported. Pins the drift of issue 11: ``specs.py -> strict/megatron.py -> strict
 specs.py`` and ``kernels/triton/_build/_aot.py <-> _aot_kernels.py`` (circles), ``ops/linear.py`` and
 ``rollout/engine.py`` importing ``diagnostics.capture`` (upward imports), and
 ``modules/linear.py`` calling a sibling class's ``StrictRowParallelLinear.forward(self, ...)``.
+
+And the one door to the kernels (issue 25: five modules imported ``minite_kernels.triton.*`` and
+chose on ``x.is_cuda``, ``invariant/backend.py`` found kernels by name): no module of
+``minite_megatron/`` outside the backend layer (``nvfp4/backends.py``) reaches ``minite_kernels`` --
+by an import or a module name in a string -- or asks ``.is_cuda`` / ``device.type == "cuda"``
+but for the non-kernel uses listed with their reasons.
 """
 
 from __future__ import annotations
@@ -199,3 +205,103 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     path.write_text("def f():\n    from ..diagnostics.capture import capture\n")
     known = {"minite_megatron.diagnostics.capture", "minite_megatron.ops.linear"}
     assert imports_of("minite_megatron.ops.linear", path, known) == [(2, "minite_megatron.diagnostics.capture")]
+
+
+# ---- the one door to the kernels (issue 25) -------------------------------------------------------
+#: The backend layer (docs/architecture.md): the only modules of minite_megatron/ that reach the kernels.
+BACKEND_LAYER = {"minite_megatron/nvfp4/backends.py"}
+#: Files another branch (issue 25's gates) takes the kernels out of; the coordinator deletes this set
+#: once that branch is merged.
+PENDING_OTHER_BRANCH = {
+    "minite_megatron/ops/moe_activation.py",  # imports minite_kernels.triton.moe.weighted_swiglu
+    "minite_megatron/ops/producers.py",  # imports the fused producer kernels
+    "minite_megatron/nvfp4/producers.py",  # imports a kernel module; swiglu_reference chooses on gate.is_cuda
+    "minite_megatron/modules/deterministic_moe.py",  # imports minite_kernels.triton.moe
+    "minite_megatron/ops/linear.py",  # dy.is_cuda and not SHARED_DY_AMAX_GPU_VERIFIED (a module-global gate)
+}
+#: Files that ask whether a tensor is on a GPU for something other than choosing a kernel: file -> why.
+DEVICE_CHECKS_ALLOWED = {
+    "minite_megatron/cpu_compat.py": "maps CUDA device arguments to the CPU (the compatibility layer itself)",
+    "minite_megatron/diagnostics/run.py": "a diagnostic run's default preset and dtype by device",
+    "minite_megatron/invariant/attention.py": "no host read of the mask while a CUDA graph is being captured",
+    "minite_megatron/invariant/topk.py": "no host read (the NaN check) while a CUDA graph is being captured",
+    "minite_megatron/nvfp4/group_sizes.py": "pinned host memory and the device index of the group-size tensors",
+    "minite_megatron/ops/grouped_linear.py": "whether torch's own _grouped_mm runs there (an ATen op's limits)",
+    "minite_megatron/rollout/fast_path.py": "the KV cache / prefill memory checks and timing events of a GPU",
+    "minite_megatron/rollout/resident.py": "the progress log of allocated GPU memory",
+    "minite_megatron/rollout/support.py": "CUDA graphs need a GPU",
+    "minite_megatron/testing.py": "the host-sync counter classifies host <-> device copies",
+    "minite_megatron/training/cuda_graphs.py": "CUDA graphs need a GPU",
+}
+KERNEL_MODULE = re.compile(r"^minite_kernels([.:][\w.:]*)?$")
+
+
+def _docstrings(tree) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def kernel_reaches(path: Path) -> list[str]:
+    """``line: what`` of every way ``path`` reaches ``minite_kernels``: an import (function-level
+    ones too), or a module name as a string (``importlib.import_module("minite_kernels...")``,
+    ``__import__``, the start of an f-string), docstrings aside."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] == "minite_kernels"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "minite_kernels":
+            found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                and KERNEL_MODULE.match(node.value):
+            found.append(f"{node.lineno}: the string {node.value!r}")  # (an f-string's first part too)
+    return sorted(set(found), key=lambda s: int(s.split(":")[0]))
+
+
+def device_checks(path: Path) -> list[str]:
+    """``line: what`` of every ``x.is_cuda`` and ``x.type == / != "cuda"`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            found.append(f"{node.lineno}: .is_cuda")
+        elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "type"
+              and any(isinstance(c, ast.Constant) and c.value == "cuda" for c in node.comparators)):
+            found.append(f"{node.lineno}: .type compared with 'cuda'")
+    return sorted(found, key=lambda s: int(s.split(":")[0]))
+
+
+def _package_files() -> dict[str, Path]:
+    return {str(p.relative_to(ROOT)): p for p in sorted((ROOT / "minite_megatron").rglob("*.py"))}
+
+
+def test_only_the_backend_layer_reaches_the_kernels():
+    bad = [f"{name}:{what}" for name, path in _package_files().items()
+           if name not in BACKEND_LAYER | PENDING_OTHER_BRANCH for what in kernel_reaches(path)]
+    assert not bad, ("minite_kernels reached outside the backend layer (add a Backend method, "
+                     "docs/architecture.md 'Where to add'):\n" + "\n".join(bad))
+    assert all(kernel_reaches(ROOT / name) for name in BACKEND_LAYER), "the backend layer reaches no kernel?"
+
+
+def test_no_kernel_is_chosen_by_device_outside_the_backend_layer():
+    files = _package_files()
+    bad = [f"{name}:{what}" for name, path in files.items()
+           if name not in BACKEND_LAYER | PENDING_OTHER_BRANCH | set(DEVICE_CHECKS_ALLOWED) for what in device_checks(path)]
+    assert not bad, ("a device check outside the backend layer (choose kernels through get_backend / supports, or "
+                     "allow a non-kernel use in DEVICE_CHECKS_ALLOWED with its reason):\n" + "\n".join(bad))
+    stale = sorted(name for name in DEVICE_CHECKS_ALLOWED if name not in files or not device_checks(files[name]))
+    assert not stale, f"DEVICE_CHECKS_ALLOWED names files without a device check: {stale}"
+
+
+def test_the_door_checker_sees_every_way_in(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""Uses minite_kernels.triton (a docstring: fine)."""\nimport importlib\n'
+                    "def f(name, x):\n    from minite_kernels.triton import moe\n"
+                    '    importlib.import_module("minite_kernels.triton.moe.moe_route")\n'
+                    '    importlib.import_module(f"minite_kernels.triton.{name}")\n'
+                    "    import minite_kernels\n    return x.is_cuda or x.device.type == 'cuda'\n")
+    assert kernel_reaches(path) == ["4: from minite_kernels.triton import ...",
+                                    "5: the string 'minite_kernels.triton.moe.moe_route'",
+                                    "6: the string 'minite_kernels.triton.'", "7: import minite_kernels"]
+    assert device_checks(path) == ["8: .is_cuda", "8: .type compared with 'cuda'"]

@@ -9,7 +9,7 @@ causal, Megatron's ``[S, B, H, D]`` layout) for one layer's core attention
 strict's):
 
 * ``fwd``: ``bi_attention`` without the LSE (the rollout's call) and with it (the learner's);
-* ``bwd recompute``: the previous backward (``DIRECT_BACKWARD = False``): SDPA's forward again,
+* ``bwd recompute``: the previous backward (``MINITE_ATTENTION_BACKWARD=recompute``): SDPA's forward again,
   then its backward;
 * ``bwd direct``: torch's fused backward on (q, k, v, O, LSE) -- the op SDPA picks (cuDNN on the
   H200), and flash's with SDPA held to flash;
@@ -32,6 +32,7 @@ import torch
 
 from . import RESULTS_ANCHOR, command
 from .._timing import bench, ensure_minite_kernels, environment, add_output_args, print_table, save, smoke_on_the_interpreter
+from minite_megatron.settings import overridden
 from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
@@ -50,6 +51,7 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from minite_megatron.invariant import attention as attention_module
+    from minite_megatron.nvfp4.backends import get_backend
 
     b = max(1, tokens // seq)
     g = torch.Generator(device=device).manual_seed(0)
@@ -59,7 +61,7 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
 
     q, k, v, go = make(hq), make(hkv), make(hkv), make(hq)
     scale = d**-0.5
-    kernel = attention_module._backend.kernel("bi_attention")
+    kernel = get_backend("triton", device).bi_attention
     used = []
     real = attention_module.fused_attention_backward
 
@@ -68,12 +70,11 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
         return real(op, *args)
 
     attention_module.fused_attention_backward = spy
-    direct_before = attention_module.DIRECT_BACKWARD
 
     def graph(direct: bool):
-        attention_module.DIRECT_BACKWARD = direct
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        return attention_module.attention(*leaves, scale=scale), leaves
+        with overridden(attention_backward="direct" if direct else "recompute"):  # read by the forward
+            return attention_module.attention(*leaves, scale=scale), leaves
 
     def bwd(out, leaves):
         return lambda: torch.autograd.grad(out, leaves, go, retain_graph=True)
@@ -105,7 +106,6 @@ def run(tokens: int, seq: int, hq: int, hkv: int, d: int, device) -> tuple[list[
         add("bwd", "sdpa (BF16 twin)", bwd(ref, (sq, sk, sv)))
     finally:
         attention_module.fused_attention_backward = real
-        attention_module.DIRECT_BACKWARD = direct_before
     ms = {(r["op"], r["impl"]): r["ms"] for r in rows}
     fwd_lse = ms[("fwd", "bi_attention + LSE (learner)")]
     old = ms[("bwd", "recompute: SDPA fwd + bwd (old)")]
@@ -138,10 +138,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         sys.exit("benchmarks.kernels --sections attention_backward needs a CUDA GPU (or --smoke on a CPU)")
-    from minite_megatron.invariant.backend import use_backend
-
     rows, summaries = [], []
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         for t in (int(x) for x in args.tokens.split(",")):
             r, s = run(t, args.seq, args.heads, args.kv_heads, args.head_dim, device)
             rows += r

@@ -10,7 +10,7 @@ qwen3-moe preset's structure (4 layers, GQA 32/4 -> 8/2 heads, 16 experts top-8,
 but tiny dimensions, every ATen op dispatched that is not a view or an allocation and every
 Triton kernel launch (ops inside a kernel's interpreter run are not counted). To count what the
 GPU launches, the model is bf16 (the GPU's dtype: the fused norm -> NVFP4 producers run), the
-batch-invariant ops take their Triton kernels (``invariant.backend.use_backend("triton")``, the GPU's
+batch-invariant ops take their Triton kernels (``settings.overridden(strict_backend="triton")``, the GPU's
 choice), the decode step's fused kernels run (``rollout.fused_ops.KERNELS_ON_CPU``), and the
 backend dispatches the decode GEMMs as on a GPU whose packed decode kernels are verified or not
 (``--gpu-decode``, default ``kernels``: the packed decode kernels, as a GPU dispatches them;
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from minite_megatron.rollout import fused_ops
     from minite_megatron.rollout.engine import RolloutEngine
     from minite_megatron.rollout.sampling import SamplingConfig
-    from minite_megatron.invariant.backend import use_backend
+    from minite_megatron.settings import overridden
     from minite_megatron.training.presets import build_gpt, init_single_process
 
     init_single_process(1)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                       dtype=dtype, seed=3).eval()
     engine = RolloutEngine(model, eod_id=0)
     prompts = [[5, 17, 33, 2], [64, 7, 8], [11, 22, 33, 1], [9, 9]][: args.batch]
-    with torch.no_grad(), use_backend("triton"):
+    with torch.no_grad(), overridden(strict_backend="triton"):
         engine.generate(prompts, 2, temperature=1.0, seed=1, stop_at_eod=False)  # warm: weights, prefill, cache
         body = engine._fast._body(len(prompts), SamplingConfig(1.0, 0, 0.0, 1.0, True))
         counts.clear()

@@ -18,8 +18,9 @@ depends on the GPU and K's kind only, never on M (batch invariant on each GPU).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from minite_megatron.settings import settings
 
 TILE_M = 128
 """Rows per CTA tile (one 1-SM tcgen05 MMA)."""
@@ -207,12 +208,10 @@ def choose_mma_k(arch: str | None, k_grouped: bool = False) -> int:
     row-grouped GEMMs, 64 otherwise (sm_100a, the K-grouped wgrad, or no Blackwell device).
     ``MINITE_BLACKWELL_MMA_K=64`` forces the K = 64 kernel on sm_103a; ``=96`` elsewhere is an
     error (only sm_103a has the K = 96 MMA). Never depends on M."""
-    forced = os.environ.get(MMA_K_ENV, "").strip()
-    if forced not in ("", str(MMA_K), str(MMA_K_SM103)):
-        raise ValueError(f"{MMA_K_ENV}={forced!r}: must be {MMA_K}, {MMA_K_SM103} or unset (automatic)")
-    if forced == str(MMA_K_SM103) and arch != "sm_103a" and arch is not None:
+    forced = settings().blackwell_mma_k  # None, MMA_K or MMA_K_SM103 (settings checks the value)
+    if forced == MMA_K_SM103 and arch != "sm_103a" and arch is not None:
         raise ValueError(f"{MMA_K_ENV}={forced}: the K = 96 MMA exists on sm_103a (B300) only, this GPU is {arch}")
-    if k_grouped or arch != "sm_103a" or forced == str(MMA_K):
+    if k_grouped or arch != "sm_103a" or forced == MMA_K:
         return MMA_K
     return MMA_K_SM103
 

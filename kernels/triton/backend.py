@@ -191,6 +191,56 @@ class TritonBackend(Backend):
         self.options = options if options is not None else TritonOptions()
         self._bounds: dict = {}  # moe_sum_rows: (tokens, k, device) -> the fixed row bounds
 
+    # ---- the batch-invariant ops (:mod:`.invariant`, imported on first use; references: the torch
+    # formulations of :mod:`minite_megatron.invariant`) -----------------------------------------
+    @staticmethod
+    def _invariant_limit(op: str, shape) -> str | None:
+        """The ``bi_*`` kernels' operand limits (``supports(op, **shape)``)."""
+        if op == "bi_rmsnorm_backward":
+            from .invariant.bi_rmsnorm_backward import MAX_H
+
+            if shape.get("width", 0) > MAX_H:
+                return f"the one-pass RMSNorm backward kernel takes rows of at most {MAX_H}, got {shape['width']}"
+        return None
+
+    def bi_matmul(self, x2d, weight, bias, out_dtype):
+        """:mod:`.invariant.bi_matmul`: one fixed tile configuration, K walked in order, no split-K."""
+        from .invariant.bi_matmul import bi_matmul
+
+        self._require(x2d.device)
+        return bi_matmul(x2d, weight, bias, out_dtype)
+
+    def bi_rmsnorm(self, x2d, weight, eps, zero_centered_gamma):
+        """:mod:`.invariant.bi_rmsnorm`: one fixed-size block reduction per row."""
+        from .invariant.bi_rmsnorm import bi_rmsnorm
+
+        self._require(x2d.device)
+        return bi_rmsnorm(x2d, weight, eps, zero_centered_gamma)
+
+    def bi_rmsnorm_backward(self, gy, x2d, weight, eps, zero_centered_gamma, weight_grad=True):
+        """:mod:`.invariant.bi_rmsnorm_backward`: ``dx`` and the weight gradient in one pass (H <= its ``MAX_H``)."""
+        from .invariant.bi_rmsnorm_backward import bi_rmsnorm_backward
+
+        self._require(x2d.device)
+        reason = self._invariant_limit("bi_rmsnorm_backward", {"width": x2d.shape[-1]})
+        if reason is not None:
+            self._refuse("bi_rmsnorm_backward", reason)
+        return bi_rmsnorm_backward(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
+
+    def bi_log_softmax(self, x2d):
+        """:mod:`.invariant.bi_log_softmax`: one program per row, a fixed chunk order."""
+        from .invariant.bi_log_softmax import bi_log_softmax
+
+        self._require(x2d.device)
+        return bi_log_softmax(x2d)
+
+    def bi_attention(self, q, k, v, mask, scale, causal, return_lse=False):
+        """:mod:`.invariant.bi_attention`: one fixed KV-block order for prefill and decode."""
+        from .invariant.bi_attention import bi_attention
+
+        self._require(q.device)
+        return bi_attention(q, k, v, mask, scale, causal, return_lse=return_lse)
+
     def decode_ok(self, device: torch.device) -> bool:
         """May small-M GEMMs dispatch to the decode kernels (``options.decode_kernels``)?"""
         forced = self.options.decode_kernels
@@ -244,6 +294,8 @@ class TritonBackend(Backend):
                 reason = f"the fused {op} kernel needs a width multiple of {_PRODUCER_WIDTH[op]}, got {shape['width']}"
         if reason is None and op in _MOE_LIMITS:
             reason = _MOE_LIMITS[op](shape)
+        if reason is None and op.startswith("bi_"):
+            reason = self._invariant_limit(op, shape)
         if reason is None and op in ("gemm_nt", "grouped_gemm_nt") and tuple(shape.get("tile", (BLOCK, BLOCK))) != (BLOCK, BLOCK):
             reason = f"{op} reads a weight of 16x16 tiles transposed; this one has {tuple(shape['tile'])} blocks"
         return reason

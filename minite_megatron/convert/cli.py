@@ -21,7 +21,6 @@ architecture or field) prints one line, ``minite-convert: error: ...``, and exit
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..training import upstream_warnings
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 
 from ..training.cli import OneLineArgumentParser  # noqa: E402
 from .errors import ConvertError  # noqa: E402
+from ..settings import settings  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -74,7 +74,7 @@ def _init_distributed(tp: int, pp: int, ep: int, etp: int | None) -> None:
     """Megatron's parallel state: torchrun's world (WORLD_SIZE > 1) or one process."""
     from megatron.core import parallel_state as ps
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = settings().world_size
     if world == 1:
         if tp * pp * ep > 1 or (etp or 1) > 1:
             raise ConvertError("convert: --tp/--pp/--ep > 1 need torchrun with as many processes; one process "
@@ -91,7 +91,7 @@ def _init_distributed(tp: int, pp: int, ep: int, etp: int | None) -> None:
     if tp * pp > world or world % (tp * pp):
         raise ConvertError(f"convert: --tp {tp} x --pp {pp} does not divide the world size {world}")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(settings().local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -2,9 +2,11 @@
 composition, or prefill vs decode -- so the learner's teacher-forced log-probs equal the rollout
 engine's bitwise (strict mode, and default mode's ``aligned_*`` ops).
 
-Part of the contract layer: pure torch, the fixed-order ``"torch"`` formulation on any device and
-the reference of the Triton ``bi_*`` kernels, which run on CUDA (:mod:`.backend` chooses and finds
-them by name). Functional ops, one module each::
+Part of the contract layer: pure torch, the fixed-order torch formulation on any device and the
+reference of the ``bi_*`` ops of the NVFP4 ``Backend`` (``bi_matmul``, ``bi_rmsnorm``,
+``bi_rmsnorm_backward``, ``bi_log_softmax``, ``bi_attention``): each op runs the kernel of
+:func:`minite_megatron.nvfp4.backends.invariant_backend` (Triton on a CUDA GPU) where its
+``supports`` says yes, else its torch formulation. Functional ops, one module each::
 
     from minite_megatron.invariant.matmul import linear             # GEMM
     from minite_megatron.invariant.rmsnorm import rms_norm           # RMSNorm

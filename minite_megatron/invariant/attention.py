@@ -23,30 +23,32 @@ batch size, the other sequences or the other queries in the call. Hidden keys ca
 non-finite values (they are selected away, not multiplied by zero). A query with no visible
 key returns zeros. Visible non-finite values propagate (NaN).
 
-``"triton"`` backend: ``minite_kernels.triton.invariant.bi_attention`` (one fixed KV-block order for
-prefill and decode; invariant by its own construction, not bitwise equal to the torch one).
-Backward: the gradients of ordinary attention with the same visibility (only forward values must
-agree between engines; O(S) memory, no ``[Sq, Sk]`` fp32 matrices). With the Triton forward and
-no mask (the learner: causal, ``Sq == Sk``), bf16/fp16, one head dim: torch's fused backward --
+A backend's ``bi_attention`` kernel where :func:`minite_megatron.nvfp4.backends.invariant_backend` has
+one (Triton: one fixed KV-block order for prefill and decode; invariant by its own construction, not
+bitwise equal to the torch one). Backward: the gradients of ordinary attention with the same
+visibility (only forward values must agree between engines; O(S) memory, no ``[Sq, Sk]`` fp32
+matrices). With the kernel's forward and no mask (the learner: causal, ``Sq == Sk``), bf16/fp16,
+one head dim: torch's fused backward --
 the cuDNN or flash op that SDPA picks for these inputs -- called directly on (q, k, v, O, LSE),
 with the forward's own output and its log-sum-exp (:func:`fused_attention_backward`; issue 16:
 the recompute cost a whole cuDNN forward per layer). Elsewhere (CPU, masks, fp32, causal with
-``1 < Sq < Sk``, an op that refuses) and with :data:`DIRECT_BACKWARD` off: the gradients of
+``1 < Sq < Sk``, an op that refuses) and with ``MINITE_ATTENTION_BACKWARD=recompute``
+(``settings().attention_backward``, :mod:`minite_megatron.settings`): the gradients of
 :func:`sdpa_attention`, recomputing its forward for autograd's saved state. The two differ by
 the bf16 rounding of the two forwards' outputs (:func:`minite_megatron.testing.attention_grad_gap_bound`).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import backend as _backend
+from ..nvfp4.backends import Backend, invariant_backend
 from ..nvfp4.tree import tree_sum
+from ..settings import settings
 
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -206,24 +208,18 @@ def sdpa_attention(
 
 
 
-DIRECT_BACKWARD = os.environ.get("MINITE_ATTENTION_BACKWARD", "direct") != "recompute"
-"""The switch for the backward of :func:`attention` (issue 16): True (default) = the fused backward
-op of torch's SDPA (cuDNN / flash) called directly with the forward's output and log-sum-exp where
-it can run (:func:`direct_backward_op`); False = the previous path everywhere, a recompute of the
-forward through :func:`sdpa_attention` for autograd's saved state and then its backward. Set it
-here (a module-level flag, read at each forward) or start the process with
-``MINITE_ATTENTION_BACKWARD=recompute``."""
-if os.environ.get("MINITE_ATTENTION_BACKWARD", "direct") not in ("direct", "recompute"):
-    raise ValueError(f"MINITE_ATTENTION_BACKWARD={os.environ['MINITE_ATTENTION_BACKWARD']!r}; "
-                     "expected 'direct' or 'recompute'")
-
 # torch.nn.attention.SDPBackend values (torch._fused_sdp_choice returns them as ints) -> direct op
 _SDPA_FLASH, _SDPA_CUDNN = 1, 3
 _FAILED: set = set()  # (op, shape key) that raised once: the recompute path from then on
 
 
-def direct_backward_op(q, k, v, mask, causal: bool, which: str):
+def direct_backward_op(q, k, v, mask, causal: bool, kernels: Backend | None):
     """``(op, is_causal)`` for the fused backward that can take (q, k, v, O, LSE) directly, or None.
+
+    The switch (issue 16): ``settings().attention_backward`` (``MINITE_ATTENTION_BACKWARD``, read at
+    each forward; :func:`minite_megatron.settings.overridden` for a block) ``"direct"`` (default) = this
+    op where it can run; ``"recompute"`` = the previous path everywhere, a recompute of the forward
+    through :func:`sdpa_attention` for autograd's saved state and then its backward.
 
     ``op`` is ``"cudnn"`` / ``"flash"`` (the op torch's SDPA itself picks for these inputs, so the
     backward kernel is the one the recompute path ran) or ``"flash_cpu"`` (CPU tensors with the
@@ -231,9 +227,9 @@ def direct_backward_op(q, k, v, mask, causal: bool, which: str):
     or would compute something else; each condition says why. (No dropout here: the strict module
     refuses it and the aligned one runs SDPA itself when training with dropout.)
     """
-    if not DIRECT_BACKWARD:
+    if settings().attention_backward != "direct":
         return None
-    if which != "triton":  # only bi_attention returns the LSE (the torch formulation is the CPU reference)
+    if kernels is None:  # only bi_attention returns the LSE (the torch formulation is the CPU reference)
         return None
     if mask is not None:  # the fused backwards take an additive bias at best, not our bool visibility
         return None
@@ -310,17 +306,17 @@ def _recompute_grads(grad_out, q, k, v, mask, scale, causal):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, causal, which):
-        direct = direct_backward_op(q, k, v, mask, causal, which) if any(ctx.needs_input_grad[:3]) else None
+    def forward(ctx, q, k, v, mask, scale, causal, kernels):
+        direct = direct_backward_op(q, k, v, mask, causal, kernels) if any(ctx.needs_input_grad[:3]) else None
         ctx.direct, ctx.scale, ctx.causal = direct, scale, causal
         if direct is not None:
-            out32, lse = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal, return_lse=True)
+            out32, lse = kernels.bi_attention(q, k, v, mask, scale, causal, return_lse=True)
             out = torch.empty_like(q)  # the O layout cuDNN's own forward returns (see fused_attention_backward)
             out.copy_(out32)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
-        if which == "triton":
-            out = _backend.kernel("bi_attention")(q, k, v, mask, scale, causal)
+        if kernels is not None:
+            out = kernels.bi_attention(q, k, v, mask, scale, causal)
         else:
             out = attention_torch(q, k, v, scale, causal, mask)
         ctx.save_for_backward(q, k, v, mask if mask is not None else torch.empty(0))
@@ -373,5 +369,6 @@ def attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     mask = effective_mask(mask, q.shape[2], k.shape[2], causal)  # same visibility, so the same bits
-    which = _backend.resolve(q.device)
-    return _Attention.apply(q, k, v, mask, float(scale), bool(causal), which)
+    backend = invariant_backend(q.device)
+    kernels = backend if backend.supports("bi_attention") is None else None  # None: the torch formulation
+    return _Attention.apply(q, k, v, mask, float(scale), bool(causal), kernels)

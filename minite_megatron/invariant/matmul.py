@@ -11,8 +11,9 @@ first/last layers, attention projections, experts) with one of two formulations:
   rounding to the output dtype. Computed in chunks of rows and columns (at most
   ``2**22`` products at a time); every element is computed by elementwise ops, so chunking and
   batch composition cannot change a bit.
-- ``"triton"`` (CUDA): ``minite_kernels.triton.invariant.bi_matmul`` -- one fixed tile configuration, K
-  walked in order, fp32 accumulation, no split-K; same epilogue order.
+- a backend's ``bi_matmul`` kernel (:func:`minite_megatron.nvfp4.backends.invariant_backend` chooses the
+  backend, its ``supports("bi_matmul")`` whether the kernel runs; the Triton one: one fixed tile
+  configuration, K walked in order, fp32 accumulation, no split-K; same epilogue order).
 
 Backward (dgrad, wgrad) uses ordinary matmuls: only the forward values have to agree between
 the learner and the rollout engine.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as _backend
+from ..nvfp4.backends import invariant_backend
 from ..nvfp4.tree import tree_sum
 
 _CHUNK_ELEMENTS = 1 << 22
@@ -68,19 +69,19 @@ def linear_torch(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
-def _forward(x2d, weight, bias, out_dtype, which):
-    if which == "triton":
-        return _backend.kernel("bi_matmul")(x2d, weight, bias, out_dtype)
+def _forward(x2d, weight, bias, out_dtype, kernels):
+    if kernels is not None:
+        return kernels.bi_matmul(x2d, weight, bias, out_dtype)
     return linear_torch(x2d, weight, bias, out_dtype)
 
 
 class _BatchInvariantLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, bias, out_dtype, which):
+    def forward(ctx, x2d, weight, bias, out_dtype, kernels):
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return _forward(x2d, weight, bias, out_dtype, which)
+        return _forward(x2d, weight, bias, out_dtype, kernels)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -120,7 +121,8 @@ def linear(
     """
     _check(x, weight, bias)
     out_dtype = out_dtype or x.dtype
-    which = _backend.resolve(x.device)
+    backend = invariant_backend(x.device)
+    kernels = backend if backend.supports("bi_matmul") is None else None  # None: the torch formulation
     x2d = x.reshape(-1, x.shape[-1])
-    y = _BatchInvariantLinear.apply(x2d, weight, bias, out_dtype, which)
+    y = _BatchInvariantLinear.apply(x2d, weight, bias, out_dtype, kernels)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -2,17 +2,19 @@
 
 ``y = round_out(fp32(x) * (1 / sqrt(tree_h(fp32(x)^2) / H + eps)) * w)`` with ``w = weight`` or
 ``1 + weight`` (``zero_centered_gamma``), all in fp32, one rounding to ``x.dtype``. The sum of
-squares is the aligned pairwise tree of :mod:`minite_megatron.nvfp4.tree` (``"torch"``) or one fixed-size block
-reduction per row (``"triton"``: ``minite_kernels.triton.invariant.bi_rmsnorm``); ``sqrt`` and the division
-are correctly rounded IEEE operations, so a row's result depends on nothing but the row.
-Backward uses the ordinary formulas.
+squares is the aligned pairwise tree of :mod:`minite_megatron.nvfp4.tree` (:func:`rms_norm_torch`) or
+the backend's ``bi_rmsnorm`` kernel where :func:`minite_megatron.nvfp4.backends.invariant_backend` has
+one (Triton: one fixed-size block reduction per row); ``sqrt`` and the division are correctly rounded
+IEEE operations, so a row's result depends on nothing but the row. Backward uses the ordinary
+formulas: the backend's one-pass ``bi_rmsnorm_backward`` where it supports the width, else
+:func:`rms_norm_backward_torch`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backend as _backend
+from ..nvfp4.backends import invariant_backend
 from ..nvfp4.tree import tree_sum
 
 
@@ -48,32 +50,23 @@ class RMSNormFunction(torch.autograd.Function):
 
 class _RMSNorm(RMSNormFunction):
     @staticmethod
-    def forward(ctx, x2d, weight, eps, zero_centered_gamma, which):
-        if which == "triton":
-            y = _backend.kernel("bi_rmsnorm")(x2d, weight, eps, zero_centered_gamma)
+    def forward(ctx, x2d, weight, eps, zero_centered_gamma, kernels):
+        if kernels is not None:
+            y = kernels.bi_rmsnorm(x2d, weight, eps, zero_centered_gamma)
         else:
             y = rms_norm_torch(x2d, weight, eps, zero_centered_gamma)
         RMSNormFunction.save(ctx, x2d, weight, eps, zero_centered_gamma)
         return y
 
 
-#: Widest row the one-pass backward kernel takes (``minite_kernels.triton.invariant.bi_rmsnorm_backward.MAX_H``).
-_KERNEL_MAX_H = 4096
-#: The one-pass backward kernel ran on a GPU: its tests (``tests/kernels/triton/invariant/test_bi_rmsnorm_backward.py``,
-#: ``tests/strict/test_norm_softmax.py``: 18 passed) and the learner step with it (H200, 2026-12-01,
-#: ``python -m benchmarks.learner_step --tokens 16384 --variants bf16,nvfp4,strict``: NVFP4 172.3 ->
-#: 155.2 ms, strict 163.9 ms; BENCHMARKS.md run 12). False keeps CUDA tensors on the torch formulation.
-ONE_PASS_BACKWARD_GPU_VERIFIED = True
-
-
 def rms_norm_backward(gy, x2d, weight, eps: float, zero_centered_gamma: bool, weight_grad: bool = True):
     """The ordinary RMSNorm gradients (fp32 math): ``(dx in x2d.dtype, dweight or None)``. Where the
-    Triton kernels run (:func:`.backend.resolve`; on a GPU once :data:`ONE_PASS_BACKWARD_GPU_VERIFIED`),
+    backend of :func:`~minite_megatron.nvfp4.backends.invariant_backend` supports it for this width,
     one pass (``bi_rmsnorm_backward``: the same formulas, sums in another fixed order); else
     :func:`rms_norm_backward_torch`."""
-    if (_backend.resolve(x2d.device) == "triton" and x2d.shape[-1] <= _KERNEL_MAX_H
-            and (x2d.device.type != "cuda" or ONE_PASS_BACKWARD_GPU_VERIFIED)):
-        return _backend.kernel("bi_rmsnorm_backward")(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
+    backend = invariant_backend(x2d.device)
+    if backend.supports("bi_rmsnorm_backward", width=x2d.shape[-1]) is None:
+        return backend.bi_rmsnorm_backward(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
     return rms_norm_backward_torch(gy, x2d, weight, eps, zero_centered_gamma, weight_grad)
 
 
@@ -107,6 +100,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, zero_cent
         raise TypeError(f"rms_norm needs a floating tensor, got {x.dtype}")
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
-    which = _backend.resolve(x.device)
+    backend = invariant_backend(x.device)
+    kernels = backend if backend.supports("bi_rmsnorm") is None else None  # None: the torch formulation
     x2d = x.reshape(-1, x.shape[-1])
-    return _RMSNorm.apply(x2d, weight, float(eps), bool(zero_centered_gamma), which).reshape(x.shape)
+    return _RMSNorm.apply(x2d, weight, float(eps), bool(zero_centered_gamma), kernels).reshape(x.shape)

@@ -12,15 +12,16 @@ Masked entries (``mask`` True = hidden, Megatron's convention) contribute exact 
 with no visible entry yields zeros (softmax) instead of NaN. Non-finite logits: ``+inf``/NaN
 propagate to their row (NaN), ``-inf`` entries get probability 0.
 
-``"triton"`` backend: ``log_softmax`` over the last dimension uses
-``minite_kernels.triton.invariant.bi_log_softmax`` (one program per row, fixed chunk order).
+``log_softmax`` over the last dimension runs the backend's ``bi_log_softmax`` kernel where
+:func:`minite_megatron.nvfp4.backends.invariant_backend` has one (Triton: one program per row, fixed
+chunk order), else :func:`log_softmax_torch`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backend as _backend
+from ..nvfp4.backends import invariant_backend
 from ..nvfp4.tree import tree_sum
 
 
@@ -53,9 +54,9 @@ def log_softmax_torch(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 class _LogSoftmaxLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, which):
-        if which == "triton":
-            out = _backend.kernel("bi_log_softmax")(x2d)
+    def forward(ctx, x2d, kernels):
+        if kernels is not None:
+            out = kernels.bi_log_softmax(x2d)
         else:
             out = log_softmax_torch(x2d, -1)
         ctx.save_for_backward(out)
@@ -79,8 +80,9 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if x.numel() == 0:
         return x.to(torch.float32)
     xt = x.movedim(dim, -1)
-    which = _backend.resolve(x.device)
-    out = _LogSoftmaxLastDim.apply(xt.reshape(-1, xt.shape[-1]), which).reshape(xt.shape)
+    backend = invariant_backend(x.device)
+    kernels = backend if backend.supports("bi_log_softmax") is None else None  # None: the torch formulation
+    out = _LogSoftmaxLastDim.apply(xt.reshape(-1, xt.shape[-1]), kernels).reshape(xt.shape)
     return out.movedim(-1, dim)
 
 

@@ -20,14 +20,13 @@ the host nor waits: :mod:`.moe`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..nvfp4.group_sizes import DeviceGroupSizes
 from ..ops.moe_activation import weighted_swiglu
 from ..recipe import Recipe
+from ..settings import settings
 from .activation import MiniteActivation
 from .naming import names_nonfinite
 
@@ -93,7 +92,7 @@ class MiniteGroupedMLP(TEGroupedMLP):
         dtype = weight.dtype if dtype is None else dtype
         device = weight.device if device is None else torch.device(device)
         key = (dtype, device, id(self.recipe), id(getattr(fc1, "recipe", None)), id(getattr(fc2, "recipe", None)),
-               weight.dtype, os.environ.get("MINITE_BACKEND"))  # (recipes are frozen: their ids)
+               weight.dtype, settings().backend)  # (recipes are frozen: their ids)
         cache = self.__dict__.setdefault("_host_counts_answers", {})
         if key not in cache:
             cache[key] = self._why_host_counts(dtype, device)

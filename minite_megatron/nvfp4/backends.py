@@ -6,7 +6,7 @@ None`` (the reason it cannot run there), every op of :data:`OPS` with the refere
 ``supports(op, **shape) -> str | None``, the question callers ask before a fused path.
 ``get_backend(None, device)`` picks the best available one for the device:
 ``blackwell`` (sm_100a/sm_103a FP4 tensor cores) > ``triton`` (any CUDA GPU) > ``reference``
-(pure torch, always available). ``MINITE_BACKEND=<name>`` overrides the choice.
+(pure torch, always available). ``MINITE_BACKEND=<name>`` (:mod:`minite_megatron.settings`) overrides the choice.
 
 Kernel backends live in the ``minite_kernels`` package and are imported lazily, so this
 package imports only torch.
@@ -15,9 +15,7 @@ package imports only torch.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
-import os
 from collections.abc import Sequence
 
 import torch
@@ -27,15 +25,18 @@ from .grouped import decode_grouped_gemm_reference, grouped_gemm_reference, grou
 from . import moe_reference as _moe
 from .quantize import quantize_reference
 from .tensor import NVFP4Tensor
+from ..settings import settings
 
 
-@functools.cache
 def triton_interpreting() -> bool:
-    """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET`` read with
-    Triton's own rule: 1/true/on/yes)? Read without importing Triton, once: the launchers ask on
-    every launch (~600 times a learner step), and ``os.environ`` costs microseconds a read. Code
-    that sets the variable after the first call calls ``triton_interpreting.cache_clear()``."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Does Triton run kernels in its interpreter (CPU tensors; ``TRITON_INTERPRET``,
+    :mod:`minite_megatron.settings`)? Read without importing Triton, once: the launchers ask on
+    every launch (~600 times a learner step). Code that sets the variable after the first call
+    calls ``settings.cache_clear()`` (or ``triton_interpreting.cache_clear()``, the same)."""
+    return settings().triton_interpret
+
+
+triton_interpreting.cache_clear = settings.cache_clear
 
 
 class BackendUnavailable(RuntimeError):
@@ -46,6 +47,11 @@ class OpNotSupported(NotImplementedError):
     """A backend was asked for an op (or an operand shape) it does not run; the message says why."""
 
 
+#: The batch-invariant ops of strict mode (a row's result independent of the batch, prefill equal to
+#: decode): a kernel's only; their references are the contract's torch formulations in
+#: :mod:`minite_megatron.invariant`, which its callers run where :meth:`Backend.supports` gives a reason.
+INVARIANT_OPS = ("bi_matmul", "bi_rmsnorm", "bi_rmsnorm_backward", "bi_log_softmax", "bi_attention")
+
 #: Every op a backend may run. ``quantize``, ``gemm``, ``grouped_gemm``, ``grouped_wgrad`` and
 #: ``grouped_wgrad_gemm`` (the base class runs the contract's on the backend's device) are
 #: always there; the others are fused or relayout-free paths whose callers take the contract's
@@ -55,6 +61,7 @@ OPS = (
     "quantize_wgrad_operand", "dy_amaxes", "decode_grouped_gemm", "rmsnorm_quantize", "swiglu_quantize",
     *("weighted_swiglu", "weighted_swiglu_backward", "deterministic_unpermute", "ordered_sum", "zero_empty_groups",
       "moe_route", "moe_sum_rows", "add_rmsnorm_quantize", "qk_norm_rope_cache"),
+    *INVARIANT_OPS,
 )
 
 #: The ops whose base implementation is the contract's reference (:mod:`.moe_reference`) on the
@@ -101,10 +108,40 @@ class Backend:
                 return None
             if op in REFERENCE_OPS:
                 return f"the {self.name} backend has no {op} kernel: the contract's reference runs"
+            if op in INVARIANT_OPS:
+                return f"the {self.name} backend has no {op} kernel: the torch formulation (minite_megatron.invariant) runs"
             return f"the {self.name} backend has no {op} kernel"
         if shape.get("device_sizes") and op in GROUPED_OPS and not self.device_group_sizes:
             return f"the {self.name} backend's {op} takes host group sizes, not counts left on the device"
         return None
+
+    # ---- the batch-invariant ops (:data:`INVARIANT_OPS`; base: refused, the caller runs the torch formulation) ----
+    def bi_matmul(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+        """``x2d @ weight.T (+ bias)`` ``[M, N]`` in ``out_dtype``, a row independent of M (fixed tiles, K in
+        order, no split-K): ``invariant.matmul.linear_torch``'s contract, another fixed order."""
+        self._refuse("bi_matmul")
+
+    def bi_rmsnorm(self, x2d: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+        """RMSNorm of each row ``[M, H]`` in ``x2d.dtype``, one fixed reduction per row:
+        ``invariant.rmsnorm.rms_norm_torch``'s contract."""
+        self._refuse("bi_rmsnorm")
+
+    def bi_rmsnorm_backward(self, gy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, eps: float,
+                            zero_centered_gamma: bool, weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(dx, dweight or None)`` of the RMSNorm in one pass (``supports(op, width=H)``):
+        ``invariant.rmsnorm.rms_norm_backward_torch``'s formulas, sums in another fixed order."""
+        self._refuse("bi_rmsnorm_backward")
+
+    def bi_log_softmax(self, x2d: torch.Tensor) -> torch.Tensor:
+        """fp32 log-softmax of each row ``[M, V]``, a fixed order per row: ``invariant.softmax.log_softmax_torch``'s contract."""
+        self._refuse("bi_log_softmax")
+
+    def bi_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     causal: bool, return_lse: bool = False):
+        """fp32 ``[B, Hq, Sq, Dv]`` attention, one fixed KV-block order for prefill and decode (with
+        ``return_lse``: and the fp32 ``[B, Hq, Sq]`` log-sum-exp): ``invariant.attention.attention_torch``'s contract."""
+        self._refuse("bi_attention")
 
     def _refuse(self, op: str, why: str | None = None):
         raise OpNotSupported(f"{self.name} does not support {op}: {why or self.supports(op)}")
@@ -312,7 +349,11 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     """The backend ``name`` (raising :class:`BackendUnavailable` with its reason if it cannot
     run on ``device``), or the best available one for ``device`` when ``name`` is None."""
     device = torch.device(device) if device is not None else None
-    name = name or os.environ.get("MINITE_BACKEND") or None
+    name = name or None
+    if name is None and settings().backend is not None:
+        name = settings().backend
+        if name not in backend_names():
+            raise ValueError(f"MINITE_BACKEND={name!r}: unknown NVFP4 backend; known: {', '.join(backend_names())}")
     if name is not None:
         backend = _load(name)
         if not backend.available(device):
@@ -325,6 +366,17 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
         if backend.available(device):
             return backend
     return _REGISTRY["reference"]
+
+
+def invariant_backend(device: torch.device | str) -> Backend:
+    """The backend of the batch-invariant ops (:data:`INVARIANT_OPS`) for tensors on ``device``:
+    ``MINITE_STRICT_BACKEND``'s where set, else :func:`get_backend` ``(None, device)``. Its
+    ``supports(op)`` says whether its kernel runs; where not, the caller runs the torch formulation.
+    Learner and rollout engine ask the same question on the same device, so they run the same one."""
+    name = settings().strict_backend
+    if name is not None and name not in backend_names():
+        raise ValueError(f"MINITE_STRICT_BACKEND={name!r}: unknown NVFP4 backend; known: {', '.join(backend_names())}")
+    return get_backend(name, device)
 
 
 def available_backends(device: torch.device | str | None = None) -> dict[str, str | None]:

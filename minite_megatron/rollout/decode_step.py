@@ -481,7 +481,6 @@ class AttentionStep:
         from megatron.core.transformer.identity_op import IdentityOp
 
         from ..modules.norm import MiniteNorm
-        from ..invariant.backend import resolve
 
         qn, kn = self.attn.q_layernorm, self.attn.k_layernorm
         if (qn is None or isinstance(qn, IdentityOp)) and (kn is None or isinstance(kn, IdentityOp)):
@@ -490,7 +489,7 @@ class AttentionStep:
             return None
         if not all(n.normalization == "RMSNorm" and n.invariant_rms and n.offer_to is None for n in (qn, kn)):
             return None
-        if qn.eps != kn.eps or qn.zero_centered_gamma != kn.zero_centered_gamma or resolve(qn.weight.device) != "triton":
+        if qn.eps != kn.eps or qn.zero_centered_gamma != kn.zero_centered_gamma or not fused_ops.norm_fuses(qn.weight):
             return None
         return qn.weight, kn.weight, qn.eps, qn.zero_centered_gamma
 
@@ -590,7 +589,6 @@ def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
 
 def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
     from ..modules.norm import MiniteNorm
-    from ..invariant.backend import resolve
 
     if not (fused_ops.use_kernels(out, "add_rmsnorm_quantize") and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
             and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0
@@ -603,7 +601,7 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
         backend = backend_for(slot.recipe, out.device)
         if slot.recipe.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, slot.recipe, backend):
             return None
-    elif not (norm.invariant_rms and resolve(out.device) == "triton"):
+    elif not (norm.invariant_rms and fused_ops.norm_fuses(out)):
         return None  # not bi_rmsnorm's arithmetic in the learner
     shape, hdim = out.shape, out.shape[-1]
     h, y, q = fused_ops.fused_backend(out).add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,

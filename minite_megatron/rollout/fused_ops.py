@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4.backends import Backend, kernel_backend
+from ..nvfp4.backends import Backend, invariant_backend, kernel_backend
 from ..nvfp4.moe_reference import Route, ordered_sum_reference
 
 KERNELS_ON_CPU = False
@@ -42,6 +42,14 @@ def use_kernels(t: torch.Tensor, op: str, **shape) -> bool:
     """Does ``op`` run on a fused kernel for tensors like ``t`` (``shape``: its operand facts)?"""
     backend = fused_backend(t)
     return backend is not None and backend.supports(op, **shape) is None
+
+
+def norm_fuses(t: torch.Tensor) -> bool:
+    """Is the learner's batch-invariant RMSNorm, for tensors like ``t``, the ``bi_rmsnorm`` of the
+    backend whose fused kernels run here (the arithmetic its fused norms reproduce: q/k norm + RoPE,
+    the residual add + RMSNorm -> NVFP4)? ``invariant_backend`` runs the learner's norm."""
+    fused, learner = fused_backend(t), invariant_backend(t.device)
+    return fused is not None and fused.name == learner.name and learner.supports("bi_rmsnorm") is None
 
 
 def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from .. import nvfp4
 from ..nvfp4.tensor import NVFP4Tensor
 from ..ops.roles import gemm_role, quantize_role
 from ..recipe import Recipe
+from ..settings import settings
 
 try:  # TE >= 2.16: custom recipes with role-aware quantizer factories
     from transformer_engine.pytorch.custom_recipes import quantization as _te_quantization
@@ -235,7 +235,7 @@ class MiniteTEQuantizer(Quantizer):
 
 
 def _recipe_from_env() -> Recipe:
-    text = os.environ.get("MINITE_RECIPE")
+    text = settings().recipe_json
     return Recipe.from_dict(json.loads(text)) if text else Recipe()
 
 

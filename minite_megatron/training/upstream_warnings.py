@@ -21,10 +21,11 @@ turned the version into ``0.19.2+<our sha>``, as if Megatron were a fork.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import warnings
 from dataclasses import dataclass
+
+from ..settings import export_default
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    os.environ.setdefault("NO_VCS_VERSION", "1")
+    export_default("NO_VCS_VERSION", "1")
     for w in PYTHON_WARNINGS:
         warnings.filterwarnings("ignore", message=w.message, category=w.category)
     by_logger: dict[str, list[re.Pattern]] = {}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks import blackwell_bringup as bu
+from minite_megatron.settings import settings
 from minite_megatron.nvfp4 import ReferenceBackend
 
 
@@ -210,6 +211,7 @@ def test_k96_stage_is_skipped_off_b300_with_the_reason(monkeypatch):
     from minite_kernels.cute import _host
 
     monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    settings.cache_clear()  # (read once per process: the variable changed)
     assert bu.k96_skip_reason("reference", "cpu") is None
     assert "sm_103a" in bu.k96_skip_reason("blackwell", "cpu")
     monkeypatch.setattr(_host, "blackwell_arch", lambda device: "sm_100a")
@@ -217,6 +219,7 @@ def test_k96_stage_is_skipped_off_b300_with_the_reason(monkeypatch):
     monkeypatch.setattr(_host, "blackwell_arch", lambda device: "sm_103a")
     assert bu.k96_skip_reason("blackwell", "cuda:0") is None
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    settings.cache_clear()  # (read once per process: the variable changed)
     assert "MINITE_BLACKWELL_MMA_K=64" in bu.k96_skip_reason("blackwell", "cuda:0")
 
 

@@ -55,14 +55,14 @@ def test_refit_bytes_section_records_its_command(tmp_path):
 def test_attention_backward_smoke_records_both_paths(tmp_path):
     """Every case is timed, the direct backward is the op it names (CPU flash here), the record
     goes to ``--out``, and the attention module's switch is put back."""
-    from minite_megatron.invariant import attention as attention_module
+    from minite_megatron.settings import settings
 
-    before = attention_module.DIRECT_BACKWARD
+    before = settings()
     rec = kernels.main(["--sections", "attention_backward", "--smoke", "--out", str(tmp_path)])["attention_backward"]
     impls = [r["impl"] for r in rec["rows"]]
     assert "recompute: SDPA fwd + bwd (old)" in impls and "direct: flash_cpu (new)" in impls
     assert rec["summary"][0]["direct_op"] == "flash_cpu"
-    assert attention_module.DIRECT_BACKWARD == before
+    assert settings() == before
     line = json.loads((tmp_path / "attention_backward.jsonl").read_text().splitlines()[-1])
     assert line["bench"] == "attention_backward" and line["smoke"] and "torch" in line
     assert line["command"] == f"python -m benchmarks.kernels --smoke --out {tmp_path}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minite_megatron import nvfp4
-from minite_megatron.nvfp4.backends import REFERENCE_OPS, OPS, Backend, OpNotSupported, ReferenceBackend
+from minite_megatron.nvfp4.backends import INVARIANT_OPS, REFERENCE_OPS, OPS, Backend, OpNotSupported, ReferenceBackend
 
 
 class _QuantizeOnly(Backend):
@@ -25,6 +25,8 @@ def test_every_op_is_a_method_of_the_base_class_that_refuses_with_its_reason():
         want = f"the backend backend has no {op} kernel"
         if op in REFERENCE_OPS:  # the base runs the contract's reference for these
             want += ": the contract's reference runs"
+        if op in INVARIANT_OPS:  # the callers run the torch formulation for these
+            want += ": the torch formulation (minite_megatron.invariant) runs"
         assert b.supports(op) == (None if op == "grouped_wgrad_gemm" else want)
     with pytest.raises(OpNotSupported, match=r"^quantize-only does not support gemm: the quantize-only backend has no gemm kernel$"):
         _QuantizeOnly().gemm(None, None)

@@ -3,7 +3,7 @@ routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine, the resi
 into the next RMSNorm -> NVFP4) inside the engine.
 
 Pinned here, on the CPU with the kernels forced under the interpreter (``KERNELS_ON_CPU``) and
-the batch-invariant ops on their Triton kernels (``invariant.backend.use_backend("triton")``, what
+the batch-invariant ops on their Triton kernels (``settings.overridden(strict_backend="triton")``, what
 a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
 the unfused step on the learner's modules, in default (aligned) and strict mode; and the
 routing reference is the router module's own output. The kernels' own contracts are in
@@ -43,7 +43,7 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
     CPU bits on them (tests/kernels/triton/moe/test_moe_route.py compares exactly that)."""
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
-    from minite_megatron.invariant.backend import use_backend
+    from minite_megatron.settings import overridden
     from minite_megatron.training.presets import init_single_process
 
     init_single_process(1)
@@ -58,7 +58,7 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
     for mod, name in ((mr, "moe_route"), (qk, "qk_norm_rope_cache"), (nq, "add_rmsnorm_quantize")):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: (launched.append(_n), _fn(*a, **k))[1])
-    with use_backend("triton"), torch.no_grad():
+    with overridden(strict_backend="triton"), torch.no_grad():
         outs = {}
         prefilled = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
         runner.prefill(prompts, prefilled)
@@ -99,7 +99,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     from minite_megatron.ops.linear import backend_for
     from minite_megatron.recipe import Recipe
     from minite_megatron.rollout.decode_step import add_then_norm
-    from minite_megatron.invariant.backend import use_backend
+    from minite_megatron.settings import overridden
     import minite_kernels.triton.nvfp4.norm_quantize as nq
 
     recipe = Recipe(backend="triton")
@@ -123,7 +123,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     kernel = nq.add_rmsnorm_quantize
     monkeypatch.setattr(nq, "add_rmsnorm_quantize", lambda *a, **k: (launched.append(1), kernel(*a, **k))[1])
     monkeypatch.setattr(fused_ops, "KERNELS_ON_CPU", True)
-    with use_backend("triton"), torch.no_grad():
+    with overridden(strict_backend="triton"), torch.no_grad():
         h_ref = bda((out, None), residual)
         y_ref = norm(h_ref)
         q_ref = slot and slot.take(y_ref, key)

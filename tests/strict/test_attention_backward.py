@@ -16,7 +16,8 @@ import torch
 
 from minite_megatron.invariant import attention as attention_module
 from minite_megatron.invariant.attention import attention, direct_backward_op, sdpa_attention
-from minite_megatron.invariant.backend import use_backend
+from minite_megatron.nvfp4.backends import get_backend
+from minite_megatron.settings import overridden
 from minite_megatron.testing import assert_bitwise_equal, assert_within, attention_grad_gap_bound
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter on CPU tensors; on a GPU: "
@@ -33,16 +34,16 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16, seed=0):
 
 
 def _grads(q, k, v, go, causal, direct, monkeypatch):
-    monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", direct)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attention(qq, kk, vv, causal=causal)
+    with overridden(attention_backward="direct" if direct else "recompute"):  # read by the forward
+        out = attention(qq, kk, vv, causal=causal)
     out.backward(go)
     return out.detach(), (qq.grad, kk.grad, vv.grad)
 
 
 def _lse_gap(q, k, v, scale, causal):
     """max |LSE of bi_attention - LSE of the fused forward the recompute path runs| (CPU flash)."""
-    _, lse = attention_module._backend.kernel("bi_attention")(q, k, v, None, scale, causal, return_lse=True)
+    _, lse = get_backend("triton", q.device).bi_attention(q, k, v, None, scale, causal, return_lse=True)
     group = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     old = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal and q.shape[2] > 1,
@@ -58,7 +59,7 @@ def test_direct_backward_within_the_rounding_of_o_of_the_recompute(shape, causal
     calls = []
     real = attention_module.fused_attention_backward
     monkeypatch.setattr(attention_module, "fused_attention_backward", lambda op, *a: calls.append(op) or real(op, *a))
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         out_new, new = _grads(q, k, v, go, causal, True, monkeypatch)
         assert calls == ["flash_cpu"]
         with torch.no_grad():
@@ -76,16 +77,17 @@ def test_direct_backward_within_the_rounding_of_o_of_the_recompute(shape, causal
 
 def test_direct_path_only_where_it_can_run(monkeypatch):
     q, k, v, _ = _qkv(1, 4, 2, 12, 12, 16)
-    assert direct_backward_op(q, k, v, None, True, "triton") == ("flash_cpu", True)
-    assert direct_backward_op(q[:, :, :1], k, v, None, True, "triton") == ("flash_cpu", False)
-    assert direct_backward_op(q, k, v, None, True, "torch") is None  # the torch formulation has no LSE
-    assert direct_backward_op(q, k, v, torch.zeros(1, 1, 12, 12, dtype=torch.bool), True, "triton") is None
-    assert direct_backward_op(q[:, :, 5:], k, v, None, True, "triton") is None  # causal, 1 < Sq < Sk
-    assert direct_backward_op(q[:, :, 5:], k, v, None, False, "triton") == ("flash_cpu", False)
-    assert direct_backward_op(q.float(), k.float(), v.float(), None, True, "triton") is None
-    assert direct_backward_op(q[..., :8], k[..., :8], v, None, True, "triton") is None  # Dv != D
-    monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", False)
-    assert direct_backward_op(q, k, v, None, True, "triton") is None
+    triton = get_backend("triton", q.device)  # the backend whose bi_attention kernel runs (None: the torch formulation)
+    assert direct_backward_op(q, k, v, None, True, triton) == ("flash_cpu", True)
+    assert direct_backward_op(q[:, :, :1], k, v, None, True, triton) == ("flash_cpu", False)
+    assert direct_backward_op(q, k, v, None, True, None) is None  # the torch formulation has no LSE
+    assert direct_backward_op(q, k, v, torch.zeros(1, 1, 12, 12, dtype=torch.bool), True, triton) is None
+    assert direct_backward_op(q[:, :, 5:], k, v, None, True, triton) is None  # causal, 1 < Sq < Sk
+    assert direct_backward_op(q[:, :, 5:], k, v, None, False, triton) == ("flash_cpu", False)
+    assert direct_backward_op(q.float(), k.float(), v.float(), None, True, triton) is None
+    assert direct_backward_op(q[..., :8], k[..., :8], v, None, True, triton) is None  # Dv != D
+    with overridden(attention_backward="recompute"):
+        assert direct_backward_op(q, k, v, None, True, triton) is None
 
 
 def test_a_refused_op_falls_back_to_the_recompute_once(monkeypatch):
@@ -99,7 +101,7 @@ def test_a_refused_op_falls_back_to_the_recompute_once(monkeypatch):
         raise RuntimeError("cuDNN Frontend error: no engine supports this\nsecond line")
 
     monkeypatch.setattr(attention_module, "_FAILED", set())
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         _, old = _grads(q, k, v, go, True, False, monkeypatch)
         monkeypatch.setattr(attention_module, "fused_attention_backward", refuse)
         with pytest.warns(UserWarning, match="flash_cpu backward refused.*recomputing"):
@@ -130,11 +132,11 @@ def test_megatron_core_attention_takes_the_direct_path(tiny_gpt, monkeypatch):
     real = attention_module.fused_attention_backward
     monkeypatch.setattr(attention_module, "fused_attention_backward", lambda op, *a: calls.append(op) or real(op, *a))
     grads, outs = [], []
-    with use_backend("triton"):
-        for direct in (True, False):
-            monkeypatch.setattr(attention_module, "DIRECT_BACKWARD", direct)
+    with overridden(strict_backend="triton"):
+        for direct in ("direct", "recompute"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = module(*leaves, mask, attn_mask_type=AttnMaskType.causal)
+            with overridden(attention_backward=direct):
+                out = module(*leaves, mask, attn_mask_type=AttnMaskType.causal)
             out.backward(go)
             grads.append(tuple(t.grad.permute(1, 2, 0, 3) for t in leaves))
             outs.append(out.detach())
@@ -144,7 +146,7 @@ def test_megatron_core_attention_takes_the_direct_path(tiny_gpt, monkeypatch):
     dout = go.view(s, b, 4, 16).permute(1, 2, 0, 3)
     o_new = outs[0].view(s, b, 4, 16).permute(1, 2, 0, 3)
     o_old = sdpa_attention(qb, kb, vb, scale=0.25, causal=True)
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         gap = _lse_gap(qb, kb, vb, 0.25, True)
     bounds = attention_grad_gap_bound(qb, kb, vb, dout, o_new, o_old, gap, 0.25, True, grads[0], grads[1])
     for name, a, c, bound in zip(("dq", "dk", "dv"), grads[0], grads[1], bounds):

@@ -155,10 +155,10 @@ def test_nvfp4_model_in_strict_mode_has_zero_gap(tiny_gpt):
 def test_strict_gap_zero_with_the_triton_kernels(tiny_gpt):
     """The strict modules on the ``bi_*`` Triton kernels (under the interpreter on CPU: a 1-layer
     model and a few tokens; on a GPU this is the real kernel path)."""
-    from minite_megatron.invariant.backend import use_backend
+    from minite_megatron.settings import overridden
 
     model = tiny_gpt.build_gpt(True, num_layers=1, num_moe_experts=4, seed=9)
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate([[5, 6, 7], [9]], max_new_tokens=3, seed=1)
         with torch.no_grad():
             learner = teacher_forced_logprobs(model, [r.tokens for r in rollouts])
@@ -184,9 +184,9 @@ def test_strict_gap_zero_with_the_triton_kernels(tiny_gpt):
 )
 def test_gpu_strict_gap_is_exactly_zero_with_triton_kernels(tiny_gpt, dtype):
     """On the GPU the strict ops dispatch to the batch-invariant Triton kernels by default."""
-    from minite_megatron.invariant.backend import resolve
+    from minite_megatron.nvfp4.backends import invariant_backend
 
-    assert resolve("cuda") == "triton"
+    assert invariant_backend("cuda").name == "triton" and invariant_backend("cuda").supports("bi_matmul") is None
     model = tiny_gpt.build_gpt(True, dtype, seed=5, device="cuda")
     prompts = tiny_gpt.PROMPTS
     rollouts = RolloutEngine(model, eod_id=tiny_gpt.EOD).generate(prompts, max_new_tokens=NEW, temperature=1.0, seed=3)

@@ -7,11 +7,10 @@ CPU's (the kernels write those same patterns).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from minite_megatron.nvfp4.backends import triton_interpreting as interpreting
+from minite_megatron.settings import environment
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -93,7 +92,7 @@ def run_aot_script(script: str) -> dict:
 
     import pytest
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = environment(without=("TRITON_INTERPRET",))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"AOT compile for sm_90a failed:\n{proc.stderr[-4000:]}")

@@ -8,7 +8,8 @@ in another fixed order, so the two agree to fp32 rounding, not bit for bit. The 
 makes ~12 full fp32 passes over ``[M, H]`` (casts, products, means; on the H200 ~14 ms of a 167 ms
 learner step of the qwen3-moe preset at 16384 tokens, the q/k norms over ``[T * heads, 128]`` the
 largest, BENCHMARKS.md run 11); this kernel reads ``x`` and ``g`` once and writes ``dx`` (the same
-step: 172.3 -> 155.2 ms with it, run 12; ``invariant.rmsnorm.ONE_PASS_BACKWARD_GPU_VERIFIED``).
+step: 172.3 -> 155.2 ms with it, run 12). The Triton backend's ``bi_rmsnorm_backward`` runs it for
+every row of at most ``MAX_H`` (``TritonBackend.supports("bi_rmsnorm_backward", width=H)``).
 
 Deterministic: a program takes row tiles ``pid, pid + P, ...`` (``P`` fixed by M and H only, never
 by the device) and writes its weight-gradient partial ``[H]``; the partials are summed in program

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minite_megatron import nvfp4
+from minite_megatron.settings import settings
 from minite_megatron.testing import assert_bitwise_equal, assert_within, gemm_output_bound
 from minite_kernels.cute.backend import BACKEND
 
@@ -67,6 +68,7 @@ def test_sm103_k96_kernel_bitwise_on_exact_data(exact_operand, monkeypatch, m, n
     or of 768 (864, 2048: skipped tail MMAs): bitwise equal to the reference (partial sums are
     multiples of 2^-4 below 144 K < 2^20, exact for K <= 7281). Also the grouped GEMM at K = 864."""
     monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    settings.cache_clear()  # (read once per process: the variable changed)
     gen = torch.Generator().manual_seed(m + n + k)
     a, b = exact_operand(m, k, gen, device=DEV), exact_operand(n, k, gen, device=DEV)
     bias = (torch.randn(n, generator=gen) * 0.1).to(DEV)
@@ -90,6 +92,7 @@ def test_sm103_k64_fallback_and_k96_both_within_the_bound(monkeypatch):
     exact, bound = nvfp4.fp32_accumulation_bound(a, b, None)
     for forced in ("", "64"):
         monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", forced)
+        settings.cache_clear()  # (read once per process: the variable changed)
         got = nvfp4.gemm(a, b, backend="blackwell")
         assert_within(got, exact, gemm_output_bound(exact, bound, torch.bfloat16), f"MMA_K={forced or 'auto'}")
 

@@ -10,6 +10,7 @@ import torch
 
 from minite_megatron import nvfp4
 from minite_megatron.nvfp4 import BackendUnavailable
+from minite_megatron.settings import settings
 from minite_megatron.testing import assert_bitwise_equal, assert_nvfp4_equal
 from minite_kernels.cute import _host
 from minite_kernels.cute.backend import BACKEND
@@ -69,15 +70,19 @@ def test_mma_k_is_chosen_by_the_gpu_never_by_m(monkeypatch):
     and off Blackwell; ``MINITE_BLACKWELL_MMA_K`` overrides (64 anywhere, 96 on sm_103a only),
     anything else is one clear error naming the variable."""
     monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    settings.cache_clear()  # (read once per process: the variable changed)
     assert [choose_mma_k(a) for a in ("sm_103a", "sm_100a", None)] == [96, 64, 64]
     assert choose_mma_k("sm_103a", k_grouped=True) == 64
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    settings.cache_clear()  # (read once per process: the variable changed)
     assert choose_mma_k("sm_103a") == 64
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "96")
+    settings.cache_clear()  # (read once per process: the variable changed)
     assert choose_mma_k("sm_103a") == 96 and choose_mma_k(None) == 64
     with pytest.raises(ValueError, match="sm_103a"):
         choose_mma_k("sm_100a")
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "128")
+    settings.cache_clear()  # (read once per process: the variable changed)
     with pytest.raises(ValueError, match="MINITE_BLACKWELL_MMA_K='128'"):
         choose_mma_k("sm_103a")
 

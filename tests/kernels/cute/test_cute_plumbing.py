@@ -15,6 +15,7 @@ import torch
 from minite_megatron import nvfp4
 from minite_megatron.nvfp4 import BLOCK, e2m1_decode, unpack_e2m1, unswizzle_scales
 from minite_megatron.nvfp4.gemm import block_partials_accumulate, epilogue
+from minite_megatron.settings import settings
 from minite_megatron.testing import assert_bitwise_equal
 from minite_kernels.cute import _host
 from minite_kernels.cute.backend import BACKEND
@@ -109,6 +110,7 @@ def on_fake_blackwell(monkeypatch):
 def on_fake_b300(monkeypatch):
     """The ops believe they run on sm_103a (B300), and the launch is the model above."""
     monkeypatch.delenv("MINITE_BLACKWELL_MMA_K", raising=False)
+    settings.cache_clear()  # (read once per process: the variable changed)
     return _fake_blackwell(monkeypatch, "sm_103a")
 
 
@@ -191,6 +193,7 @@ def test_b300_k64_override_and_its_k_rule(on_fake_b300, monkeypatch):
     """``MINITE_BLACKWELL_MMA_K=64`` makes sm_103a run the K = 64 kernel (the fallback), whose
     K rule is a multiple of 64: K = 96 is then refused with one line naming both rules."""
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "64")
+    settings.cache_clear()  # (read once per process: the variable changed)
     g = torch.Generator().manual_seed(0)
     a, b = _q(torch.randn(8, 128, generator=g)), _q(torch.randn(16, 128, generator=g))
     assert_bitwise_equal(BACKEND.gemm(a, b), nvfp4.gemm_reference(a, b), "dense K64 on B300")
@@ -206,5 +209,6 @@ def test_b200_refuses_k_that_only_the_b300_kernel_takes(on_fake_blackwell, monke
     with pytest.raises(ValueError, match="K=96 must be a positive multiple of 64"):
         BACKEND.gemm(a, b)
     monkeypatch.setenv("MINITE_BLACKWELL_MMA_K", "96")
+    settings.cache_clear()  # (read once per process: the variable changed)
     with pytest.raises(ValueError, match="MINITE_BLACKWELL_MMA_K=96: the K = 96 MMA exists on sm_103a"):
         BACKEND.gemm(a, b)

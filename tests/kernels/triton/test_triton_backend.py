@@ -31,16 +31,16 @@ def test_backend_base_class_and_registry_entry():
 def test_cpu_availability_follows_the_interpreter(monkeypatch):
     from minite_kernels.triton.backend import BACKEND
 
-    from minite_megatron.nvfp4.backends import triton_interpreting
+    from minite_megatron.settings import settings
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    triton_interpreting.cache_clear()
+    settings.cache_clear()
     assert not BACKEND.available("cpu")
     assert "TRITON_INTERPRET=1" in BACKEND.why_not("cpu")
     with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET"):
         BACKEND.quantize(randn(4, 16))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    triton_interpreting.cache_clear()
+    settings.cache_clear()
     assert BACKEND.available("cpu") and BACKEND.why_not("cpu") is None
     assert "unsupported device type" in BACKEND.why_not("meta")
 

@@ -184,15 +184,15 @@ def test_bi_attention_lse_accurate_and_output_bits_unchanged():
 def test_strict_ops_dispatch_to_the_triton_kernels():
     """The strict API with the triton backend forced: invariant and close to the torch one."""
     from minite_megatron.invariant.attention import attention
-    from minite_megatron.invariant.backend import use_backend
     from minite_megatron.invariant.matmul import linear
     from minite_megatron.invariant.rmsnorm import rms_norm
     from minite_megatron.invariant.softmax import log_softmax
+    from minite_megatron.settings import overridden
 
     x, w = _rand(5, 32, seed=1), _rand(24, 32, seed=2)
     q, k, v = _qkv(1, 2, 2, 6, 16, seed=4)
     torch_out = (linear(x, w), rms_norm(x, w[0]), log_softmax(x), attention(q, k, v))
-    with use_backend("triton"):
+    with overridden(strict_backend="triton"):
         tri = (linear(x, w), rms_norm(x, w[0]), log_softmax(x), attention(q, k, v))
         assert_bitwise_equal(linear(x[2:3], w), tri[0][2:3])
     for a, b in zip(tri, torch_out):

@@ -55,16 +55,18 @@ def test_programs_do_not_depend_on_the_device():
 
 
 def test_autograd_takes_the_kernel_where_triton_runs(monkeypatch):
-    from minite_megatron.invariant import backend, rmsnorm
+    from minite_megatron.invariant import rmsnorm
+    from minite_megatron.nvfp4.backends import get_backend
+    from minite_megatron.settings import overridden
 
-    monkeypatch.setattr(rmsnorm, "ONE_PASS_BACKWARD_GPU_VERIFIED", True)  # (on a GPU; the interpreter always)
     calls = []
-    real = backend.kernel
-    monkeypatch.setattr(backend, "kernel", lambda name: (calls.append(name), real(name))[1])
+    triton = type(get_backend("triton", DEVICE))
+    real = triton.bi_rmsnorm_backward
+    monkeypatch.setattr(triton, "bi_rmsnorm_backward", lambda self, *a: (calls.append("bi_rmsnorm_backward"), real(self, *a))[1])
     x, g, w = _case(8, 64, seed=3)
     x = x.to(DEVICE).requires_grad_()
     w = w.to(DEVICE).requires_grad_()
-    with backend.use_backend("triton"):
+    with overridden(strict_backend="triton"):
         rmsnorm.rms_norm(x, w, 1e-6).backward(g.to(DEVICE))
     assert "bi_rmsnorm_backward" in calls
     rx, rw = rms_norm_backward_torch(g, x.detach().cpu(), w.detach().cpu(), 1e-6, False)
