@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from minite_megatron.nvfp4 import NVFP4Tensor, ReferenceBackend, padded_group_sizes, quantize_wgrad_operand
-from minite_megatron.nvfp4.backends import Backend
+from minite_megatron.nvfp4.backends import INVARIANT_OPS, Backend
 
 from . import _host
 
@@ -46,6 +46,29 @@ class BlackwellBackend(Backend):
 
     def why_not(self, device: torch.device | None = None) -> str | None:
         return _host.why_not(device)
+
+    # ---- the batch-invariant ops: no CuTe DSL formulation yet; the Triton kernels (they compile for
+    # sm_100 too) where Triton runs, so strict mode keeps its kernels on Blackwell ----
+    def supports(self, op: str, **shape) -> str | None:
+        if op in INVARIANT_OPS:
+            return _fallback_backend(shape.get("device")).supports(op, **shape)
+        return super().supports(op, **shape)
+
+    def bi_matmul(self, x2d, weight, bias, out_dtype):
+        return _fallback_backend(x2d.device).bi_matmul(x2d, weight, bias, out_dtype)
+
+    def bi_rmsnorm(self, x2d, weight, eps, zero_centered_gamma):
+        return _fallback_backend(x2d.device).bi_rmsnorm(x2d, weight, eps, zero_centered_gamma)
+
+    def bi_rmsnorm_backward(self, gy, x2d, weight, eps, zero_centered_gamma, weight_grad=True):
+        return _fallback_backend(x2d.device).bi_rmsnorm_backward(gy, x2d, weight, eps, zero_centered_gamma,
+                                                                 weight_grad=weight_grad)
+
+    def bi_log_softmax(self, x2d):
+        return _fallback_backend(x2d.device).bi_log_softmax(x2d)
+
+    def bi_attention(self, q, k, v, mask, scale, causal, return_lse=False):
+        return _fallback_backend(q.device).bi_attention(q, k, v, mask, scale, causal, return_lse=return_lse)
 
     def quantize(self, x: torch.Tensor, **kwargs) -> NVFP4Tensor:
         """Contract quantization (Triton or reference), scales returned swizzled."""

@@ -942,3 +942,23 @@ def test_host_offsets_are_accepted_beside_device_operands():
     with pytest.raises(ValueError, match="several devices"):
         validate_grouped_operands(**cpu_args, offsets=good.to(meta))
     assert group_offsets([5, 0, 130, 1], 136, meta).device.type == "cpu"  # host sizes stay on the host
+
+
+@pytest.mark.parametrize("op", nvfp4.backends.INVARIANT_OPS)
+def test_batch_invariant_ops_are_the_fallbacks_kernels(op):
+    """Strict mode on Blackwell keeps the Triton ``bi_*`` kernels (no CuTe DSL formulation): the
+    backend answers ``supports`` as its fallback does, and runs the fallback's method. On a CPU the
+    fallback is Triton where it is interpreted, else the reference (which refuses with the reason
+    that sends the caller to the torch formulation)."""
+    from minite_kernels.cute.backend import _fallback_backend
+
+    fallback = _fallback_backend(torch.device("cpu"))
+    assert BACKEND.supports(op, device=torch.device("cpu")) == fallback.supports(op)
+    assert type(BACKEND).__dict__[op] is not nvfp4.backends.Backend.__dict__[op]
+    if op == "bi_log_softmax":  # the call itself goes to the fallback: its bits, or its refusal
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        if fallback.supports(op) is None:
+            assert_bitwise_equal(BACKEND.bi_log_softmax(x), fallback.bi_log_softmax(x), "bi_log_softmax")
+        else:
+            with pytest.raises(nvfp4.OpNotSupported):
+                BACKEND.bi_log_softmax(x)
