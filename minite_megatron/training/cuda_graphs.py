@@ -15,6 +15,12 @@ the quantize kernels are part of the graph and every replay quantizes the weight
 then (an optimizer step that writes the parameters in place -- every torch / Megatron optimizer
 does -- is seen by the next replay; a parameter *replaced* by a new tensor is not: capture again).
 
+Autograd state: the tensors with autograd history that modules keep after their forward
+(Megatron's token dispatchers keep the routing probabilities) are released before the warm-up,
+after each warm-up step and after capture (:func:`release_step_tensors`), so the captured step
+makes its own gradient accumulators on the capture stream; the last warm-up step checks that
+every accumulator ran on the warm-up stream and otherwise names the parameters, one line.
+
 Gradients: set to None before capture, so each parameter's ``.grad`` is a static output of the
 graph, written (not accumulated) by each replay -- the eager step from grads set to None. Keep
 them (do not set them to None) between replays; read them after :meth:`GraphedStep.step`.
@@ -50,6 +56,53 @@ def why_not_graphable(model: torch.nn.Module, recipe, device: torch.device | str
     return None
 
 
+def release_step_tensors(model: torch.nn.Module) -> list[str]:
+    """Drop the tensors with autograd history that modules keep as attributes after their forward
+    (Megatron's token dispatchers keep the routing probabilities: ``local_probs``, ``probs``) and
+    return their names. Call between steps only (each forward sets them afresh).
+
+    Why a graph needs it: a kept tensor keeps the autograd graph above it, and with it the gradient
+    accumulators of every parameter below it; the next forward reuses those live accumulators, so
+    they keep the stream of the step that made them, for good. The backward of a captured step then
+    makes that stream (the legacy default stream after one eager step) wait on the capture, which
+    CUDA refuses (``cudaErrorStreamCaptureImplicit``); pytorch/pytorch#164302."""
+    released: list[str] = []
+
+    def release(obj, path: str, depth: int) -> None:
+        for attr, value in list(vars(obj).items()):
+            if isinstance(value, torch.Tensor):
+                if value.grad_fn is not None:
+                    setattr(obj, attr, None)
+                    released.append(f"{path}.{attr}" if path else attr)
+            elif depth < 2 and not isinstance(value, (torch.nn.Module, type)) and hasattr(value, "__dict__") \
+                    and type(value).__module__.split(".")[0] in ("megatron", "minite_megatron"):
+                release(value, f"{path}.{attr}" if path else attr, depth + 1)  # a dispatcher, its comm manager
+
+    for name, module in model.named_modules():
+        release(module, name, 0)
+    return released
+
+
+def _foreign_accumulators(loss: torch.Tensor, stream: "torch.cuda.Stream", names: dict[int, str]) -> list[str]:
+    """Hooks on every gradient accumulator of ``loss``'s graph that record, when its backward runs,
+    whether it runs on ``stream``; the list of those that did not is filled by the backward."""
+    foreign: list[str] = []
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo += [next_fn for next_fn, _ in node.next_functions]
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            def check(_grads, variable=variable):
+                if torch.cuda.current_stream() != stream:
+                    foreign.append(names.get(id(variable), f"a tensor of shape {tuple(variable.shape)}"))
+            node.register_prehook(check)
+    return foreign
+
+
 class GraphedStep:
     """One forward + backward of ``loss_fn(tokens, labels)`` (a scalar loss of ``model``) for
     inputs of the shapes of ``tokens`` / ``labels``, captured once and replayed by :meth:`step`.
@@ -67,15 +120,28 @@ class GraphedStep:
         self.model, self.loss_fn = model, loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.static_tokens, self.static_labels = tokens.clone(), labels.clone()
+        names = {id(p): n for n, p in model.named_parameters()}
+        release_step_tensors(model)  # the accumulators of an earlier (default-stream) step go with them
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
+            for i in range(max(1, warmup)):
                 self._set_grads_none()
                 invalidate_weight_caches()
-                loss_fn(self.static_tokens, self.static_labels).backward()
+                loss = loss_fn(self.static_tokens, self.static_labels)
+                stale = _foreign_accumulators(loss, side, names) if i == max(1, warmup) - 1 else None
+                loss.backward()
+                del loss
+                release_step_tensors(model)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        if stale:
+            raise RuntimeError(
+                "GraphedStep: the gradient accumulators of " + ", ".join(stale[:6])
+                + (f" (+{len(stale) - 6} more)" if len(stale) > 6 else "")
+                + " were made on another stream before this step and are still held: a tensor with autograd "
+                "history of an earlier step is kept somewhere (a module attribute is released, module docstring); "
+                "drop it before graphing")
         self._set_grads_none()
         invalidate_weight_caches()  # the quantize kernels run inside the graph, every replay
         self.graph = torch.cuda.CUDAGraph()
@@ -83,6 +149,8 @@ class GraphedStep:
             loss = loss_fn(self.static_tokens, self.static_labels)
             loss.backward()
         self.static_loss = loss.detach()
+        del loss
+        release_step_tensors(model)  # the captured graph's autograd nodes are not kept by the modules
         self.static_grads = [p.grad for p in self.params]
         invalidate_weight_caches()  # an eager step after this one quantizes afresh (the graph's pool is its own)
         torch.cuda.synchronize()

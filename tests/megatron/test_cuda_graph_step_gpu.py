@@ -3,7 +3,9 @@ gradient bit for bit, replay after replay on fresh data and after the weights ch
 
 Failures pinned: a graph that froze the quantized weights (the weight caches must re-quantize in
 every replay: the weights are changed in place between replays here), stale static inputs, a
-gradient accumulated instead of written; and the recipes a graph would silently break (stochastic
+gradient accumulated instead of written, an eager step on the default stream before the capture
+(Megatron's dispatchers kept its routing probabilities, and with them gradient accumulators bound to
+the legacy stream: ``cudaErrorStreamCaptureImplicit``; ``release_step_tensors``); and the recipes a graph would silently break (stochastic
 rounding's host seeds, strict's host counts) are refused with their reason, never captured.
 """
 
@@ -13,15 +15,7 @@ import torch
 from minite_megatron.recipe import Recipe
 from minite_megatron.testing import assert_bitwise_equal
 
-pytestmark = [
-    pytest.mark.gpu,
-    # Its first GPU run (H100, 2026-12-06, benchmarks/results/h100_2026-12-06/) failed all four cases:
-    # after the first case, model init raised "Offset increment outside graph capture encountered
-    # unexpectedly" (the CUDA generator left in a capture state); the first case's own error was not
-    # captured. Root cause not found; issue 24 stays open on it.
-    pytest.mark.xfail(reason="GraphedStep failed its first GPU run (H100, 2026-12-06); root cause open, issue 24",
-                      strict=False),
-]
+pytestmark = pytest.mark.gpu
 
 PRESET = dict(layers=2, hidden=256, heads=4, groups=2, head_dim=64, experts=8, topk=2, moe_ffn=128, vocab=512)
 SEQ, BATCH = 128, 2
