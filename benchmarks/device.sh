@@ -7,9 +7,11 @@
 #
 # Steps:
 #   gpu_tests     every `-m gpu` test of the suite (strict mode, the minite model, the rollout engine on CUDA)
-#   kernel_tests  the Triton kernel tests compiled for the GPU (tests/kernels; on a CPU they run interpreted)
+#   kernel_tests  the other Triton kernel tests, compiled for the GPU (tests/kernels; on a CPU they run
+#                 interpreted); with gpu_tests, the whole GPU set (PYTEST_WORKERS xdist workers, default 12)
 #   graphs        the CUDA-graph checks of the learner (graphed step == eager step, bit for bit)
-#   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, strict at 4096 and 16384 tokens
+#   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, NVFP4 RNE, strict at 4096 and 16384 tokens,
+#                 eager and CUDA-graphed
 #   rollout       benchmarks.rollout on the qwen3-moe preset: engines x batch 1 / 8 / 64
 #   rollout48     benchmarks.rollout --preset qwen3-30b-a3b: the whole 48-layer model
 #   alignment     benchmarks.alignment: learner-vs-rollout gaps, default and strict (ALIGNMENT.md)
@@ -61,13 +63,14 @@ step() {  # step NAME CMD...: run under the step cap, keep the full log, show it
 }
 
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -ra)
+WORKERS=${PYTEST_WORKERS:-12}  # pytest-xdist workers of the test steps (the GPU is shared; 16 CPU cores)
 for s in $RUN; do
   case $s in
-    gpu_tests) step gpu_tests "${PYTEST[@]}" -m gpu tests ;;
-    kernel_tests) step kernel_tests "${PYTEST[@]}" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
+    gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
+    kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     graphs) step graphs "${PYTEST[@]}" -m gpu tests/megatron -k graph ;;
-    learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,strict \
-      --iters 6 --warmup 2 --out "$OUT" ;;
+    learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \
+      --graphs eager,graphed --iters 6 --warmup 2 --out "$OUT" ;;
     rollout) step rollout python3 -m benchmarks.rollout --batches 1,8,64 --gap-batch 8 --json "$OUT/rollout.jsonl" ;;
     rollout48) step rollout48 python3 -m benchmarks.rollout --preset qwen3-30b-a3b --json "$OUT/rollout48.jsonl" ;;
     alignment) step alignment python3 -m benchmarks.alignment --preset qwen3-moe --json "$OUT/alignment.jsonl" ;;
