@@ -10,9 +10,10 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
   where :meth:`~TritonBackend.strict_decode_ok`). Operands
   quantized without an image get one from :mod:`.image`.
 * ``decode_grouped_gemm``: MoE decode on unsorted rows routed to experts, packed expert weights
-  (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); where the decode kernels
-  (``decode_ok``) or their strict configuration (``strict_decode_ok``) are not verified
-  on this device, the learner's grouped GEMM on rows sorted on the device.
+  (:mod:`.decode_grouped_gemm`; default mode: the integer-dot kernel, ``options.idot_decode``), no
+  host sync (CUDA-graph capturable); where the options switch the decode kernels (``decode_ok``) or
+  their strict configuration (``strict_decode_ok``) off, the learner's grouped GEMM on rows sorted
+  on the device.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
   through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
@@ -20,8 +21,8 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``batch_invariant=True`` (strict mode) takes the image GEMM with its one fixed config
 (``STRICT_CONFIG``; with ``options.strict_canonical`` the contract's own accumulation order, so
 strict results are also bitwise equal to the reference), or the decode kernel's strict
-configuration, which runs the same chain of tensor-core steps (no split-K) and is used only
-where it is known to give the same bits (``strict_decode_ok``).
+configuration, which runs the same chain of tensor-core steps (no split-K) and gives the same
+bits (``strict_decode_ok``).
 
 Where it runs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores; TMA paths need
 9.0 and fall back to pointer loads below), or CPU tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -47,7 +48,6 @@ from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton.decode import decode_gemm as _decode
 from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward
 from minite_kernels.triton.decode.decode_grouped_gemm import decode_grouped_gemm_forward
-from minite_kernels.triton.decode import decode_grouped_idot as _idot
 from minite_kernels.triton.decode.decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
 from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES, gemm_forward
 from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
@@ -66,43 +66,45 @@ from minite_kernels.triton.decode import qk_norm_rope as _qk_norm_rope
 
 @dataclass(frozen=True)
 class TritonOptions:
-    """The Triton backend's kernel switches (same bits under every setting except where noted).
+    """The Triton backend's kernel switches; the defaults are what runs (same bits under every
+    setting except where noted).
 
     A benchmark or test that compares settings builds its own backend,
     ``TritonBackend(TritonOptions(...))``, and calls it (or registers it for the block:
     :func:`minite_megatron.nvfp4.backends.registered`), never a module global.
+
+    Attributes:
+        strict_canonical: strict mode accumulates in the contract's canonical order (bitwise equal
+            to the reference). Off: the canonical GEMM runs ~3.3x cuBLAS time, and the default
+            wgmma GEMM is already batch invariant (fixed config). Changes strict results' bits.
+        decode_max_m: the decode kernels (packed weights) take GEMMs with at most this many rows.
+        decode_max_n: ... and at most this many outputs (None: any N).
+        decode_kernels: small-M GEMMs and MoE decode GEMMs dispatch to the decode kernels
+            (:mod:`.decode.decode_gemm`, :mod:`.decode.decode_grouped_gemm`); False: the image GEMM
+            (MoE decode: the learner's grouped GEMM on rows sorted on the device).
+        strict_decode: strict mode takes the decode kernels' strict configuration (its bits equal
+            the learner's strict GEMMs: ``tests/kernels/test_decode_strict_bitwise_gpu.py``); on a
+            GPU only where K is a whole number of its K steps (the learner's zero-padded tail steps
+            are not mimicked). False: strict mode on the image GEMM.
+        idot_decode: default-mode MoE decode GEMMs (``batch_invariant=False``) on the integer-dot
+            kernel (:mod:`.decode.decode_grouped_idot`: the packed codes of both operands, dp4a);
+            False: the tensor-core split-K kernel of :mod:`.decode.decode_grouped_gemm`. Changes
+            default-mode bits (another fp32 accumulation, each within the contract's bound).
+        idot_dense_max_m: default-mode dense GEMMs with at most this many rows on the integer-dot
+            kernel (``decode_grouped_idot.decode_idot_gemm_forward``) where ``idot_decode``; 0: never
+            (the tensor-core decode kernel). Its work grows with the rows (a dp4a chain per row),
+            the tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
+        quantize_tiles: the quantize kernels' GPU launch tiles (:mod:`.nvfp4.quantize_tiles`; the
+            same bits under any).
     """
 
-    #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
-    #: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
-    #: the default wgmma GEMM is already batch invariant (fixed config) -- measured bitwise equal
-    #: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
-    #: on adversarial data (BENCHMARKS.md). Changes strict results' bits.
     strict_canonical: bool = False
-    #: The decode kernel (packed weights) takes GEMMs with at most this many rows and at most
-    #: ``decode_max_n`` outputs (None: any N).
     decode_max_m: int = 16
     decode_max_n: int | None = None
-    #: Dispatch to the decode kernels: None = under the interpreter always (CI tests them), on a
-    #: GPU as ``decode_gemm.DECODE_GPU_VERIFIED`` records; True / False force it.
-    decode_kernels: bool | None = None
-    #: Strict mode on the decode kernels' strict configuration: None = under the interpreter
-    #: always (the contract's order there), on a GPU as ``decode_gemm.STRICT_DECODE_VERIFIED``
-    #: records (its bits equal the learner's); True / False force it. On a GPU K must also be a
-    #: whole number of its K steps (the learner's zero-padded tail steps are not mimicked).
-    strict_decode: bool | None = None
-    #: Default-mode MoE decode GEMMs (``batch_invariant=False``) on the integer-dot kernel
-    #: (:mod:`.decode_grouped_idot`: the packed codes of both operands, dp4a): None = under the
-    #: interpreter always, on a GPU as ``decode_grouped_idot.IDOT_GPU_VERIFIED`` records; True /
-    #: False force it (False: the tensor-core split-K kernel of :mod:`.decode_grouped_gemm`).
-    #: Changes default-mode bits (a different fp32 accumulation, each within the contract's bound).
-    idot_decode: bool | None = None
-    #: Default-mode dense GEMMs with at most this many rows on the integer-dot kernel
-    #: (``decode_grouped_idot.decode_idot_gemm_forward``) where ``idot_decode_ok``; 0: never (the
-    #: tensor-core decode kernel). Its work grows with the rows (a dp4a chain per row), the
-    #: tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
+    decode_kernels: bool = True
+    strict_decode: bool = True
+    idot_decode: bool = True
     idot_dense_max_m: int = 0
-    #: The quantize kernels' GPU launch tiles (:mod:`.quantize_tiles`; the same bits under any).
     quantize_tiles: QuantizeTiles = DEFAULT_TILES
 
 
@@ -193,25 +195,18 @@ class TritonBackend(Backend):
 
     def decode_ok(self, device: torch.device) -> bool:
         """May small-M GEMMs dispatch to the decode kernels (``options.decode_kernels``)?"""
-        forced = self.options.decode_kernels
-        return (device.type == "cpu" or _decode.DECODE_GPU_VERIFIED) if forced is None else forced
+        return self.options.decode_kernels
 
     def strict_decode_ok(self, k: int, device: torch.device) -> bool:
-        """May strict mode use the decode kernels' strict configuration for this K (``options.strict_decode``)?"""
-        if not self.decode_ok(device):
+        """May strict mode use the decode kernels' strict configuration for this K
+        (``options.strict_decode``; on a GPU K a multiple of its K step)?"""
+        if not (self.options.decode_kernels and self.options.strict_decode):
             return False
-        forced = self.options.strict_decode
-        if device.type == "cpu":
-            return interpreting() if forced is None else forced
-        verified = _decode.STRICT_DECODE_VERIFIED if forced is None else forced
-        return verified and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
+        return device.type == "cpu" or k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
     def idot_decode_ok(self, device: torch.device) -> bool:
         """May default-mode MoE decode GEMMs run the integer-dot kernel (``options.idot_decode``)?"""
-        forced = self.options.idot_decode
-        if forced is not None:
-            return forced
-        return interpreting() if device.type == "cpu" else _idot.IDOT_GPU_VERIFIED
+        return self.options.idot_decode
 
     def why_not(self, device: torch.device | str | None = None) -> str | None:
         if device is None:

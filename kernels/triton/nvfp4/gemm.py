@@ -30,12 +30,11 @@ from minite_kernels.triton.nvfp4._gemm_common import epilogue, mma_k_loop, mma_t
 from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, round_to
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@fast_jit
+@triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s_cn,
@@ -79,7 +78,7 @@ def _gemm_kernel(
     tl.store(c_ptrs, round_to(out, c_ptr.dtype.element_ty, DOT_FP32), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@fast_jit
+@triton.jit
 def _gemm_tma_kernel(
     a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,

@@ -28,7 +28,6 @@ from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, 
 from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
 @triton.jit
@@ -48,7 +47,7 @@ def _expert_of_tile(offs_ptr, tile_m, G, BLOCK_M: tl.constexpr, G_POW2: tl.const
     return valid, g, row_start, row_end, row_start + (tile_m - first_tile) * BLOCK_M
 
 
-@fast_jit
+@triton.jit
 def _grouped_gemm_kernel(
     a_desc, b_desc, c_ptr, offs_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, G, s_cm,

@@ -37,10 +37,9 @@ from minite_kernels.triton.nvfp4 import quantize_cols
 from minite_kernels.triton.nvfp4.quantize import quantize_op, rht_mask_of, sr_key
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 
-@fast_jit
+@triton.jit
 def _grouped_wgrad_kernel(
     a_desc, b_desc, a_ptr, b_ptr, out_ptr, poffs_ptr, sa_ptr, sb_ptr,
     N, KX, T_PAD,

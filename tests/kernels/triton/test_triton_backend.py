@@ -75,6 +75,8 @@ def test_kernel_switches_are_backend_options_not_module_globals():
 
     cpu = torch.device("cpu")
     assert BACKEND.options == TritonOptions()
+    # the defaults are what runs: the decode kernels, their strict configuration, the integer-dot MoE decode
+    assert BACKEND.decode_ok(cpu) and BACKEND.strict_decode_ok(64, cpu) and BACKEND.idot_decode_ok(cpu)
     off = TritonBackend(TritonOptions(decode_kernels=False))
     assert not off.decode_ok(cpu) and not off.strict_decode_ok(64, cpu)
     no_strict = TritonBackend(TritonOptions(strict_decode=False))
