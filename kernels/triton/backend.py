@@ -49,8 +49,10 @@ from minite_kernels.triton.decode import decode_gemm as _decode
 from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward
 from minite_kernels.triton.decode.decode_grouped_gemm import decode_grouped_gemm_forward
 from minite_kernels.triton.decode.decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
-from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES, gemm_forward
+from minite_kernels.triton.nvfp4.gemm import DEFAULT_CONFIG as GEMM_TILE, OUT_DTYPES, gemm_forward
+from minite_kernels.triton.nvfp4.grouped_gemm import DEFAULT_CONFIG as GROUPED_GEMM_TILE
 from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
+from minite_kernels.triton.nvfp4.grouped_wgrad import DEFAULT_CONFIG as GROUPED_WGRAD_TILE
 from minite_kernels.triton.nvfp4.grouped_wgrad import dy_amaxes, grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
 from minite_kernels.triton.nvfp4.image import image_2d, image_op
 from minite_kernels.triton.nvfp4.norm_quantize import rmsnorm_quantize
@@ -96,6 +98,17 @@ class TritonOptions:
             the tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
         quantize_tiles: the quantize kernels' GPU launch tiles (:mod:`.nvfp4.quantize_tiles`; the
             same bits under any).
+        gemm_tile: the default-mode image GEMM's GPU launch for M > 64, ``(BLOCK_M, BLOCK_N,
+            BLOCK_K, GROUP_M, num_warps, num_stages)`` (:data:`.nvfp4.gemm.DEFAULT_CONFIG`; its bits
+            depend on BLOCK_K, within the contract's bound under any).
+        grouped_gemm_tile: the default-mode grouped GEMM's (fprop, dgrad) GPU launch for more than
+            64 rows per expert, ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
+            (:data:`.nvfp4.grouped_gemm.DEFAULT_CONFIG`).
+        grouped_wgrad_tile: the grouped wgrad GEMM's GPU launch outside canonical mode, ``(BLOCK_M,
+            BLOCK_N, BLOCK_T, num_warps, num_stages)`` (:data:`.nvfp4.grouped_wgrad.DEFAULT_CONFIG`).
+        check_expert_ids: eager ``decode_grouped_gemm`` calls check that every expert id is in
+            ``[0, E)`` (ValueError; one host sync), as a CUDA-graph capture never does. False skips
+            it eagerly too (a row with a bad id then gets NaN): what a captured step runs.
     """
 
     strict_canonical: bool = False
@@ -106,6 +119,16 @@ class TritonOptions:
     idot_decode: bool = True
     idot_dense_max_m: int = 0
     quantize_tiles: QuantizeTiles = DEFAULT_TILES
+    gemm_tile: tuple[int, int, int, int, int, int] = GEMM_TILE
+    grouped_gemm_tile: tuple[int, int, int, int, int] = GROUPED_GEMM_TILE
+    grouped_wgrad_tile: tuple[int, int, int, int, int] = GROUPED_WGRAD_TILE
+    check_expert_ids: bool = True
+
+
+def _launch(tile: tuple, default: tuple) -> list[int] | None:
+    """A kernel's ``config`` argument: None for its default launch, else the tile as a list (the
+    custom ops' schema)."""
+    return None if tuple(tile) == default else list(tile)
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -191,6 +214,10 @@ class TritonBackend(Backend):
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options if options is not None else TritonOptions()
+        o = self.options  # the GEMM kernels' ``config`` arguments (None: their default launches)
+        self._gemm_cfg = _launch(o.gemm_tile, GEMM_TILE)
+        self._grouped_cfg = _launch(o.grouped_gemm_tile, GROUPED_GEMM_TILE)
+        self._wgrad_cfg = _launch(o.grouped_wgrad_tile, GROUPED_WGRAD_TILE)
         self._bounds: dict = {}  # moe_sum_rows: (tokens, k, device) -> the fixed row bounds
 
     def decode_ok(self, device: torch.device) -> bool:
@@ -369,7 +396,7 @@ class TritonBackend(Backend):
                                       bias, out_dtype, batch_invariant)
         else:
             out = gemm_forward(a_img, image_2d(bm), a_scale, b_scale, bias, out_dtype, batch_invariant,
-                               canonical=batch_invariant and self.options.strict_canonical)
+                               canonical=batch_invariant and self.options.strict_canonical, config=self._gemm_cfg)
         return out.reshape(*a.shape[:-1], n)
 
     def gemm_nt(
@@ -396,7 +423,8 @@ class TritonBackend(Backend):
             raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         bm = b.linear()
         out = gemm_forward(image_2d(a), image_2d(bm).t(), _global_decode(a), _global_decode(bm), bias, out_dtype,
-                           batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
+                           batch_invariant, canonical=batch_invariant and self.options.strict_canonical,
+                           config=self._gemm_cfg)
         return out.reshape(*a.shape[:-1], n_out)
 
     # ---- grouped (MoE) GEMMs --------------------------------------------------------------
@@ -419,7 +447,8 @@ class TritonBackend(Backend):
         self._require(a.device)
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b), group_sizes, _global_decode(am), b.global_decode,
-                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
+                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and self.options.strict_canonical,
+                                    config=self._grouped_cfg)
 
     def decode_grouped_gemm(
         self,
@@ -444,7 +473,8 @@ class TritonBackend(Backend):
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-        if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        capturing = a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.options.check_expert_ids and not capturing:
             check_expert_ids_in_range(expert_ids, e)
         if not self.decode_ok(a.device) or (batch_invariant and not self.strict_decode_ok(k, a.device)):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
@@ -485,10 +515,11 @@ class TritonBackend(Backend):
                                  f"{group_offsets.dtype} {tuple(group_offsets.shape)}")
             return grouped_gemm_op(a_img.contiguous(), w_img, group_offsets, a_scale.float().reshape(-1),
                                    w_scale.float().reshape(-1), None, out_dtype, batch_invariant,
-                                   batch_invariant and self.options.strict_canonical)
+                                   batch_invariant and self.options.strict_canonical, config=self._grouped_cfg)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
-                                          canonical=batch_invariant and self.options.strict_canonical)
+                                          canonical=batch_invariant and self.options.strict_canonical,
+                                          config=self._grouped_cfg)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
@@ -515,7 +546,8 @@ class TritonBackend(Backend):
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b).transpose(1, 2), group_sizes, _global_decode(am),
                                     b.global_decode, bias, out_dtype, batch_invariant,
-                                    canonical=batch_invariant and self.options.strict_canonical)
+                                    canonical=batch_invariant and self.options.strict_canonical,
+                                    config=self._grouped_cfg)
 
     def grouped_wgrad(
         self,
@@ -526,7 +558,7 @@ class TritonBackend(Backend):
     ) -> torch.Tensor:
         """MoE wgrad ``dW[g] = dY_g^T @ X_g`` -> ``[G, N, K]`` (kwargs of the reference)."""
         self._require(x.device)
-        return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs)
+        return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs, config=self._wgrad_cfg)
 
     def quantize_wgrad_operand(self, t: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> NVFP4Tensor:
         """``nvfp4.quantize_wgrad_operand`` (each group's tokens padded to 16, along tokens) read in
@@ -565,7 +597,7 @@ class TritonBackend(Backend):
         poffs = group_offsets(sizes, a.device)
         a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
         return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
-                                batch_invariant and self.options.strict_canonical)
+                                batch_invariant and self.options.strict_canonical, config=self._wgrad_cfg)
 
 
 BACKEND = TritonBackend()

@@ -287,6 +287,13 @@ def test_grouped_zero_rows_bad_ids_and_nan_rows(experts):
                                       torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE),
                                       a.global_decode.to(DEVICE), E).cpu()
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
+    # a backend told to skip the eager check (TritonOptions.check_expert_ids) runs that kernel as is
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+
+    unchecked = TritonBackend(TritonOptions(check_expert_ids=False))
+    out = unchecked.decode_grouped_gemm(dev(a), dev(st), torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE),
+                                        batch_invariant=True).cpu()
+    assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
 
 
 def test_grouped_nonfinite_expert_weights_reach_only_their_rows(experts):
