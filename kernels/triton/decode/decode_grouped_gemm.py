@@ -141,16 +141,11 @@ def _decode_grouped_kernel(
 
 #: GPU launch of the default (split-K) configuration: tile (BLOCK_N weight rows x BLOCK_K per K
 #: step), warps, K steps in flight (DEPTH) and the most K steps one program runs (MAX_CHUNKS; K is
-#: split into ``cdiv(steps, MAX_CHUNKS)`` ranges). Until 2026-12-01 this was the dense kernel's entry
-#: (64 rows, 2 K steps per program: fc1 at 8 tokens split K 8 ways, 12288 programs). Measured on the
-#: H200 (2026-12-01, BENCHMARKS.md run 10, ``benchmarks/decode_gemm.py --sections grouped_sweep
-#: --grouped-tokens 8``; 8 tokens x top-8 of 128 experts, ~51 distinct), us for fc1 (K 2048, N 1536)
-#: + fc2 (K 768, N 2048): this entry (32 rows, whole K, 4 steps in flight) 199.9 + 95.0; the old
-#: one 220.2 + 115.1; 64 rows whole K 385.9 + 90.0; 64 rows x 8 steps 229.2 + 89.9; 128 rows / 8
-#: warps 402.6 + 110.7; BLOCK_K 64 x 32 steps 416.2 + 85.8 (BF16 ``torch._grouped_mm`` 119.1 +
-#: 79.7). The kernel reads 230-545 GB/s in every entry: what bounds it is the work per weight
-#: (dequantization and layout changes), not the launch. The default-mode engine runs the
-#: batch-invariant configuration (``GPU_STRICT_DECODE``: 64 rows, whole K) for its zero gap.
+#: split into ``cdiv(steps, MAX_CHUNKS)`` ranges): the fastest entry of
+#: ``python -m benchmarks.kernels --sections decode_grouped_sweep`` (8 tokens x top-8 of 128 experts,
+#: fc1 and fc2; BENCHMARKS.md). What bounds the kernel is the work per weight (dequantization and
+#: layout changes), not the launch. The default-mode engine's MoE decode runs the integer-dot kernel
+#: (``TritonOptions.idot_decode``), strict mode :data:`GPU_STRICT_GROUPED_DECODE`.
 GPU_GROUPED_DECODE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
 
 
