@@ -515,7 +515,7 @@ class TritonBackend(Backend):
                                  f"{group_offsets.dtype} {tuple(group_offsets.shape)}")
             return grouped_gemm_op(a_img.contiguous(), w_img, group_offsets, a_scale.float().reshape(-1),
                                    w_scale.float().reshape(-1), None, out_dtype, batch_invariant,
-                                   batch_invariant and self.options.strict_canonical, config=self._grouped_cfg)
+                                   batch_invariant and self.options.strict_canonical, self._grouped_cfg)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
                                           canonical=batch_invariant and self.options.strict_canonical,
@@ -597,7 +597,7 @@ class TritonBackend(Backend):
         poffs = group_offsets(sizes, a.device)
         a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
         return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
-                                batch_invariant and self.options.strict_canonical, config=self._wgrad_cfg)
+                                batch_invariant and self.options.strict_canonical, self._wgrad_cfg)
 
 
 BACKEND = TritonBackend()
