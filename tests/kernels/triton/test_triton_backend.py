@@ -91,12 +91,13 @@ def test_gemm_tiles_are_backend_options(monkeypatch):
     flipped (issue 25); now ``TritonOptions.gemm_tile`` / ``grouped_gemm_tile`` / ``grouped_wgrad_tile``:
     a configured backend hands its tile to the custom op (a flat list, also through the registered
     op's schema; None for the default), the launch takes it where the default would run, and the
-    results are the default backend's bits (the tiles keep BLOCK_K: the same K order)."""
+    results are the default backend's bits (the tiles change only the pipeline depth: the same MMAs in
+    the same K order)."""
     from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
     from minite_kernels.triton.nvfp4 import gemm, grouped_gemm, grouped_wgrad
 
-    tiles = dict(gemm_tile=(64, 64, 64, 4, 4, 2), grouped_gemm_tile=(64, 64, 64, 4, 2),
-                 grouped_wgrad_tile=(64, 64, 64, 4, 2))
+    tiles = dict(gemm_tile=(128, 128, 64, 8, 8, 2), grouped_gemm_tile=(128, 256, 64, 8, 2),
+                 grouped_wgrad_tile=(128, 256, 64, 8, 2))
     seen = []
     for mod, name in ((gemm, "gemm_op"), (grouped_gemm, "grouped_gemm_op"), (grouped_wgrad, "grouped_wgrad_op")):
         real = getattr(mod, name)
