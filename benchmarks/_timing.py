@@ -7,7 +7,6 @@ several copies so that repeated runs measure HBM, not the cache.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import importlib
 import importlib.util
@@ -45,44 +44,6 @@ def add_output_args(ap, bench_file: str) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for the JSON line")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(bench_file)), "results"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")
-
-
-def add_gate_args(ap) -> None:
-    """``--gate MODULE.NAME=true|false`` (repeatable): set one of the code's GPU-verified gates (a
-    module-level bool such as ``minite_megatron.ops.linear.SHARED_DY_AMAX_GPU_VERIFIED``) for this
-    run only, so a switched-off path can be measured against the default in the same command. The
-    gates set are recorded in the JSON line (``gates``): :func:`gates_set`."""
-    ap.add_argument("--gate", action="append", default=[], metavar="MODULE.NAME=true|false",
-                    help="set a module's bool gate (a *_VERIFIED switch) for this run; recorded as 'gates'")
-
-
-@contextlib.contextmanager
-def gates_set(specs: list[str]):
-    """Set each ``MODULE.NAME=true|false`` of ``--gate`` for the ``with`` body, yielding
-    ``{"MODULE.NAME": bool}`` (for the JSON line), and put the old values back after (a test that runs
-    a benchmark in-process must not leave a gate flipped). One line naming ``--gate`` and the spec
-    (SystemExit) for a malformed value, a module that does not import or a name that is not an
-    existing bool attribute: a typo must not measure the default under another label."""
-    gates, saved = {}, []
-    try:
-        for spec in specs:
-            path, sep, value = spec.partition("=")
-            module_name, _, name = path.rpartition(".")
-            if not sep or not module_name or value.lower() not in ("true", "false", "1", "0"):
-                raise SystemExit(f"--gate {spec!r}: expected MODULE.NAME=true|false")
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError as e:
-                raise SystemExit(f"--gate {spec!r}: module {module_name!r} does not import ({e})") from None
-            if not isinstance(getattr(module, name, None), bool):
-                raise SystemExit(f"--gate {spec!r}: {module_name} has no bool attribute {name!r}")
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, value.lower() in ("true", "1"))
-            gates[path] = getattr(module, name)
-        yield gates
-    finally:
-        for module, name, old in reversed(saved):
-            setattr(module, name, old)
 
 
 def smoke_on_the_interpreter() -> None:

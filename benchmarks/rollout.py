@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from benchmarks._timing import (  # noqa: E402
-    add_gate_args, copy_bandwidth_gbps, ensure_minite_kernels, environment, gates_set, print_table, save,
+    copy_bandwidth_gbps, ensure_minite_kernels, environment, print_table, save,
 )
 
 ensure_minite_kernels()
@@ -391,23 +391,22 @@ def gemm_order_checks(model) -> dict:
 
     ``learner_default`` / ``learner_strict``: the learner's GEMM over 4096 rows (grouped: 64 rows
     per expert) without / with ``batch_invariant``; the decode kernels on 8 of those rows: the
-    split-K default, the invariant path as the backend dispatches it, and the decode kernels'
-    strict configuration (a backend with ``TritonOptions(strict_decode=True)`` for the check)."""
+    split-K default, strict mode on the image GEMM (a backend with ``TritonOptions(strict_decode=False)``)
+    and the decode kernels' strict configuration (the default backend's: ``strict_decode=True``)."""
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
 
     layer = model.decoder.layers[0]
-    unverified = TritonBackend(TritonOptions(strict_decode=False))
-    verified = TritonBackend(TritonOptions(strict_decode=True))
     with torch.no_grad():
-        return _gemm_order_checks(layer, unverified, verified, {})
+        return _gemm_order_checks(layer, TritonBackend(TritonOptions(strict_decode=False)),
+                                  TritonBackend(TritonOptions()), {})
 
 
-def _gemm_order_checks(layer, unverified, verified, out):
+def _gemm_order_checks(layer, image_strict, decode_strict, out):
     from minite_megatron.rollout.decode_step import _gather_rows
 
     for name in ("linear_qkv", "linear_proj"):
         lin = getattr(layer.self_attention, name)
-        backend = unverified
+        backend = image_strict
         qw = lin.quantized_weight()
         x = torch.randn(4096, qw.k, device="cuda", dtype=torch.bfloat16)
         qx = backend.quantize(x, global_scale="row", with_image=True)
@@ -416,7 +415,7 @@ def _gemm_order_checks(layer, unverified, verified, out):
         ls = backend.gemm(qx, qw, None, torch.bfloat16, True)[:8]
         inv = backend.gemm(small, qw, None, torch.bfloat16, True)
         fast = backend.gemm(small, qw, None, torch.bfloat16, False)
-        strict_kernel = verified.gemm(small, qw, None, torch.bfloat16, True)
+        strict_kernel = decode_strict.gemm(small, qw, None, torch.bfloat16, True)
         out[name] = {"learner_default_equals_strict": bool(torch.equal(ld, ls)),
                      "image_invariant_equals_learner": bool(torch.equal(inv, ls)),
                      "decode_splitk_equals_learner": bool(torch.equal(fast, ld)),
@@ -424,7 +423,7 @@ def _gemm_order_checks(layer, unverified, verified, out):
     experts = getattr(layer.mlp, "experts", None)
     if experts is not None and hasattr(experts, "linear_fc1"):
         fc1 = experts.linear_fc1
-        backend = unverified
+        backend = image_strict
         qw = fc1.quantized_weight()
         e = qw.shape[0]
         x = torch.randn(64 * e, qw.k, device="cuda", dtype=torch.bfloat16)
@@ -435,8 +434,8 @@ def _gemm_order_checks(layer, unverified, verified, out):
         ids = (rows // 64).to(torch.int32)
         qr = _gather_rows(qx, rows)
         res = {"learner_default_equals_strict": bool(torch.equal(ld, ls))}
-        for label, inv, b in (("decode_fast", False, unverified), ("decode_invariant_fallback", True, unverified),
-                              ("decode_strict_kernel", True, verified)):
+        for label, inv, b in (("decode_fast", False, image_strict), ("decode_invariant_fallback", True, image_strict),
+                              ("decode_strict_kernel", True, decode_strict)):
             got = b.decode_grouped_gemm(qr, qw, ids, out_dtype=torch.bfloat16, batch_invariant=inv)
             res[f"{label}_equals_learner"] = bool(torch.equal(got, (ls if inv else ld)[rows]))
         out["experts_fc1"] = res
@@ -447,22 +446,14 @@ class Cut(BaseException):
     """SIGTERM (a caller's timeout): unwinds past the sections' ``except Exception`` to the report."""
 
 
-def strict_kernels_verified(checks: dict) -> bool:
-    return bool(checks) and all(v.get("decode_strict_kernel_equals_learner", True) for v in checks.values())
-
-
-#: ``--rolled-dense-strict``: this gate (the older spelling of ``--gate ...=true``)
-ROLLED_DENSE_STRICT_GATE = "minite_kernels.triton.decode.decode_gemm.ROLLED_DENSE_STRICT_VERIFIED=true"
-
-
 FULL_SIZE_PRESETS = ("qwen3-30b-a3b",)
 """Presets too large for a BF16 learner model on one GPU: measured by :mod:`benchmarks.rollout_full`
 (resident NVFP4 models built layer by layer)."""
 
 
 def main(argv=None):
-    """The benchmark (:func:`_main`), with the ``--gate`` switches set for it and put back after;
-    ``--preset qwen3-30b-a3b`` runs :mod:`benchmarks.rollout_full` (its own flags)."""
+    """The benchmark (:func:`_main`); ``--preset qwen3-30b-a3b`` runs :mod:`benchmarks.rollout_full`
+    (its own flags)."""
     args = list(sys.argv[1:] if argv is None else argv)
     for i, a in enumerate(args):
         name = a.split("=", 1)[1] if a.startswith("--preset=") else (args[i + 1] if a == "--preset" and i + 1 < len(args) else None)
@@ -470,15 +461,10 @@ def main(argv=None):
             from benchmarks.rollout_full import main as full_main
 
             return full_main(args)
-    gate_ap = OneLineArgumentParser(add_help=False)
-    add_gate_args(gate_ap)
-    gate_ap.add_argument("--rolled-dense-strict", action="store_true")
-    known = gate_ap.parse_known_args(argv)[0]
-    with gates_set(known.gate + ([ROLLED_DENSE_STRICT_GATE] if known.rolled_dense_strict else [])) as gates:
-        return _main(argv, gates)
+    return _main(argv)
 
 
-def _main(argv=None, gates=None):
+def _main(argv=None):
     ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--preset", default="qwen3-moe" if gpu else "tiny")
@@ -506,18 +492,12 @@ def _main(argv=None, gates=None):
     ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=False,
                     help="Megatron's static engine as a variant (slow)")
     ap.add_argument("--learner-tokens", type=int, default=4096)
-    ap.add_argument("--trust-verified", action=argparse.BooleanOptionalAction, default=True,
-                    help="use the decode kernels' strict configuration when this run's check shows the learner's bits")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later sections are skipped past it")
     ap.add_argument("--idot-dense-max-m", type=int, default=0,
                     help="default-mode dense decode GEMMs with at most this many rows on the integer-dot kernel "
                          "(TritonOptions.idot_dense_max_m) for this run")
-    ap.add_argument("--rolled-dense-strict", action="store_true",
-                    help="the dense strict decode with its K loop rolled (decode_gemm.GPU_STRICT_DECODE_ROLLED) for this "
-                         f"run, before ROLLED_DENSE_STRICT_VERIFIED records a GPU check (--gate {ROLLED_DENSE_STRICT_GATE})")
     ap.add_argument("--json", default=None)
     ap.add_argument("--out", default=None)
-    add_gate_args(ap)
     args = ap.parse_args(argv)
     if args.engines == "vllm":
         from ._vllm_engine import main as vllm_engine_main
@@ -543,7 +523,7 @@ def _main(argv=None, gates=None):
     copy_gbps = copy_bandwidth_gbps(device) if gpu else None
     results = {"benchmark": "rollout", "command": "python -m benchmarks.rollout " + " ".join(argv or sys.argv[1:]),
                "preset": args.preset, "new_tokens": args.new, "prompt_lengths": [args.prompt_min, args.prompt_max],
-               "copy_gbps": copy_gbps, "gates": gates or {}, "rows": [], **environment()}
+               "copy_gbps": copy_gbps, "rows": [], **environment()}
     t0 = time.perf_counter()
 
     def left() -> bool:
@@ -568,18 +548,11 @@ def _main(argv=None, gates=None):
         if "nvfp4" in args.engines or args.variants:
             models["nvfp4"] = minite_gpt(preset, False, max_seq, device, dtype)
         if gpu and args.variants and args.gemm_order:
-            # first: do the decode kernels' strict configurations give the learner's bits here? If they
-            # do, the engines below use them (the backend otherwise keeps the image GEMM in strict mode)
+            # first: do the decode kernels' strict configurations give the learner's bits here?
             checks = guarded("gemm_order", lambda: gemm_order_checks(models["nvfp4"]))
             if checks:
                 results["gemm_order"] = checks
                 print("gemm_order:", checks, flush=True)
-                if args.trust_verified and strict_kernels_verified(checks):
-                    from minite_kernels.triton.backend import TritonBackend, TritonOptions
-                    from minite_megatron.nvfp4 import register_backend
-
-                    register_backend(TritonBackend(TritonOptions(strict_decode=True)))
-                    results["strict_decode_verified_in_run"] = True
         names = [n for n in args.engines.split(",") if n]
 
         def model_for(name):

@@ -12,7 +12,7 @@ Triton kernel launch (ops inside a kernel's interpreter run are not counted). To
 GPU launches, the model is bf16 (the GPU's dtype: the fused norm -> NVFP4 producers run), the
 batch-invariant ops take their Triton kernels (``settings.overridden(strict_backend="triton")``, the GPU's
 choice), the decode step's fused kernels run (``rollout.fused_ops.KERNELS_ON_CPU``), and the
-backend dispatches the decode GEMMs as on a GPU whose packed decode kernels are verified or not
+backend dispatches the decode GEMMs as a GPU does with its packed decode kernels on or off
 (``--gpu-decode``, default ``kernels``: the packed decode kernels, as a GPU dispatches them;
 ``image-gemm``: the image GEMM and the learner's grouped GEMM on sorted rows instead).
 It runs in its own process under ``TRITON_INTERPRET=1`` (started from here when the calling
@@ -88,8 +88,9 @@ def main(argv=None) -> int:
     kernels = args.gpu_decode == "kernels"
     from minite_megatron.nvfp4 import register_backend
 
-    register_backend(triton_backend.TritonBackend(triton_backend.TritonOptions(decode_kernels=kernels,
-                                                                               strict_decode=kernels)))
+    # check_expert_ids off: a CUDA graph's capture skips that eager host-side check
+    register_backend(triton_backend.TritonBackend(triton_backend.TritonOptions(
+        decode_kernels=kernels, strict_decode=kernels, check_expert_ids=False)))
     counts: collections.Counter = collections.Counter()
     depth = [0]
 
@@ -122,18 +123,17 @@ def main(argv=None) -> int:
         engine.generate(prompts, 2, temperature=1.0, seed=1, stop_at_eod=False)  # warm: weights, prefill, cache
         body = engine._fast._body(len(prompts), SamplingConfig(1.0, 0, 0.0, 1.0, True))
         counts.clear()
-        # what a CUDA graph's capture skips: the eager host-side checks (expert ids in range, whether
-        # an attention mask hides anything the causal rule does not)
+        # what a CUDA graph's capture skips: the eager host-side checks (expert ids in range: the
+        # backend's option above; whether an attention mask hides anything the causal rule does not)
         import minite_megatron.invariant.attention as strict_attention
 
-        saved = triton_backend.check_expert_ids_in_range, strict_attention.effective_mask
-        triton_backend.check_expert_ids_in_range = lambda ids, e: None
+        saved = strict_attention.effective_mask
         strict_attention.effective_mask = lambda mask, sq, sk, causal: mask
         try:
             with Count():
                 body()
         finally:
-            triton_backend.check_expert_ids_in_range, strict_attention.effective_mask = saved
+            strict_attention.effective_mask = saved
     mode = "strict" if args.strict else "default"
     how = (f"{'unfused' if args.unfused else 'fused'}, {'fp32' if args.fp32 else 'bf16'}, "
            f"decode GEMMs on the {'packed decode kernels' if kernels else 'image GEMMs'}")

@@ -81,7 +81,7 @@ _counter = itertools.count()
 
 def _name(cfg) -> str:
     short = {"BLOCK_N": "bn", "BLOCK_K": "bk", "num_warps": "w", "DEPTH": "d", "MAX_CHUNKS": "mc", "per_sm": "psm",
-             "M_PAD": "mpad", "PAD_ROWS": "pad", "min_m_pad": "minpad", "NCHUNK": "nch", "SPLIT": "split"}
+             "M_PAD": "mpad", "min_m_pad": "minpad", "NCHUNK": "nch", "SPLIT": "split"}
     return " ".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
 
 

@@ -8,13 +8,13 @@
   amax pass included) on the row kernel at each ``QuantizeTiles.weight_tile`` (a ``TritonBackend`` per setting), and the
   generic kernel it replaced; GB/s counts the bytes read twice (amax pass + quantize) and the
   codes and scales written once.
-* ``sweep_wgrad``: the NVFP4 grouped wgrad GEMM (``grouped_wgrad_op``, default mode) at each
-  ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, ``--rows`` routed rows over 128 experts (skewed;
-  131072 = the 16384-token step at top-8), fc1 and fc2, against ``torch._grouped_mm``'s BF16 wgrad
-  on the same shapes.
-* ``sweep_grouped``: the NVFP4 grouped fprop and dgrad GEMMs (``grouped_gemm_op`` on images; dgrad reads
-  the weight image transposed, as ``grouped_gemm_nt`` does) at each ``(BLOCK_M, BLOCK_N, BLOCK_K,
-  warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
+* ``sweep_wgrad``: the NVFP4 grouped wgrad GEMM (``backend.grouped_wgrad_gemm``, default mode) at
+  each ``TritonOptions.grouped_wgrad_tile`` ``(BLOCK_M, BLOCK_N, BLOCK_T, warps, stages)``, ``--rows``
+  routed rows over 128 experts (skewed; 131072 = the 16384-token step at top-8), fc1 and fc2, against
+  ``torch._grouped_mm``'s BF16 wgrad on the same shapes.
+* ``sweep_grouped``: the NVFP4 grouped fprop and dgrad GEMMs (``backend.grouped_gemm`` / ``grouped_gemm_nt``:
+  dgrad reads the weight image transposed) at each ``TritonOptions.grouped_gemm_tile`` ``(BLOCK_M, BLOCK_N,
+  BLOCK_K, warps, stages)`` against ``torch._grouped_mm``'s BF16 fprop / dgrad.
 * ``sweep_rows``: the dgrad operand quantize of the experts' ``dy`` (tensor scale with its amax pass, SR,
   codes and scales) at each ``QuantizeTiles.rows_stochastic``.
 * ``sweep_parts``: each pass of those two quantizations alone (amaxes given), with SR / the RHT / the
@@ -83,75 +83,78 @@ def sec_tile_quantize(res: dict) -> None:
 
 
 def sec_wgrad(res: dict) -> None:
-    from minite_kernels.triton.nvfp4 import grouped_wgrad
-    from minite_kernels.triton.nvfp4.grouped_wgrad import grouped_wgrad_op, pad_index
+    """The grouped wgrad GEMM (``backend.grouped_wgrad_gemm`` on operands quantized along padded tokens)
+    at each launch, a backend per setting (``TritonOptions.grouped_wgrad_tile``)."""
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+    from minite_kernels.triton.nvfp4.grouped_wgrad import DEFAULT_CONFIG
+    from minite_kernels.triton.nvfp4.quantize import quantize_forward
+    from minite_megatron.nvfp4.group_sizes import GroupSizes
 
     g = torch.Generator().manual_seed(0)
     sizes = _skewed_sizes(g)
-    _, poffs, t_pad = pad_index(sizes, ROWS, torch.device("cuda"))
+    padded = GroupSizes.of(sizes).padded()  # (its device offsets made once, shared by every call)
     offs = torch.tensor(sizes, device="cuda").cumsum(0).int()
     rows = []
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
-        a = torch.randn(n, t_pad, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, t_pad, device="cuda", dtype=torch.bfloat16)
-        sa = torch.ones(1, device="cuda")
-        sb = torch.ones(1, device="cuda")
+        qa = quantize_forward(torch.randn(n, padded.total, device="cuda", dtype=torch.bfloat16), global_scale="tensor",
+                              with_image=True)
+        qb = quantize_forward(torch.randn(k, padded.total, device="cuda", dtype=torch.bfloat16), global_scale="tensor",
+                              with_image=True)
         flops = 2 * ROWS * n * k
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
         ms = bench(lambda: torch._grouped_mm(dy.t(), x, offs=offs))
         rows.append({"gemm": name, "config": "torch._grouped_mm bf16", "ms": ms, "TFLOPs": flops / ms / 1e9})
-        base = grouped_wgrad.DEFAULT_CONFIG
-        for cfg in [base, (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+        for cfg in [DEFAULT_CONFIG, (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
                     (128, 128, 32, 4, 6)]:
+            backend = TritonBackend(TritonOptions(grouped_wgrad_tile=cfg))
             try:
-                grouped_wgrad.DEFAULT_CONFIG = cfg
-                ms = bench(lambda: grouped_wgrad_op(a, b, poffs, sa, sb, EXPERTS, torch.bfloat16, False))
+                ms = bench(lambda b=backend: b.grouped_wgrad_gemm(qa, qb, padded, out_dtype=torch.bfloat16))
                 rows.append({"gemm": name, "config": str(cfg), "ms": ms, "TFLOPs": flops / ms / 1e9})
             except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
                 rows.append({"gemm": name, "config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
-            finally:
-                grouped_wgrad.DEFAULT_CONFIG = base
-        del a, b, dy, x
+        del qa, qb, dy, x
     res["wgrad"] = rows
     print_table(f"NVFP4 grouped wgrad GEMM configs (bf16 out, {ROWS} routed rows, 128 experts)", rows,
                 ["gemm", "config", "ms", "TFLOPs", "error"])
 
 
 def sec_grouped(res: dict) -> None:
-    from minite_kernels.triton.nvfp4 import grouped_gemm
-    from minite_kernels.triton.nvfp4.grouped_gemm import grouped_gemm_op
+    """The grouped fprop and dgrad GEMMs (``backend.grouped_gemm`` / ``grouped_gemm_nt``, the learner's
+    calls) at each launch, a backend per setting (``TritonOptions.grouped_gemm_tile``)."""
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+    from minite_kernels.triton.nvfp4.grouped_gemm import DEFAULT_CONFIG
+    from minite_kernels.triton.nvfp4.quantize import quantize_forward
+    from minite_megatron.nvfp4.group_sizes import GroupSizes
 
     g = torch.Generator().manual_seed(0)
     sizes = _skewed_sizes(g)
+    host_sizes = GroupSizes.of(sizes)  # (its device offsets made once, shared by every call)
     offs = torch.tensor(sizes, device="cuda").cumsum(0).int()
-    offsets = torch.nn.functional.pad(offs, (1, 0))
     rows = []
     for name, (n, k) in {"fc1": (2 * FFN, HIDDEN), "fc2": (HIDDEN, FFN)}.items():
         w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(ROWS, k, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(ROWS, n, device="cuda", dtype=torch.bfloat16)
-        sa_rows, sa = torch.ones(ROWS, device="cuda"), torch.ones(1, device="cuda")  # per-token x, per-tensor dy
-        sb = torch.ones(EXPERTS, device="cuda")
+        qw = quantize_forward(w, global_scale="group", tile=(16, 16), with_image=True)
+        qx = quantize_forward(x, global_scale="row", with_image=True)  # per-token x, per-tensor dy
+        qdy = quantize_forward(dy, global_scale="tensor", with_image=True)
         flops = 2 * ROWS * n * k
         cases = {"fprop": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
-                           lambda: grouped_gemm_op(x, w, offsets, sa_rows, sb, None, torch.bfloat16, False, False)),
+                           lambda b: b.grouped_gemm(qx, qw, host_sizes)),
                  "dgrad": (lambda: torch._grouped_mm(dy, w, offs=offs),
-                           lambda: grouped_gemm_op(dy, w.transpose(1, 2), offsets, sa, sb, None, torch.bfloat16, False, False))}
+                           lambda b: b.grouped_gemm_nt(qdy, qw, host_sizes))}
         for gemm, (bf16, nvfp4) in cases.items():
             ms = bench(bf16)
             rows.append({"gemm": f"{name} {gemm}", "config": "torch._grouped_mm bf16", "ms": ms, "TFLOPs": flops / ms / 1e9})
-            base = grouped_gemm.DEFAULT_CONFIG
-            for cfg in [base, (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4)]:
+            for cfg in [DEFAULT_CONFIG, (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4)]:
+                backend = TritonBackend(TritonOptions(grouped_gemm_tile=cfg))
                 try:
-                    grouped_gemm.DEFAULT_CONFIG = cfg
-                    ms = bench(nvfp4)
+                    ms = bench(lambda f=nvfp4, b=backend: f(b))
                     rows.append({"gemm": f"{name} {gemm}", "config": str(cfg), "ms": ms, "TFLOPs": flops / ms / 1e9})
                 except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
                     rows.append({"gemm": f"{name} {gemm}", "config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:80]}"})
-                finally:
-                    grouped_gemm.DEFAULT_CONFIG = base
-        del w, x, dy
+        del w, x, dy, qw, qx, qdy
     res["grouped"] = rows
     print_table(f"NVFP4 grouped fprop / dgrad GEMM configs (images, bf16 out, {ROWS} routed rows)", rows,
                 ["gemm", "config", "ms", "TFLOPs", "error"])

@@ -206,9 +206,9 @@ GEMM_SWEEP = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 8
 
 
 def sec_gemm_sweep(res, t_tok):
-    from minite_kernels.triton.nvfp4 import gemm as tg
-
-    rows, base = [], tg.DEFAULT_CONFIG
+    """The default-mode image GEMM at each launch of :data:`GEMM_SWEEP` (a backend per setting:
+    ``TritonOptions.gemm_tile``)."""
+    rows = []
     for name, (k, n) in DENSE.items():
         if SMOKE:
             k, n, t_tok = 64, 32, 64
@@ -218,13 +218,11 @@ def sec_gemm_sweep(res, t_tok):
         t_bf16 = timed(lambda: torch.mm(x, w.t()))
         row = {"shape": name, "T": t_tok}
         for cfg in GEMM_SWEEP[: 1 if SMOKE else None]:
-            tg.DEFAULT_CONFIG = cfg
+            backend = TritonBackend(TritonOptions(gemm_tile=cfg))
             try:
-                row[str(cfg)] = timed(lambda: gemm_op(qa.image, qb.image, qa.global_decode, qb.global_decode, None,
-                                                      BF16, False, False)) / t_bf16
+                row[str(cfg)] = timed(lambda b=backend: b.gemm(qa, qb)) / t_bf16
             except Exception as e:
                 row[str(cfg)] = f"FAILED {type(e).__name__}"
-        tg.DEFAULT_CONFIG = base
         rows.append(row)
     res["gemm_sweep"] = rows
     print_table("fprop GEMM config sweep, time / BF16 (BM, BN, BK, GROUP_M, warps, stages)", rows,

@@ -10,9 +10,10 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
   where :meth:`~TritonBackend.strict_decode_ok`). Operands
   quantized without an image get one from :mod:`.image`.
 * ``decode_grouped_gemm``: MoE decode on unsorted rows routed to experts, packed expert weights
-  (:mod:`.decode_grouped_gemm`), no host sync (CUDA-graph capturable); where the decode kernels
-  (``decode_ok``) or their strict configuration (``strict_decode_ok``) are not verified
-  on this device, the learner's grouped GEMM on rows sorted on the device.
+  (:mod:`.decode_grouped_gemm`; default mode: the integer-dot kernel, ``options.idot_decode``), no
+  host sync (CUDA-graph capturable); where the options switch the decode kernels (``decode_ok``) or
+  their strict configuration (``strict_decode_ok``) off, the learner's grouped GEMM on rows sorted
+  on the device.
 * ``grouped_gemm`` / ``grouped_wgrad`` / ``grouped_wgrad_gemm`` (the GEMM half on operands
   already quantized along padded tokens) / ``quantize_wgrad_operand`` (those operands, padded
   through a gather instead of a copy): :mod:`.grouped_gemm`, :mod:`.grouped_wgrad`.
@@ -20,8 +21,8 @@ Protocol of :mod:`minite_megatron.nvfp4.backends` (``name``, ``available``, ``wh
 ``batch_invariant=True`` (strict mode) takes the image GEMM with its one fixed config
 (``STRICT_CONFIG``; with ``options.strict_canonical`` the contract's own accumulation order, so
 strict results are also bitwise equal to the reference), or the decode kernel's strict
-configuration, which runs the same chain of tensor-core steps (no split-K) and is used only
-where it is known to give the same bits (``strict_decode_ok``).
+configuration, which runs the same chain of tensor-core steps (no split-K) and gives the same
+bits (``strict_decode_ok``).
 
 Where it runs: a CUDA device of compute capability >= 8.0 (bf16 tensor cores; TMA paths need
 9.0 and fall back to pointer loads below), or CPU tensors under ``TRITON_INTERPRET=1`` (CI).
@@ -47,10 +48,11 @@ from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton.decode import decode_gemm as _decode
 from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward
 from minite_kernels.triton.decode.decode_grouped_gemm import decode_grouped_gemm_forward
-from minite_kernels.triton.decode import decode_grouped_idot as _idot
 from minite_kernels.triton.decode.decode_grouped_idot import decode_grouped_idot_forward, decode_idot_gemm_forward
-from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES, gemm_forward
+from minite_kernels.triton.nvfp4.gemm import DEFAULT_CONFIG as GEMM_TILE, OUT_DTYPES, gemm_forward
+from minite_kernels.triton.nvfp4.grouped_gemm import DEFAULT_CONFIG as GROUPED_GEMM_TILE
 from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets, grouped_gemm_forward, grouped_gemm_op
+from minite_kernels.triton.nvfp4.grouped_wgrad import DEFAULT_CONFIG as GROUPED_WGRAD_TILE
 from minite_kernels.triton.nvfp4.grouped_wgrad import dy_amaxes, grouped_wgrad_forward, grouped_wgrad_op, quantize_wgrad_operand_forward
 from minite_kernels.triton.nvfp4.image import image_2d, image_op
 from minite_kernels.triton.nvfp4.norm_quantize import rmsnorm_quantize
@@ -66,44 +68,67 @@ from minite_kernels.triton.decode import qk_norm_rope as _qk_norm_rope
 
 @dataclass(frozen=True)
 class TritonOptions:
-    """The Triton backend's kernel switches (same bits under every setting except where noted).
+    """The Triton backend's kernel switches; the defaults are what runs (same bits under every
+    setting except where noted).
 
     A benchmark or test that compares settings builds its own backend,
     ``TritonBackend(TritonOptions(...))``, and calls it (or registers it for the block:
     :func:`minite_megatron.nvfp4.backends.registered`), never a module global.
+
+    Attributes:
+        strict_canonical: strict mode accumulates in the contract's canonical order (bitwise equal
+            to the reference). Off: the canonical GEMM runs ~3.3x cuBLAS time, and the default
+            wgmma GEMM is already batch invariant (fixed config). Changes strict results' bits.
+        decode_max_m: the decode kernels (packed weights) take GEMMs with at most this many rows.
+        decode_max_n: ... and at most this many outputs (None: any N).
+        decode_kernels: small-M GEMMs and MoE decode GEMMs dispatch to the decode kernels
+            (:mod:`.decode.decode_gemm`, :mod:`.decode.decode_grouped_gemm`); False: the image GEMM
+            (MoE decode: the learner's grouped GEMM on rows sorted on the device).
+        strict_decode: strict mode takes the decode kernels' strict configuration (its bits equal
+            the learner's strict GEMMs: ``tests/kernels/test_decode_strict_bitwise_gpu.py``); on a
+            GPU only where K is a whole number of its K steps (the learner's zero-padded tail steps
+            are not mimicked). False: strict mode on the image GEMM.
+        idot_decode: default-mode MoE decode GEMMs (``batch_invariant=False``) on the integer-dot
+            kernel (:mod:`.decode.decode_grouped_idot`: the packed codes of both operands, dp4a);
+            False: the tensor-core split-K kernel of :mod:`.decode.decode_grouped_gemm`. Changes
+            default-mode bits (another fp32 accumulation, each within the contract's bound).
+        idot_dense_max_m: default-mode dense GEMMs with at most this many rows on the integer-dot
+            kernel (``decode_grouped_idot.decode_idot_gemm_forward``) where ``idot_decode``; 0: never
+            (the tensor-core decode kernel). Its work grows with the rows (a dp4a chain per row),
+            the tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
+        quantize_tiles: the quantize kernels' GPU launch tiles (:mod:`.nvfp4.quantize_tiles`; the
+            same bits under any).
+        gemm_tile: the default-mode image GEMM's GPU launch for M > 64, ``(BLOCK_M, BLOCK_N,
+            BLOCK_K, GROUP_M, num_warps, num_stages)`` (:data:`.nvfp4.gemm.DEFAULT_CONFIG`; its bits
+            depend on BLOCK_K, within the contract's bound under any).
+        grouped_gemm_tile: the default-mode grouped GEMM's (fprop, dgrad) GPU launch for more than
+            64 rows per expert, ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
+            (:data:`.nvfp4.grouped_gemm.DEFAULT_CONFIG`).
+        grouped_wgrad_tile: the grouped wgrad GEMM's GPU launch outside canonical mode, ``(BLOCK_M,
+            BLOCK_N, BLOCK_T, num_warps, num_stages)`` (:data:`.nvfp4.grouped_wgrad.DEFAULT_CONFIG`).
+        check_expert_ids: eager ``decode_grouped_gemm`` calls check that every expert id is in
+            ``[0, E)`` (ValueError; one host sync), as a CUDA-graph capture never does. False skips
+            it eagerly too (a row with a bad id then gets NaN): what a captured step runs.
     """
 
-    #: Strict mode accumulates in the contract's canonical order (bitwise equal to the reference).
-    #: Off by default: the canonical GEMM ran 3.2-3.5x cuBLAS time on the H200 (2026-11-29), and
-    #: the default wgmma GEMM is already batch invariant (fixed config) -- measured bitwise equal
-    #: to the canonical order on normal data, 93.9% of fp32 outputs (max 61 ulp; bf16 <= 1 ulp)
-    #: on adversarial data (BENCHMARKS.md). Changes strict results' bits.
     strict_canonical: bool = False
-    #: The decode kernel (packed weights) takes GEMMs with at most this many rows and at most
-    #: ``decode_max_n`` outputs (None: any N).
     decode_max_m: int = 16
     decode_max_n: int | None = None
-    #: Dispatch to the decode kernels: None = under the interpreter always (CI tests them), on a
-    #: GPU as ``decode_gemm.DECODE_GPU_VERIFIED`` records; True / False force it.
-    decode_kernels: bool | None = None
-    #: Strict mode on the decode kernels' strict configuration: None = under the interpreter
-    #: always (the contract's order there), on a GPU as ``decode_gemm.STRICT_DECODE_VERIFIED``
-    #: records (its bits equal the learner's); True / False force it. On a GPU K must also be a
-    #: whole number of its K steps (the learner's zero-padded tail steps are not mimicked).
-    strict_decode: bool | None = None
-    #: Default-mode MoE decode GEMMs (``batch_invariant=False``) on the integer-dot kernel
-    #: (:mod:`.decode_grouped_idot`: the packed codes of both operands, dp4a): None = under the
-    #: interpreter always, on a GPU as ``decode_grouped_idot.IDOT_GPU_VERIFIED`` records; True /
-    #: False force it (False: the tensor-core split-K kernel of :mod:`.decode_grouped_gemm`).
-    #: Changes default-mode bits (a different fp32 accumulation, each within the contract's bound).
-    idot_decode: bool | None = None
-    #: Default-mode dense GEMMs with at most this many rows on the integer-dot kernel
-    #: (``decode_grouped_idot.decode_idot_gemm_forward``) where ``idot_decode_ok``; 0: never (the
-    #: tensor-core decode kernel). Its work grows with the rows (a dp4a chain per row), the
-    #: tensor-core kernel's does not: see BENCHMARKS.md for where they cross.
+    decode_kernels: bool = True
+    strict_decode: bool = True
+    idot_decode: bool = True
     idot_dense_max_m: int = 0
-    #: The quantize kernels' GPU launch tiles (:mod:`.quantize_tiles`; the same bits under any).
     quantize_tiles: QuantizeTiles = DEFAULT_TILES
+    gemm_tile: tuple[int, int, int, int, int, int] = GEMM_TILE
+    grouped_gemm_tile: tuple[int, int, int, int, int] = GROUPED_GEMM_TILE
+    grouped_wgrad_tile: tuple[int, int, int, int, int] = GROUPED_WGRAD_TILE
+    check_expert_ids: bool = True
+
+
+def _launch(tile: tuple, default: tuple) -> list[int] | None:
+    """A kernel's ``config`` argument: None for its default launch, else the tile as a list (the
+    custom ops' schema)."""
+    return None if tuple(tile) == default else list(tile)
 
 
 def _global_decode(q: NVFP4Tensor) -> torch.Tensor:
@@ -189,6 +214,10 @@ class TritonBackend(Backend):
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options if options is not None else TritonOptions()
+        o = self.options  # the GEMM kernels' ``config`` arguments (None: their default launches)
+        self._gemm_cfg = _launch(o.gemm_tile, GEMM_TILE)
+        self._grouped_cfg = _launch(o.grouped_gemm_tile, GROUPED_GEMM_TILE)
+        self._wgrad_cfg = _launch(o.grouped_wgrad_tile, GROUPED_WGRAD_TILE)
         self._bounds: dict = {}  # moe_sum_rows: (tokens, k, device) -> the fixed row bounds
 
     # ---- the batch-invariant ops (:mod:`.invariant`, imported on first use; references: the torch
@@ -243,25 +272,18 @@ class TritonBackend(Backend):
 
     def decode_ok(self, device: torch.device) -> bool:
         """May small-M GEMMs dispatch to the decode kernels (``options.decode_kernels``)?"""
-        forced = self.options.decode_kernels
-        return (device.type == "cpu" or _decode.DECODE_GPU_VERIFIED) if forced is None else forced
+        return self.options.decode_kernels
 
     def strict_decode_ok(self, k: int, device: torch.device) -> bool:
-        """May strict mode use the decode kernels' strict configuration for this K (``options.strict_decode``)?"""
-        if not self.decode_ok(device):
+        """May strict mode use the decode kernels' strict configuration for this K
+        (``options.strict_decode``; on a GPU K a multiple of its K step)?"""
+        if not (self.options.decode_kernels and self.options.strict_decode):
             return False
-        forced = self.options.strict_decode
-        if device.type == "cpu":
-            return interpreting() if forced is None else forced
-        verified = _decode.STRICT_DECODE_VERIFIED if forced is None else forced
-        return verified and k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
+        return device.type == "cpu" or k % _decode.GPU_STRICT_DECODE["BLOCK_K"] == 0
 
     def idot_decode_ok(self, device: torch.device) -> bool:
         """May default-mode MoE decode GEMMs run the integer-dot kernel (``options.idot_decode``)?"""
-        forced = self.options.idot_decode
-        if forced is not None:
-            return forced
-        return interpreting() if device.type == "cpu" else _idot.IDOT_GPU_VERIFIED
+        return self.options.idot_decode
 
     def why_not(self, device: torch.device | str | None = None) -> str | None:
         if device is None:
@@ -426,7 +448,7 @@ class TritonBackend(Backend):
                                       bias, out_dtype, batch_invariant)
         else:
             out = gemm_forward(a_img, image_2d(bm), a_scale, b_scale, bias, out_dtype, batch_invariant,
-                               canonical=batch_invariant and self.options.strict_canonical)
+                               canonical=batch_invariant and self.options.strict_canonical, config=self._gemm_cfg)
         return out.reshape(*a.shape[:-1], n)
 
     def gemm_nt(
@@ -453,7 +475,8 @@ class TritonBackend(Backend):
             raise TypeError(f"nvfp4.gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         bm = b.linear()
         out = gemm_forward(image_2d(a), image_2d(bm).t(), _global_decode(a), _global_decode(bm), bias, out_dtype,
-                           batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
+                           batch_invariant, canonical=batch_invariant and self.options.strict_canonical,
+                           config=self._gemm_cfg)
         return out.reshape(*a.shape[:-1], n_out)
 
     # ---- grouped (MoE) GEMMs --------------------------------------------------------------
@@ -476,7 +499,8 @@ class TritonBackend(Backend):
         self._require(a.device)
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b), group_sizes, _global_decode(am), b.global_decode,
-                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and self.options.strict_canonical)
+                                    bias, out_dtype, batch_invariant, canonical=batch_invariant and self.options.strict_canonical,
+                                    config=self._grouped_cfg)
 
     def decode_grouped_gemm(
         self,
@@ -501,7 +525,8 @@ class TritonBackend(Backend):
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-        if not (a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        capturing = a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.options.check_expert_ids and not capturing:
             check_expert_ids_in_range(expert_ids, e)
         if not self.decode_ok(a.device) or (batch_invariant and not self.strict_decode_ok(k, a.device)):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
@@ -542,10 +567,11 @@ class TritonBackend(Backend):
                                  f"{group_offsets.dtype} {tuple(group_offsets.shape)}")
             return grouped_gemm_op(a_img.contiguous(), w_img, group_offsets, a_scale.float().reshape(-1),
                                    w_scale.float().reshape(-1), None, out_dtype, batch_invariant,
-                                   batch_invariant and self.options.strict_canonical)
+                                   batch_invariant and self.options.strict_canonical, self._grouped_cfg)
         sorted_out = grouped_gemm_forward(a_img[order], w_img, sizes, a_scale[order] if a_scale.numel() > 1 else a_scale,
                                           w_scale, None, out_dtype, batch_invariant,
-                                          canonical=batch_invariant and self.options.strict_canonical)
+                                          canonical=batch_invariant and self.options.strict_canonical,
+                                          config=self._grouped_cfg)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
@@ -572,7 +598,8 @@ class TritonBackend(Backend):
         am = a.matrix()
         return grouped_gemm_forward(image_2d(am), _grouped_image(b).transpose(1, 2), group_sizes, _global_decode(am),
                                     b.global_decode, bias, out_dtype, batch_invariant,
-                                    canonical=batch_invariant and self.options.strict_canonical)
+                                    canonical=batch_invariant and self.options.strict_canonical,
+                                    config=self._grouped_cfg)
 
     def grouped_wgrad(
         self,
@@ -583,7 +610,7 @@ class TritonBackend(Backend):
     ) -> torch.Tensor:
         """MoE wgrad ``dW[g] = dY_g^T @ X_g`` -> ``[G, N, K]`` (kwargs of the reference)."""
         self._require(x.device)
-        return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs)
+        return grouped_wgrad_forward(grad_out, x, group_sizes, **kwargs, config=self._wgrad_cfg)
 
     def quantize_wgrad_operand(self, t: torch.Tensor, group_sizes: Sequence[int], **kwargs) -> NVFP4Tensor:
         """``nvfp4.quantize_wgrad_operand`` (each group's tokens padded to 16, along tokens) read in
@@ -622,7 +649,7 @@ class TritonBackend(Backend):
         poffs = group_offsets(sizes, a.device)
         a_img, b_img = image_2d(am).contiguous(), image_2d(bm).contiguous()
         return grouped_wgrad_op(a_img, b_img, poffs, _global_decode(am), _global_decode(bm), len(sizes), out_dtype,
-                                batch_invariant and self.options.strict_canonical)
+                                batch_invariant and self.options.strict_canonical, self._wgrad_cfg)
 
 
 BACKEND = TritonBackend()

@@ -47,24 +47,23 @@ from ..nvfp4.moe_reference import deterministic_unpermute_reference, ordered_sum
 from ..invariant.collectives import invariant_reduce_scatter
 
 
-KERNEL_ON_CPU = False
-"""Tests: run the Triton kernels on CPU tensors too (under ``TRITON_INTERPRET=1``)."""
-
-
-def deterministic_unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def deterministic_unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int, *,
+                            kernels_on_cpu: bool = False) -> torch.Tensor:
     """Sum the permuted rows back into their tokens in a fixed order: the backend's
-    ``deterministic_unpermute`` for the rows' device (the Triton kernel on a GPU, the contract's
-    :func:`deterministic_unpermute_reference` elsewhere): the same bits either way. Arguments,
-    result and errors as there, except that on a GPU out-of-range indices trigger a device-side
-    assertion (no host synchronization).
+    ``deterministic_unpermute`` for the rows' device (:func:`~minite_megatron.nvfp4.backends.kernel_backend`:
+    the Triton kernel on a GPU, the contract's :func:`deterministic_unpermute_reference` elsewhere;
+    ``kernels_on_cpu``: the kernel on CPU tensors too, under ``TRITON_INTERPRET=1``): the same bits
+    either way. Arguments, result and errors as there, except that on a GPU out-of-range indices
+    trigger a device-side assertion (no host synchronization).
     """
-    return kernel_backend(permuted.device, KERNEL_ON_CPU).deterministic_unpermute(permuted, sorted_indices, num_tokens)
+    return kernel_backend(permuted.device, kernels_on_cpu).deterministic_unpermute(permuted, sorted_indices, num_tokens)
 
 
-def ordered_sum(rows: torch.Tensor) -> torch.Tensor:
+def ordered_sum(rows: torch.Tensor, *, kernels_on_cpu: bool = False) -> torch.Tensor:
     """``[T, k, H]`` -> ``[T, H]``: :func:`ordered_sum_reference`'s bits, through the backend's
-    ``ordered_sum`` (one kernel on a GPU). No host sync; CUDA-graph capturable."""
-    return kernel_backend(rows.device, KERNEL_ON_CPU).ordered_sum(rows)
+    ``ordered_sum`` (one kernel on a GPU; ``kernels_on_cpu`` as :func:`deterministic_unpermute`).
+    No host sync; CUDA-graph capturable."""
+    return kernel_backend(rows.device, kernels_on_cpu).ordered_sum(rows)
 
 
 class _OrderedPermuteBackward(torch.autograd.Function):
@@ -76,40 +75,51 @@ class _OrderedPermuteBackward(torch.autograd.Function):
     16384 tokens (qwen3-moe, issue 16)."""
 
     @staticmethod
-    def forward(ctx, tokens, permuted, sorted_indices):
+    def forward(ctx, tokens, permuted, sorted_indices, kernels_on_cpu):
         ctx.save_for_backward(sorted_indices)
         ctx.shape = tokens.shape
+        ctx.kernels_on_cpu = kernels_on_cpu
         return permuted.view_as(permuted)
 
     @staticmethod
     def backward(ctx, grad):
         (sorted_indices,) = ctx.saved_tensors
         shape = ctx.shape
-        out = deterministic_unpermute(grad, sorted_indices, shape.numel() // shape[-1])
-        return out.view(shape), None, None
+        out = deterministic_unpermute(grad, sorted_indices, shape.numel() // shape[-1], kernels_on_cpu=ctx.kernels_on_cpu)
+        return out.view(shape), None, None, None
 
 
-def ordered_permute_backward(tokens: torch.Tensor, permuted: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
+def ordered_permute_backward(tokens: torch.Tensor, permuted: torch.Tensor, sorted_indices: torch.Tensor, *,
+                             kernels_on_cpu: bool = False) -> torch.Tensor:
     """``permuted`` (= ``tokens.view(-1, H).index_select(0, sorted_indices)``, already computed)
     re-attached to ``tokens`` with the deterministic backward of :class:`_OrderedPermuteBackward`;
     unchanged when no gradient flows to ``tokens``."""
     if not (torch.is_grad_enabled() and tokens.requires_grad):
         return permuted
-    return _OrderedPermuteBackward.apply(tokens, permuted.detach(), sorted_indices)
+    return _OrderedPermuteBackward.apply(tokens, permuted.detach(), sorted_indices, bool(kernels_on_cpu))
 
 
-class StrictAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+class _KernelsOnCPU:
+    """A deterministic dispatcher's ``kernels_on_cpu``: its combine runs the Triton kernels on CPU
+    tensors too (under ``TRITON_INTERPRET=1``); set by :class:`DeterministicMoELayer`'s argument."""
+
+    kernels_on_cpu = False
+
+
+class StrictAllGatherTokenDispatcher(_KernelsOnCPU, MoEAllGatherTokenDispatcher):
     """All-gather dispatcher with :func:`deterministic_unpermute`, the deterministic permutation
     backward (:func:`ordered_permute_backward`) and a fixed-order reduce-scatter."""
 
     def dispatch_postprocess(self, hidden_states, probs):
         permuted, tokens_per_expert, local_probs = super().dispatch_postprocess(hidden_states, probs)
-        permuted = ordered_permute_backward(hidden_states, permuted, self.reversed_local_input_permutation_mapping)
+        permuted = ordered_permute_backward(hidden_states, permuted, self.reversed_local_input_permutation_mapping,
+                                            kernels_on_cpu=self.kernels_on_cpu)
         return permuted, tokens_per_expert, local_probs
 
     def combine_preprocess(self, hidden_states):
         return deterministic_unpermute(
-            hidden_states, self.reversed_local_input_permutation_mapping, self.hidden_shape_before_permute[0]
+            hidden_states, self.reversed_local_input_permutation_mapping, self.hidden_shape_before_permute[0],
+            kernels_on_cpu=self.kernels_on_cpu,
         )
 
     def token_combine(self, hidden_states):
@@ -119,14 +129,15 @@ class StrictAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return hidden_states
 
 
-class StrictAlltoAllTokenDispatcher(DeviceTokenCounts, MoEAlltoAllTokenDispatcher):
+class StrictAlltoAllTokenDispatcher(_KernelsOnCPU, DeviceTokenCounts, MoEAlltoAllTokenDispatcher):
     """All-to-all dispatcher with :func:`deterministic_unpermute` and the deterministic
     permutation backward (:func:`ordered_permute_backward`; the all-to-alls only move rows); the
     identity sort skipped and the counts left on the device where they can be (:mod:`.moe`)."""
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         permuted, permuted_probs = super().dispatch_preprocess(hidden_states, routing_map, probs)
-        permuted = ordered_permute_backward(hidden_states, permuted, self.reversed_local_input_permutation_mapping)
+        permuted = ordered_permute_backward(hidden_states, permuted, self.reversed_local_input_permutation_mapping,
+                                            kernels_on_cpu=self.kernels_on_cpu)
         return permuted, permuted_probs
 
     def combine_postprocess(self, permutated_local_input_tokens):
@@ -134,6 +145,7 @@ class StrictAlltoAllTokenDispatcher(DeviceTokenCounts, MoEAlltoAllTokenDispatche
             permutated_local_input_tokens,
             self.reversed_local_input_permutation_mapping,
             self.hidden_shape_before_permute[0],
+            kernels_on_cpu=self.kernels_on_cpu,
         ).view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
@@ -145,12 +157,15 @@ class DeterministicMoELayer(MoELayer):
 
     Where the combine cannot be replaced (a dispatcher or option listed in the module
     docstring) it keeps Megatron's and says so once in the log; :class:`StrictMoELayer` raises
-    instead. ``deterministic_combine`` tells which one a layer runs.
+    instead. ``deterministic_combine`` tells which one a layer runs. ``kernels_on_cpu`` (tests, CPU
+    smoke runs): the combine's Triton kernels run on CPU tensors too, under ``TRITON_INTERPRET=1``
+    (elsewhere CPU tensors take the contract's torch formulation: the same bits).
     """
 
     require_deterministic = False
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None):
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False, name=None,
+                 kernels_on_cpu: bool = False):
         problems = []
         if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
             problems.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}")
@@ -179,6 +194,7 @@ class DeterministicMoELayer(MoELayer):
             _warn_once(f"MoE layers keep Megatron's (atomic, order-dependent) combine: {'; '.join(problems)}")
             return
         dispatcher = cls(self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+        dispatcher.kernels_on_cpu = bool(kernels_on_cpu)
         if self.use_shared_expert and self.shared_expert_overlap:
             dispatcher.set_shared_experts(self.shared_experts)
         if isinstance(dispatcher, DeviceTokenCounts):
@@ -186,6 +202,14 @@ class DeterministicMoELayer(MoELayer):
         self.megatron_token_dispatcher = self.token_dispatcher  # Megatron's, for before/after comparisons
         self.token_dispatcher = dispatcher
         self.deterministic_combine = True
+
+
+def use_kernels_on_cpu(model: torch.nn.Module, on: bool = True) -> None:
+    """``kernels_on_cpu`` for every deterministic MoE layer of a built ``model`` (a CPU smoke run that
+    exercises the GPU's combine kernels, interpreted)."""
+    for m in model.modules():
+        if isinstance(m, DeterministicMoELayer) and isinstance(m.token_dispatcher, _KernelsOnCPU):
+            m.token_dispatcher.kernels_on_cpu = bool(on)
 
 
 _WARNED: set[str] = set()

@@ -15,10 +15,11 @@ scale per row (per token), so the next GEMM's operand is written by the op that 
   ``fused_bias_swiglu.swiglu`` as eager torch runs it: ``gate, up = torch.chunk(h, 2, -1)``,
   ``s = round(silu(gate))`` with ``silu(g) = g / (1 + exp(-g))`` in fp32 (torch's opmath), then
   ``a = round(fp32(s) * fp32(up))`` (that product of two 16-bit values is exact in fp32, so
-  ``a`` has exactly two roundings). On CUDA tensors ``torch.nn.functional.silu`` itself is
-  called (its kernel is that formula with ``expf``); on the CPU the formula is spelled out,
-  because ATen's CPU ``silu`` rounds an element differently in its vector body and its scalar
-  tail (``minite_megatron.invariant.activations``).
+  ``a`` has exactly two roundings). The formula is spelled out in torch ops on every device:
+  ATen's CPU ``silu`` rounds an element differently in its vector body and its scalar tail
+  (``minite_megatron.invariant.activations``), and its CUDA kernel is this formula with ``expf``
+  and IEEE ops, so the spelled-out one gives its bits (a GPU test pins it:
+  ``tests/kernels/triton/nvfp4/test_triton_producers.py -k cuda_silu``).
 
 ``q = quantize_reference(y_or_a, global_scale="row", with_image=...)`` in both: the chain of
 :mod:`.quantize`, computed from the *rounded* 16-bit output.
@@ -103,11 +104,8 @@ def swiglu_reference(h: torch.Tensor, inline_glu: bool = False) -> torch.Tensor:
     gate, up = torch.chunk(h, 2, -1)
     if inline_glu:
         up = up + 0.0
-    if gate.is_cuda:
-        s = torch.nn.functional.silu(gate)
-    else:
-        gf = gate.to(torch.float32)
-        s = (gf / (1.0 + torch.exp(-gf))).to(h.dtype)
+    gf = gate.to(torch.float32)
+    s = (gf / (1.0 + torch.exp(-gf))).to(h.dtype)
     return s * up
 
 

@@ -158,25 +158,17 @@ def quantize_dgrad_operand(dy: torch.Tensor, lctx: LinearContext, backend, amax:
     return _quantize(gemm_role(lctx.recipe, "dgrad", "grad"), dy, lctx.recipe, lctx, backend, amax=amax)
 
 
-#: The backward reads ``dy`` once for both of its tensor-scale amaxes (:func:`shared_dy_amaxes`).
-#: Checked on the H200 (2026-12-01): the kernel's amaxes against ``amax_forward`` (NaN, inf) and both
-#: linears' gradients bitwise the separate passes' (``tests/kernels/triton/nvfp4/test_triton_quantize_cols.py
-#: -k amax``, ``tests/ops/test_nvfp4_linear_ops.py -k both_amaxes``: 6 passed); the step's GPU time
-#: 122.29 -> 121.18 ms at 16384 tokens (the 32 ``_amax_flat_kernel`` calls of the dgrad operands gone).
-#: False keeps the two separate passes on a GPU.
-SHARED_DY_AMAX_GPU_VERIFIED = True
-
-
 def shared_dy_amaxes(dy: torch.Tensor, group_sizes, lctx: LinearContext, backend):
     """``(dgrad operand amax, wgrad operand amax)`` of the gradient ``dy`` [M, N] from one read
     (``backend.dy_amaxes``), or ``(None, None)`` where each quantizer takes its own pass: a scale
     that is not per tensor, a domain split across tensor-parallel ranks (their max-reduce), no
-    such kernel, no rows, or a GPU before :data:`SHARED_DY_AMAX_GPU_VERIFIED`."""
+    such kernel, or no rows. The shared read gives the separate passes' amaxes (NaN, inf) and so the
+    same gradients bit for bit (``tests/ops/test_nvfp4_linear_ops.py -k both_amaxes``)."""
     recipe = lctx.recipe
     dgrad, wgrad = gemm_role(recipe, "dgrad", "grad"), gemm_role(recipe, "wgrad", "grad")
     (d_rows, d_k), (w_rows, _) = domain_split(dgrad, lctx.parallel_mode), domain_split(wgrad, lctx.parallel_mode)
     if (dgrad.global_scale != "tensor" or wgrad.global_scale != "tensor" or dy.numel() == 0
-            or (dy.is_cuda and not SHARED_DY_AMAX_GPU_VERIFIED) or backend.supports("dy_amaxes") is not None
+            or backend.supports("dy_amaxes") is not None
             or needs_sync("tensor", lctx.tp_group, rows_sharded=d_rows, k_sharded=d_k)
             or needs_sync("tensor", lctx.tp_group, rows_sharded=w_rows, k_sharded=False)):  # (as quantize_role)
         return None, None

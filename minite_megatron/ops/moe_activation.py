@@ -32,23 +32,23 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4.backends import get_backend, kernel_backend
+from ..nvfp4.backends import kernel_backend
 from ..nvfp4.moe_reference import weighted_swiglu_backward_reference, weighted_swiglu_reference  # noqa: F401
 from .handoff import Handoff, activation_key
 from .linear import backend_for
-
-KERNEL_ON_CPU = False
-"""Tests: run the backward kernel on CPU tensors too (under ``TRITON_INTERPRET=1``)."""
 
 def _kernel_shape(h: torch.Tensor) -> dict:
     """The operand facts the backend's ``supports("weighted_swiglu", ...)`` reads."""
     return {"dtype": h.dtype, "width": h.shape[1] if h.dim() == 2 else 0}
 
 
-def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_swiglu_backward(dy: torch.Tensor, h: torch.Tensor, probs: torch.Tensor, *,
+                             kernels_on_cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh, dp)`` of :func:`weighted_swiglu`: the backend's ``weighted_swiglu_backward`` for
-    ``h``'s device (a kernel where it has one, else the contract's reference)."""
-    return kernel_backend(h.device, KERNEL_ON_CPU).weighted_swiglu_backward(dy, h, probs)
+    ``h``'s device (:func:`~minite_megatron.nvfp4.backends.kernel_backend`: a kernel where it has
+    one, else the contract's reference; ``kernels_on_cpu``: the Triton kernel on CPU tensors too,
+    under ``TRITON_INTERPRET=1``)."""
+    return kernel_backend(h.device, kernels_on_cpu).weighted_swiglu_backward(dy, h, probs)
 
 
 def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, inline_glu: bool) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _forward(h: torch.Tensor, p32: torch.Tensor, slot: Handoff | None, act_fn, i
             y, q = backend.swiglu_quantize(h, with_image=True, nonfinite=recipe.nonfinite, probs=p32, inline_glu=inline_glu)
             slot.offer(y, q, activation_key(recipe, backend))
             return y
-    kernels = get_backend(None, h.device)
+    kernels = kernel_backend(h.device)
     if kernels.supports("weighted_swiglu", **_kernel_shape(h)) is None:
         y = kernels.weighted_swiglu(h, p32, inline_glu=inline_glu)
     else:
@@ -77,23 +77,24 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
     """``y = weighted_swiglu(h, probs)`` with the fused backward; ``h`` [R, 2F], ``probs`` [R]."""
 
     @staticmethod
-    def forward(ctx, h, probs, slot, act_fn, inline_glu):
+    def forward(ctx, h, probs, slot, act_fn, inline_glu, kernels_on_cpu):
         p32 = probs.detach().float()
         with torch.no_grad():
             y = _forward(h, p32, slot, act_fn, inline_glu)
         ctx.save_for_backward(h, p32)
         ctx.probs_dtype = probs.dtype
+        ctx.kernels_on_cpu = kernels_on_cpu
         return y
 
     @staticmethod
     def backward(ctx, dy):
         h, p32 = ctx.saved_tensors
-        dh, dp = weighted_swiglu_backward(dy, h, p32)
-        return dh, dp.to(ctx.probs_dtype), None, None, None
+        dh, dp = weighted_swiglu_backward(dy, h, p32, kernels_on_cpu=ctx.kernels_on_cpu)
+        return dh, dp.to(ctx.probs_dtype), None, None, None, None
 
 
 def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None = None, act_fn=None, *,
-                    inline_glu: bool = False) -> torch.Tensor:
+                    inline_glu: bool = False, kernels_on_cpu: bool = False) -> torch.Tensor:
     """The experts' ``(swiglu(h) * probs[:, None]).to(h.dtype)`` in one op (module docstring).
 
     Args:
@@ -104,6 +105,8 @@ def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None =
         inline_glu: the activation is Megatron's inline GLU (``use_te_activation_func`` off):
             ``silu(gate) * (up + 0.0)``, whose add turns an ``up`` of -0.0 into +0.0; the kernels
             then do the same (``act_fn`` must be that composition).
+        kernels_on_cpu: the backward's kernel on CPU tensors too (under ``TRITON_INTERPRET=1``;
+            tests, CPU smoke runs); the CPU forward stays Megatron's composition.
     Returns:
         ``[R, F]`` in ``h.dtype``, bitwise Megatron's unfused result (on the GPU: the kernel
         reproduces torch's CUDA ``silu``; on the CPU it is that composition).
@@ -112,4 +115,4 @@ def weighted_swiglu(h: torch.Tensor, probs: torch.Tensor, slot: Handoff | None =
     """
     if h.dim() != 2 or h.shape[-1] % 2 or probs.shape != (h.shape[0],):
         raise ValueError(f"weighted_swiglu: h must be [R, 2F] and probs [R], got {tuple(h.shape)} and {tuple(probs.shape)}")
-    return WeightedSwiGLUFunction.apply(h, probs, slot, act_fn, bool(inline_glu))
+    return WeightedSwiGLUFunction.apply(h, probs, slot, act_fn, bool(inline_glu), bool(kernels_on_cpu))

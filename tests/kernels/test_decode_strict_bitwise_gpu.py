@@ -143,6 +143,35 @@ def test_grouped_strict_decode_rows_equal_the_learners_strict_grouped_gemm(backe
             assert_bitwise_equal(got, expect, f"strict grouped decode {shape} {data} {tokens} tokens {dt}")
 
 
+@pytest.mark.parametrize("shape", sorted(GROUPED))
+def test_grouped_default_decode_within_the_accumulation_bound(backends, shape):
+    """The default-mode MoE decode (the integer-dot kernel, ``TritonOptions.idot_decode``) of 8 / 64
+    tokens x top-8 of 128 experts at the real K, adversarial rows: every row within
+    ``fp32_accumulation_bound`` plus one output rounding of its expert's exact product, fp32 and bf16;
+    rows given sorted by expert (``group_offsets``) give the unsorted call's bits."""
+    on, _ = backends
+    assert on.idot_decode_ok(torch.device("cuda"))
+    k, n = GROUPED[shape]
+    qs = [_weights(n, k, _adversarial, seed=40 + e) for e in range(EXPERTS)]
+    st = nvfp4.grouped.stack_expert_weights(qs)
+    for tokens in (8, 64):
+        ids = _routing(tokens, seed=50 + tokens)
+        qa = nvfp4.quantize(_adversarial(tokens * TOPK, k, seed=60 + tokens), backend="triton", with_image=True)
+        for dt in (torch.float32, BF16):
+            got = on.decode_grouped_gemm(qa, st, ids, dt)
+            for e in torch.unique(ids).tolist():
+                rows = (ids == e).nonzero().reshape(-1)
+                exact, bound = nvfp4.fp32_accumulation_bound(nvfp4.grouped._take_rows(qa, rows), qs[e])
+                assert_within(got[rows], exact, gemm_output_bound(exact, bound, dt),
+                              f"default grouped decode {shape} {tokens} tokens expert {e} {dt}")
+            order = torch.argsort(ids.long(), stable=True)
+            offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
+            offsets[1:] = torch.cumsum(torch.bincount(ids.long(), minlength=EXPERTS), 0)
+            by_offsets = on.decode_grouped_gemm(nvfp4.grouped._take_rows(qa, order), st, ids[order], dt,
+                                                group_offsets=offsets)
+            assert_bitwise_equal(by_offsets, got[order], f"sorted rows by offsets {shape} {tokens} tokens {dt}")
+
+
 def test_decode_ops_replay_in_a_cuda_graph_with_the_eager_bits(backends):
     """Dense and grouped decode, default and strict, at fc1's shape (K 2048, N 1536, 128 experts,
     64 rows) captured in one CUDA graph: replays on fresh inputs copied into the captured buffers

@@ -72,19 +72,18 @@ def _run(recipe: Recipe, device: str = "cpu", config: dict | None = None):
 
 
 def three_runs(device: str = "cpu") -> dict:
-    """Per case: the fused run (on a CPU the backward kernel under the interpreter), Megatron's
-    unfused run, and the fused forward with the exact (fp64) activation backward."""
+    """Per case: the fused run (the backend's backward for the device: on a GPU the kernel, on a CPU
+    the contract's reference; the kernel's own tests pin it to that), Megatron's unfused run, and the
+    fused forward with the exact (fp64) activation backward."""
     out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe_activation, "KERNEL_ON_CPU", True)
-        for name, (kw, config) in CASES.items():
-            fused = _run(Recipe(**kw), device, config)
-            unfused = _run(Recipe(fused_moe_activation=False, **kw), device, config)
-            with pytest.MonkeyPatch.context() as m2:
-                m2.setattr(moe_activation, "weighted_swiglu_backward",
-                           lambda dy, h, p: moe_activation.weighted_swiglu_backward_reference(dy, h, p, torch.float64))
-                exact = _run(Recipe(**kw), device, config)
-            out[name] = fused, unfused, exact
+    for name, (kw, config) in CASES.items():
+        fused = _run(Recipe(**kw), device, config)
+        unfused = _run(Recipe(fused_moe_activation=False, **kw), device, config)
+        with pytest.MonkeyPatch.context() as m2:
+            m2.setattr(moe_activation, "weighted_swiglu_backward",
+                       lambda dy, h, p, **kw: moe_activation.weighted_swiglu_backward_reference(dy, h, p, torch.float64))
+            exact = _run(Recipe(**kw), device, config)
+        out[name] = fused, unfused, exact
     return out
 
 

@@ -44,16 +44,16 @@ def test_identity_sort_skip_is_bitwise_megatrons_moe_layer():
         assert_bitwise_equal(grads[name], ref_grads[name], name)
 
 
-def test_deterministic_moe_layer_with_the_combine_kernel_is_bitwise_megatrons(monkeypatch):
+def test_deterministic_moe_layer_with_the_combine_kernel_is_bitwise_megatrons():
     """The deterministic combine (Triton kernel, interpreted) and the ordered permutation backward
     give Megatron's loss and every gradient bit for bit on a CPU, where Megatron's
     ``scatter_add_`` / ``index_add_`` add in the same (increasing row) order."""
     from minite_megatron.modules import deterministic_moe as strict_moe
 
     init_single_process()
-    monkeypatch.setattr(strict_moe, "KERNEL_ON_CPU", True)
-    loss, grads, dispatchers = _run(strict_moe.DeterministicMoELayer)
-    assert dispatchers and all(isinstance(d, strict_moe.StrictAlltoAllTokenDispatcher) for d in dispatchers)
+    loss, grads, dispatchers = _run(partial(strict_moe.DeterministicMoELayer, kernels_on_cpu=True))
+    assert dispatchers and all(isinstance(d, strict_moe.StrictAlltoAllTokenDispatcher) and d.kernels_on_cpu
+                               for d in dispatchers)
     ref_loss, ref_grads, _ = _run(MoELayer)
     assert_bitwise_equal(loss, ref_loss, "loss")
     for name in ref_grads:

@@ -67,6 +67,8 @@ def _run(layer, x, dy, *, on_device: bool, main_grad: bool):
     """(output, dx, {name: gradient}, Megatron's host-copy calls, the experts' count types)."""
     dispatcher = layer.token_dispatcher
     dispatcher.counts_on_device = on_device
+    deterministic_moe.use_kernels_on_cpu(layer)  # the GPU's combine kernels (interpreted on a CPU)
+    assert dispatcher.kernels_on_cpu
     params = dict(layer.named_parameters())
     for p in params.values():
         p.grad = None
@@ -79,7 +81,6 @@ def _run(layer, x, dy, *, on_device: bool, main_grad: bool):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
                    lambda self, point, t=None: (calls.append(point), megatron(self, point, t))[1])
-        mp.setattr(deterministic_moe, "KERNEL_ON_CPU", True)
         if on_device:  # nothing may bring the counts to the host
             mp.setattr(DeviceGroupSizes, "tolist", lambda self: pytest.fail("device counts brought to the host"))
         xx = x.clone().requires_grad_()

@@ -53,8 +53,7 @@ def _wgrad(config):
     return compile_for(_grouped_wgrad_kernel, sig, ce, num_warps=warps, num_stages=stages, **EXACT_LAUNCH)
 
 
-def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split_max=4, asm=True, group=0, stages=0,
-            one_split=False):
+def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split_max=4, asm=True):
     """The dense decode kernel (default configuration shape: split K, ``nchunk`` steps per program)."""
     from minite_kernels.triton.decode.decode_gemm import _decode_gemm_kernel
 
@@ -65,8 +64,7 @@ def _decode(m_pad=16, block_n=64, block_k=128, warps=4, nchunk=4, depth=4, split
         "SPLIT": "i32",
     }
     ce = dict(SA_ROWS=True, SB_ROWS=False, HAS_BIAS=False, MASK_K=False, EVEN_N=True, BLOCK_N=block_n, BLOCK_K=block_k,
-              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False, GROUP=group,
-              STAGES=stages, ONE_SPLIT=one_split)
+              M_PAD=m_pad, NCHUNK=nchunk, DEPTH=depth, SPLIT_MAX=split_max, ASM=asm, DOT_FP32=False)
     return compile_for(_decode_gemm_kernel, sig, ce, num_warps=warps, num_stages=1,
                        divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)
 
@@ -88,7 +86,7 @@ def _decode_grouped(config: dict, k: int = 2048, r_pow2: int = 64, experts: int 
     ce = dict(SA_ROWS=True, SW_ROWS=False, MASK_K=k % (nchunk * config["BLOCK_K"]) != 0, BLOCK_N=config["BLOCK_N"],
               BLOCK_K=config["BLOCK_K"], M_PAD=config["M_PAD"], NCHUNK=nchunk, DEPTH=config["DEPTH"],
               SPLIT_MAX=1 << max(0, (split - 1).bit_length()), R_POW2=r_pow2, E_POW2=experts, ASM=True, DOT_FP32=False,
-              GROUP=rolled_group(nchunk, config.get("GROUP", 0)), STAGES=config.get("STAGES", 0),
+              GROUP=rolled_group(nchunk, config.get("GROUP", 0)),
               ONE_SPLIT=split == 1 and bool(config.get("ONE_SPLIT", False)))
     return compile_for(_decode_grouped_kernel, sig, ce, num_warps=config["num_warps"], num_stages=1,
                        divisible=("K", "s_cn", "s_sn", "s_am", "N"), **EXACT_LAUNCH)

@@ -208,7 +208,7 @@ def _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts
 def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr,
                   DEPTH: tl.constexpr, MASK_K: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
-                  GROUP: tl.constexpr = 0, STAGES: tl.constexpr = 0):
+                  GROUP: tl.constexpr = 0):
     """fp32 ``[BN, M_PAD]`` = sum over k in [k_lo, k_lo + NCHUNK * BLOCK_K) ∩ [0, k_hi) of
     ``W[n, k] * x[m, k]`` (swap-AB).
 
@@ -225,21 +225,10 @@ def decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts,
     iteration. The chain of MMA steps is the same as unrolled -- the same tiles added onto the same
     accumulator in the same K order -- so the result is the same bits; only the live ranges
     change: the whole-K unrolled loop of a strict program at K = 2048 (16 steps) needs 255
-    registers and spills 4 KB per thread on sm_90a (CPU-AOT, BENCHMARKS.md run 10).
+    registers and spills 4 KB per thread on sm_90a (CPU-AOT).
     """
     acc = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-    if STAGES > 0:
-        for c in tl.range(0, NCHUNK, num_stages=STAGES):
-            k0 = k_lo + c * BLOCK_K
-            codes = _load_codes(codes_rows, k0, k_hi, BLOCK_K, MASK_K)
-            x = _load_x(a_rows, m_ok, k0, k_hi, BLOCK_K, MASK_K)
-            sc = _load_scales(scales_rows, k0, k_hi, BLOCK_K, MASK_K)
-            w = dequant_tile(codes, sc, luts, BLOCK_N, BLOCK_K, ASM)
-            if DOT_FP32:
-                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w.to(tl.bfloat16), x, acc)
-    elif GROUP == 0:
+    if GROUP == 0:
         acc = _decode_k_steps(acc, codes_rows, scales_rows, a_rows, m_ok, k_lo, k_hi, luts, BLOCK_N, BLOCK_K, NCHUNK,
                               DEPTH, MASK_K, ASM, DOT_FP32)
     else:

@@ -20,10 +20,9 @@ requested at once. Two configurations (:func:`select_config`):
 * strict (``batch_invariant=True``): no split; every program runs the whole K in 16-wide
   tensor-core steps from a zero accumulator, in K order -- the same chain of MMA steps on the
   same exact bf16 products as the learner's strict image GEMM (``gemm.STRICT_CONFIG``), so
-  every row is meant to be bitwise equal to it for every M. Whether the tensor cores round
-  the same way for the swapped operands and the smaller MMA shapes is a hardware fact that
-  only the GPU can answer: ``STRICT_DECODE_VERIFIED`` records it, and the backend uses this
-  configuration in strict mode only when it is True (tests compare the bits on the GPU).
+  every row is bitwise equal to it for every M. That the tensor cores round the same way for
+  the swapped operands and the smaller MMA shapes is a hardware fact that only the GPU can
+  answer: ``tests/kernels/test_decode_strict_bitwise_gpu.py`` checks it at the model's shapes.
 
 Epilogue (the contract's order): ``fp32(s_a[m] * s_b[n]) * acc (+ bias)``, one rounding.
 
@@ -40,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minite_kernels.triton.decode._decode_common import decode_k_loop, dequant_tables, load_tables, rolled_group, splits_k
+from minite_kernels.triton.decode._decode_common import decode_k_loop, dequant_tables, load_tables
 from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, round_to
 from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES
 from minite_kernels.custom_op import custom_op
@@ -56,8 +55,7 @@ def _decode_gemm_kernel(
     M, N, K, s_cn, s_sn, s_am, s_om, SPLIT,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
-    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr = 0,
-    STAGES: tl.constexpr = 0, ONE_SPLIT: tl.constexpr = False,
+    SPLIT_MAX: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -70,14 +68,11 @@ def _decode_gemm_kernel(
     a_rows = a_ptr + rm[None, :] * s_am
     m_ok = (rm < M)[None, :]
     acc = decode_k_loop(codes_rows, scales_rows, a_rows, m_ok, k_lo, K, load_tables(lut_ptr, rn_safe),
-                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
+                        BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32)
 
-    if ONE_SPLIT:  # (the launch guarantees SPLIT == 1: no split-K code)
-        is_last = True
-    else:
-        is_last = SPLIT == 1
+    is_last = SPLIT == 1
     out_mask = m_ok & (rn < N)[:, None]
-    if splits_k(SPLIT, ONE_SPLIT):
+    if SPLIT > 1:
         # partials [SPLIT, M, N] (like the output: stores and loads coalesced along N, padded
         # rows never written)
         tile = rm[None, :] * N + rn[:, None]
@@ -111,72 +106,15 @@ def _decode_gemm_kernel(
 #: step), warps, the steps in flight per program (DEPTH), the most steps one program runs
 #: (MAX_CHUNKS) and the programs per SM the K split aims for (``default_config``). M is padded
 #: to >= 16 (wgmma; M_PAD 8 compiles to mma.sync, whose operand moves cost ~1 SASS instruction
-#: per weight more, CPU-AOT count 2026-12-02). H200, 2026-12-01 (BENCHMARKS.md run 8, the sweep
-#: of ``benchmarks/decode_gemm.py``; only qkv got timed): 2 steps per program, 4 programs per SM
-#: was the fastest of six entries at M = 1 and 16 (qkv M = 1: 8.12 us; 4 steps / 2 per SM 9.15;
-#: 8 steps / 1 per SM 10.32), every entry within the fp32 bound.
+#: per weight more). 2 steps per program, 4 programs per SM was the fastest entry of the sweep
+#: (``python -m benchmarks.kernels --sections decode_sweep``; BENCHMARKS.md).
 GPU_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=2, MAX_CHUNKS=2, per_sm=4, min_m_pad=16)
 #: The strict configuration: no split, the whole K per program (unrolled) in 16-wide wgmma steps
 #: from a zero accumulator (the learner's strict chain), M padded to the next power of two >= 16
-#: (``M_PAD`` None). Alternatives the GPU check compares bit for bit
-#: (``benchmarks/decode_gemm.py`` STRICT_VARIANTS): M_PAD 64 with masked rows, and M_PAD 64 with
-#: PAD_ROWS (a zero-padded copy, so the code is the same for every M). On the H200 (2026-12-01,
-#: with the earlier, layout-dependent dequant) 64x64 MMAs matched the learner's 64x128 ones and
-#: 64x16 did not in the last fp32 bits; that dequant was itself wrong for some layouts, so the
-#: evidence is re-measured. M_PAD 64 costs 4x the activation tile (registers, shared memory:
-#: DEPTH 2 there) and spills at K = 4096 (CPU-AOT, 2026-12-02).
+#: (``M_PAD`` None). Its bits equal the learner's strict GEMM's at the model's shapes
+#: (``tests/kernels/test_decode_strict_bitwise_gpu.py``). M_PAD 64 would cost 4x the activation
+#: tile (registers, shared memory) and spills at K = 4096 (CPU-AOT).
 GPU_STRICT_DECODE = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, DEPTH=4, M_PAD=None)
-#: The decode kernels ran on a GPU and gave the contract's values: H200, 2026-12-01 (BENCHMARKS.md
-#: run 8): ``tests/kernels/triton/decode/test_triton_decode.py`` (23 tests, GPU-only ones included) and
-#: the real-shape test passed; every default configuration of the sweep within
-#: ``fp32_accumulation_bound`` at M = 1, 3, 16, 64 (random and adversarial data); dense and
-#: grouped ops captured in one CUDA graph replay bit for bit. The grouped kernel's evidence is its
-#: strict bits (below) and default rows within 3.3e-6 of them; its NaN / bad-id paths ran on the
-#: CPU interpreter only (the backend-level grouped tests took the fallback while this was False).
-#: The earlier form of the dequant (4 packed bytes -> 8 placed outputs) was wrong on the H200.
-DECODE_GPU_VERIFIED = True
-#: The strict configuration is bitwise equal to the learner's strict GEMM (``gemm.STRICT_CONFIG``):
-#: H200, 2026-12-01 (BENCHMARKS.md run 8, ``benchmarks/decode_gemm.py`` check section): rows of
-#: M = 1, 3, 8, 16, 33, 64 taken at offsets 0, 29 and 4096 - M of the learner's M = 4096 GEMM
-#: (K = 1024, N = 512), random and adversarial (2^+-12 spread) data, fp32 and bf16 outputs: 0 of
-#: 384000 elements differ per variant, for all four variants (M_PAD natural / 64 masked / 64
-#: padded rows / 8 warps); the strict grouped decode equals the learner's strict grouped GEMM
-#: (K = 1024, N = 768, 128 experts, 1 / 8 / 64 tokens x top-8): 0 bits differ.
-STRICT_DECODE_VERIFIED = True
-#: The strict configuration with its K steps rolled into 2-step iterations (``decode_k_loop``'s
-#: ``GROUP``: the same chain of MMA steps). The grouped kernel's rolled form ran bitwise equal to
-#: the learner's strict grouped GEMM and 3.9x faster than unrolled at K = 2048 (H200, 2026-12-01,
-#: BENCHMARKS.md run 11); the dense one replaces :data:`GPU_STRICT_DECODE` in strict mode once
-#: :data:`ROLLED_DENSE_STRICT_VERIFIED` records the same check (``benchmarks/decode_gemm.py
-#: --sections check_dense_strict``: qkv K = 2048 and o K = 4096, bit for bit and timed).
-GPU_STRICT_DECODE_ROLLED = dict(GPU_STRICT_DECODE, GROUP=2)
-ROLLED_DENSE_STRICT_VERIFIED = False
-#: Strict dense launches with more bytes in flight per program (the dense strict grid is small:
-#: qkv 80 programs, o 32 on 132 SMs, each running its whole K): the K loop pipelined by Triton
-#: (``STAGES``: see ``decode_grouped_gemm.STRICT_GROUPED_CANDIDATES``), the split-K code compiled
-#: out (``ONE_SPLIT``). The same chain of wgmma k16 steps in K order. CPU-AOT sm_90a (2026-12-02):
-#: today's unrolled entry 122 / 151 regs and 56 KB at K = 2048 / 4096, no load issued ahead of
-#: its 4 steps in flight; BLOCK_K 128 with 4 / 6 stages 91 regs, 38 / 55 KB; BLOCK_K 64 with 6 / 8
-#: stages 62 regs, 26 / 34 KB. Checked bit for bit and timed by ``benchmarks/decode_gemm.py
-#: --sections check_dense_strict``; :data:`STRICT_DENSE_NEXT` is the strict launch once
-#: :data:`STRICT_DENSE_NEXT_VERIFIED` records that check.
-STRICT_DENSE_CANDIDATES = {
-    "rolled 1s": dict(GPU_STRICT_DECODE_ROLLED, ONE_SPLIT=True),
-    "pipe4 1s": dict(GPU_STRICT_DECODE, STAGES=4, ONE_SPLIT=True),
-    "pipe6 1s": dict(GPU_STRICT_DECODE, STAGES=6, ONE_SPLIT=True),
-    "pipe6 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
-    "pipe8 bk64 1s": dict(GPU_STRICT_DECODE, BLOCK_K=64, STAGES=8, ONE_SPLIT=True),
-}
-STRICT_DENSE_NEXT = "pipe6 1s"
-STRICT_DENSE_NEXT_VERIFIED = False
-
-
-def strict_dense_entry() -> dict:
-    """The dense strict launch entry in use: :data:`STRICT_DENSE_NEXT` once verified, else
-    :data:`GPU_STRICT_DECODE_ROLLED` once verified, else :data:`GPU_STRICT_DECODE`."""
-    if STRICT_DENSE_NEXT_VERIFIED:
-        return STRICT_DENSE_CANDIDATES[STRICT_DENSE_NEXT]
-    return GPU_STRICT_DECODE_ROLLED if ROLLED_DENSE_STRICT_VERIFIED else GPU_STRICT_DECODE
 
 
 def _m_pad(m: int, floor: int) -> int:
@@ -220,7 +158,7 @@ def select_config(m: int, n: int, k: int, sm_count: int, batch_invariant: bool) 
         return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=_m_pad(m, 16), SPLIT=split, NCHUNK=cdiv(steps, split),
                     DEPTH=1, num_warps=4)
     if batch_invariant:
-        return strict_config(m, k, strict_dense_entry())
+        return strict_config(m, k, GPU_STRICT_DECODE)
     return default_config(m, n, k, sm_count, GPU_DECODE)
 
 
@@ -244,16 +182,6 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
     """Run the kernel with the launch parameters ``cfg`` (:func:`select_config` or a sweep's)."""
     m, k = a.shape
     n = b_codes.shape[0]
-    if cfg.get("PAD_ROWS") and m % cfg["M_PAD"]:
-        # strict: run with M = M_PAD (zero rows), so the code is the same for every M
-        mp = cfg["M_PAD"]
-        a_pad = a.new_zeros(mp, k)
-        a_pad[:m] = a
-        sa = a_scale if a_scale.numel() == 1 else torch.cat([a_scale, a_scale.new_ones(mp - m)])
-        out_pad = out.new_empty(mp, n)
-        launch_decode_gemm(a_pad, b_codes, b_scales, sa, b_scale, bias, out_pad, dict(cfg, PAD_ROWS=False), asm)
-        out.copy_(out_pad[:m])
-        return
     bn, bk, nchunk = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["NCHUNK"]
     split = cdiv(k, nchunk * bk)  # (cfg's SPLIT, recomputed: NCHUNK steps per program cover K)
     num_n = cdiv(n, bn)
@@ -266,8 +194,7 @@ def launch_decode_gemm(a, b_codes, b_scales, a_scale, b_scale, bias, out, cfg: d
         HAS_BIAS=bias is not None, MASK_K=k % (nchunk * bk) != 0, EVEN_N=n % bn == 0,
         BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk, DEPTH=cfg["DEPTH"],
         SPLIT_MAX=next_pow2(split), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
-        ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
+        DOT_FP32=interpreting(), num_warps=cfg["num_warps"], num_stages=1,
         **exact_launch(),
     )
 

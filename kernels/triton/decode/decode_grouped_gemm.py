@@ -68,8 +68,7 @@ def _decode_grouped_kernel(
     SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, NCHUNK: tl.constexpr, DEPTH: tl.constexpr,
     SPLIT_MAX: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
-    GROUP: tl.constexpr = 0, STAGES: tl.constexpr = 0,
-    ONE_SPLIT: tl.constexpr = False,
+    GROUP: tl.constexpr = 0, ONE_SPLIT: tl.constexpr = False,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,7 +104,7 @@ def _decode_grouped_kernel(
                 rows = _chunk_rows(mine, pos, c0, R_POW2, M_PAD)
                 m_ok = (c0 + tl.arange(0, M_PAD) < n_rows)[None, :]
                 acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
+                                    k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
                 tl.store(part_ptr + (pid_s * R + rows[None, :]).to(tl.int64) * N + rn[:, None], acc,
                          mask=m_ok & (rn < N)[:, None])
             done = tl.atomic_add(cnt_ptr + slot * num_n + pid_n, 1)  # acq_rel: orders the partials
@@ -128,7 +127,7 @@ def _decode_grouped_kernel(
                     acc = tl.sum(p, axis=0)  # split order: deterministic run to run
                 else:
                     acc = decode_k_loop(codes_rows, scales_rows, a_ptr + rows[None, :].to(tl.int64) * s_am, m_ok,
-                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP, STAGES)
+                                        k_lo, K, luts, BLOCK_N, BLOCK_K, M_PAD, NCHUNK, DEPTH, MASK_K, ASM, DOT_FP32, GROUP)
                 if SA_ROWS:
                     sa = tl.load(sa_ptr + rows, mask=row_ok, other=1.0)
                 else:
@@ -142,16 +141,11 @@ def _decode_grouped_kernel(
 
 #: GPU launch of the default (split-K) configuration: tile (BLOCK_N weight rows x BLOCK_K per K
 #: step), warps, K steps in flight (DEPTH) and the most K steps one program runs (MAX_CHUNKS; K is
-#: split into ``cdiv(steps, MAX_CHUNKS)`` ranges). Until 2026-12-01 this was the dense kernel's entry
-#: (64 rows, 2 K steps per program: fc1 at 8 tokens split K 8 ways, 12288 programs). Measured on the
-#: H200 (2026-12-01, BENCHMARKS.md run 10, ``benchmarks/decode_gemm.py --sections grouped_sweep
-#: --grouped-tokens 8``; 8 tokens x top-8 of 128 experts, ~51 distinct), us for fc1 (K 2048, N 1536)
-#: + fc2 (K 768, N 2048): this entry (32 rows, whole K, 4 steps in flight) 199.9 + 95.0; the old
-#: one 220.2 + 115.1; 64 rows whole K 385.9 + 90.0; 64 rows x 8 steps 229.2 + 89.9; 128 rows / 8
-#: warps 402.6 + 110.7; BLOCK_K 64 x 32 steps 416.2 + 85.8 (BF16 ``torch._grouped_mm`` 119.1 +
-#: 79.7). The kernel reads 230-545 GB/s in every entry: what bounds it is the work per weight
-#: (dequantization and layout changes), not the launch. The default-mode engine runs the
-#: batch-invariant configuration (``GPU_STRICT_DECODE``: 64 rows, whole K) for its zero gap.
+#: split into ``cdiv(steps, MAX_CHUNKS)`` ranges): the fastest entry of
+#: ``python -m benchmarks.kernels --sections decode_grouped_sweep`` (8 tokens x top-8 of 128 experts,
+#: fc1 and fc2; BENCHMARKS.md). What bounds the kernel is the work per weight (dequantization and
+#: layout changes), not the launch. The default-mode engine's MoE decode runs the integer-dot kernel
+#: (``TritonOptions.idot_decode``), strict mode :data:`GPU_STRICT_GROUPED_DECODE`.
 GPU_GROUPED_DECODE = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, DEPTH=4, MAX_CHUNKS=16)
 
 
@@ -168,64 +162,16 @@ def grouped_config(r: int, k: int, experts: int, entry: dict) -> dict:
 
 
 #: The strict (batch-invariant) launch: ``GPU_STRICT_DECODE``'s tile, the whole K per program in the
-#: learner's chain of MMA steps. Unrolled, that chain needs 255 registers and spills 4048 bytes per
-#: thread at K = 2048 on sm_90a (the grouped kernel's routing state on top of the dense kernel's,
-#: which does not spill), and it is the slowest grouped entry there (386 us for fc1 at 8 tokens,
-#: H200, BENCHMARKS.md run 10) -- the one the default-mode engine runs. ``GROUP`` rolls the K steps
-#: into a loop of 2-step iterations (:func:`._decode_common.decode_k_loop`): the same MMA chain,
-#: 210 registers and no spills (CPU-AOT, 2026-12-01). It replaces the unrolled one once
-#: :data:`ROLLED_STRICT_VERIFIED` records a GPU check.
-GPU_STRICT_GROUPED_DECODE = dict(GPU_STRICT_DECODE, PAD_ROWS=False, GROUP=2)
-#: The rolled strict configuration ran on a GPU, bitwise equal to the learner's strict grouped GEMM
-#: and faster than the unrolled one: H200, 2026-12-01 (BENCHMARKS.md run 11, ``benchmarks/decode_gemm.py
-#: --sections check_grouped,idot_sweep``): K = 2048, N = 768, 128 experts, 1 / 8 / 64 tokens x
-#: top-8, random and adversarial data, fp32 and bf16: 0 bits differ (unrolled: 0 too); fc1 at 8
-#: tokens 97.9 us rolled vs 385.7 us unrolled, fc2 57.8 vs 87.2 us; the strict decode step 2.80 ->
-#: 1.48 ms of GPU time at batch 8.
-ROLLED_STRICT_VERIFIED = True
-
-#: Faster strict launches, each the same chain of wgmma k16 steps over K in order (64 weight rows
-#: per program: wgmma; 32 rows compile to mma.sync, whose bits differ). CPU-AOT sm_90a at K = 2048
-#: (2026-12-02; registers, shared bytes, SASS instructions per 128-wide K step of the K loop):
-#: today's rolled entry 210 regs, 24 KB, 277 -- its split-K code, dead at SPLIT = 1, costs 82
-#: registers, so 2 programs fit an SM where 4 could.
-#:
-#: * ``ONE_SPLIT``: that code compiled out (128 regs, 4 programs per SM; the same loop);
-#: * ``GROUP`` 4: 4-step iterations, 4 steps' loads in flight (190 regs, 32 KB, 231 per step);
-#: * ``STAGES``: the K loop as one ``tl.range`` that Triton pipelines (``cp.async`` of the codes,
-#:   scales and activations ``STAGES - 1`` steps ahead into shared memory; each step's dot split
-#:   into its 8 (BLOCK_K 128) or 4 (64) wgmma k16, issued asynchronously on the one accumulator):
-#:   2 / 3 stages at BLOCK_K 128 182 / 168 regs, 345-406 per step; BLOCK_K 64 with 4 / 6 stages
-#:   122 / 142 regs, 203 / 217 per 64-wide step.
-#:
-#: Which is fastest, and that each is bitwise the learner's, is for the GPU: ``benchmarks/decode_gemm.py
-#: --sections check_grouped,idot_sweep`` checks and times every one. :data:`STRICT_GROUPED_NEXT`
-#: names the one the strict launch takes once :data:`STRICT_GROUPED_NEXT_VERIFIED` records that check.
-STRICT_GROUPED_CANDIDATES = {
-    "rolled 1s": dict(GPU_STRICT_GROUPED_DECODE, ONE_SPLIT=True),
-    "rolled4 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=4, ONE_SPLIT=True),
-    "pipe2 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=2, ONE_SPLIT=True),
-    "pipe3 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, STAGES=3, ONE_SPLIT=True),
-    "pipe4 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=4, ONE_SPLIT=True),
-    "pipe6 bk64 1s": dict(GPU_STRICT_GROUPED_DECODE, GROUP=0, BLOCK_K=64, STAGES=6, ONE_SPLIT=True),
-}
-#: On the H200 (2026-12-01): every candidate 0 differing bits against the learner's strict grouped GEMM
-#: (K 2048 and 768; 1 / 8 / 64 tokens; random and adversarial data; fp32 and bf16), and at 8 tokens
-#: (us per GEMM, CUDA-graph replays; fc1 / fc2): rolled 98.1 / 59.5 (today's), **rolled 1s 79.1 / 46.0**,
-#: rolled4 1s 89.6 / 51.1, pipe2 118.1 / 73.1, pipe3 110.5 / 71.8, pipe4 bk64 106.8 / 64.2, pipe6 bk64
-#: 109.3 / 65.4 (the integer-dot default 43.9 / 23.9): the split-K code compiled out (4 programs an SM
-#: instead of 2) is the win, Triton's pipelining loses. The strict engine with it: 1.287 ms a decode step at
-#: batch 8 (was 1.419), gap 0 on 512 of 512 tokens (BENCHMARKS.md run 13).
-STRICT_GROUPED_NEXT = "rolled 1s"
-STRICT_GROUPED_NEXT_VERIFIED = True
-
-
-def strict_grouped_entry() -> dict:
-    """The strict launch entry in use: :data:`STRICT_GROUPED_NEXT` once verified, else
-    :data:`GPU_STRICT_GROUPED_DECODE` once verified, else the unrolled ``GPU_STRICT_DECODE``."""
-    if STRICT_GROUPED_NEXT_VERIFIED:
-        return STRICT_GROUPED_CANDIDATES[STRICT_GROUPED_NEXT]
-    return GPU_STRICT_GROUPED_DECODE if ROLLED_STRICT_VERIFIED else dict(GPU_STRICT_DECODE, PAD_ROWS=False)
+#: learner's chain of 16-wide wgmma steps (64 weight rows per program: wgmma; 32 rows compile to
+#: mma.sync, whose bits differ). ``GROUP`` rolls the K steps into a loop of 2-step iterations
+#: (:func:`._decode_common.decode_k_loop`: the same MMA chain; unrolled, the chain needs 255 registers
+#: and spills at K = 2048 on sm_90a, the grouped kernel's routing state on top of the dense kernel's);
+#: ``ONE_SPLIT`` compiles the split-K code, dead at one K range, out (128 instead of 210 registers at
+#: K = 2048: 4 programs an SM instead of 2). Its bits equal the learner's strict grouped GEMM's at the
+#: model's shapes (``tests/kernels/test_decode_strict_bitwise_gpu.py``); the fastest of the strict
+#: launches compared (rolled by 4, Triton-pipelined K loops: slower), timed as ``strict_us`` by
+#: ``python -m benchmarks.kernels --sections decode_grouped``.
+GPU_STRICT_GROUPED_DECODE = dict(GPU_STRICT_DECODE, GROUP=2, ONE_SPLIT=True)
 
 
 def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_invariant: bool) -> dict:
@@ -238,7 +184,7 @@ def select_config(r: int, n: int, k: int, experts: int, sm_count: int, batch_inv
         return dict(BLOCK_N=16, BLOCK_K=32, M_PAD=16, SPLIT=split, NCHUNK=cdiv(steps, split), DEPTH=1,
                     num_warps=4)
     if batch_invariant:
-        return strict_config(16, k, strict_grouped_entry())
+        return strict_config(16, k, GPU_STRICT_GROUPED_DECODE)
     return grouped_config(r, k, experts, GPU_GROUPED_DECODE)
 
 
@@ -260,7 +206,7 @@ def launch_decode_grouped(a, w_codes, w_scales, w_scale, expert_ids, a_scale, ou
         MASK_K=k % (nchunk * bk) != 0, BLOCK_N=bn, BLOCK_K=bk, M_PAD=cfg["M_PAD"], NCHUNK=nchunk,
         DEPTH=cfg["DEPTH"], SPLIT_MAX=next_pow2(split), R_POW2=next_pow2(r),
         E_POW2=next_pow2(experts), ASM=(not interpreting()) if asm is None else asm,
-        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)), STAGES=cfg.get("STAGES", 0),
+        DOT_FP32=interpreting(), GROUP=rolled_group(nchunk, cfg.get("GROUP", 0)),
         ONE_SPLIT=split == 1 and bool(cfg.get("ONE_SPLIT", False)), num_warps=cfg["num_warps"], num_stages=1,
         **exact_launch(),
     )

@@ -352,14 +352,6 @@ def _decode_grouped_idot_kernel(
 GPU_IDOT = dict(BLOCK_N=64, BLOCK_KB=16, PAIRS=True, UNROLL=2, num_warps=4)
 #: The interpreter's launch (small tiles: tails, several steps and loop iterations on the test shapes).
 INTERPRETER_IDOT = dict(BLOCK_N=16, BLOCK_KB=2, PAIRS=True, UNROLL=1, num_warps=4)
-#: The kernel ran on a GPU and gave the contract's values: H200, 2026-12-01 (BENCHMARKS.md run 11):
-#: ``tests/kernels/triton/decode/test_decode_idot.py`` passed compiled (with the decode tests: 48 passed);
-#: ``benchmarks/decode_gemm.py --sections idot_sweep`` at fc1 / fc2 of 128 experts, 8 and 64 tokens x
-#: top-8, 8 entries: fp32 outputs equal to the strict fp32 result to 0 (max |diff| / max |value|),
-#: bf16 within its rounding (<= 3.0e-3), rows by ids and by offsets the same bits; the decode step
-#: with it (``RolloutEngine(invariant_gemm=False)``) 0.892 ms at batch 8 with a default-mode gap of
-#: 0 on 512 of 512 tokens. The default-mode engine uses it.
-IDOT_GPU_VERIFIED = True
 
 
 def idot_config(k: int, entry: dict | None = None) -> dict:

@@ -47,10 +47,9 @@ from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton.invariant.bi_rmsnorm import MAX_BLOCK
 from minite_kernels.triton.nvfp4.norm_quantize import NORM_WARPS, _load_f32, round_half
 from minite_kernels.triton._build._host import next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
-@fast_jit
+@triton.jit
 def _qk_norm_rope_kernel(
     x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
     H, sxm, sxh, eps,

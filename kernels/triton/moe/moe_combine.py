@@ -36,7 +36,6 @@ import triton.language as tl
 from minite_kernels.triton.invariant.bi_common import interpreting
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK_H = 2048
@@ -53,7 +52,7 @@ def _round_to(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
         return x.to(DTYPE).to(tl.float32)
 
 
-@fast_jit
+@triton.jit
 def _moe_sum_rows_kernel(
     src_ptr, order_ptr, bounds_ptr, out_ptr, H, s_row, s_slot, s_col, s_out,
     K: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -77,7 +76,7 @@ def _moe_sum_rows_kernel(
     tl.store(out_ptr + t * s_out + cols, acc.to(DTYPE), mask=cmask)
 
 
-@fast_jit
+@triton.jit
 def _moe_gather_rows_kernel(
     src_ptr, index_ptr, out_ptr, H, s_src, s_col, s_out,
     K: tl.constexpr, CANONICAL: tl.constexpr, BLOCK_H: tl.constexpr, DTYPE: tl.constexpr,

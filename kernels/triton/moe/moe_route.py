@@ -43,7 +43,6 @@ from minite_kernels.custom_op import custom_op
 from minite_megatron.nvfp4.moe_reference import Route
 from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton._build._host import next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 #: Largest T * E (padded to powers of two) one program routes.
 MAX_ELEMENTS = 16384
@@ -59,7 +58,7 @@ def _pair_level(s, T_P: tl.constexpr, W: tl.constexpr):
     return tl.sum(tl.reshape(s, [T_P, W // 2, 2]), axis=2)
 
 
-@fast_jit
+@triton.jit
 def _moe_route_kernel(
     logits_ptr, ids_ptr, tok_ptr, probs_ptr, comb_ptr, sizes_ptr, offs_ptr,
     T, E, s_t, s_e, scaling,

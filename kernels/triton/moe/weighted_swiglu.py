@@ -52,7 +52,6 @@ from minite_kernels.triton.nvfp4.norm_quantize import round_half
 from minite_kernels.triton.nvfp4.swiglu_quantize import LAUNCH, _swiglu_quantize_kernel, config
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 _HALF = (torch.bfloat16, torch.float16)
 #: Backward tile: rows per program, widest column chunk, warps.
@@ -126,7 +125,7 @@ def _widen(v, IS_FP16: tl.constexpr):
         return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
-@fast_jit
+@triton.jit
 def _weighted_swiglu_bwd_kernel(
     dy_ptr, h_ptr, p_ptr, dh_ptr, dp_ptr,
     R, F, stride_dy, stride_h, stride_dh,

@@ -21,7 +21,6 @@ import triton.language as tl
 from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 #: Elements per program iteration of the flat kernel on the GPU, and its num_warps.
 GPU_FLAT_BLOCK = 4096
@@ -51,7 +50,7 @@ def _store_max(out_ptr, m, IS_FP16: tl.constexpr, mask=None):
     tl.atomic_max(out_ptr, m, mask=mask)
 
 
-@fast_jit
+@triton.jit
 def _amax_flat_kernel(x_ptr, out_ptr, group_len, total, iters, BLOCK: tl.constexpr, IS_FP16: tl.constexpr):
     """Program (chunk c, group g): ``iters`` blocks of ``BLOCK`` elements of the contiguous
     range ``[g * group_len, min((g + 1) * group_len, total))``; one atomic max per program."""
@@ -68,7 +67,7 @@ def _amax_flat_kernel(x_ptr, out_ptr, group_len, total, iters, BLOCK: tl.constex
     _store_max(out_ptr + g, tl.max(best, axis=0), IS_FP16)
 
 
-@fast_jit
+@triton.jit
 def _amax_kernel(
     x_ptr, out_ptr, R, K, stride_r, stride_k, rows_per_group,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IS_FP16: tl.constexpr,

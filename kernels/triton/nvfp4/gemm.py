@@ -30,12 +30,11 @@ from minite_kernels.triton.nvfp4._gemm_common import epilogue, mma_k_loop, mma_t
 from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, round_to
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@fast_jit
+@triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, s_am, s_ak, s_bn, s_bk, s_cm, s_cn,
@@ -79,7 +78,7 @@ def _gemm_kernel(
     tl.store(c_ptrs, round_to(out, c_ptr.dtype.element_ty, DOT_FP32), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-@fast_jit
+@triton.jit
 def _gemm_tma_kernel(
     a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     SA_ROWS: tl.constexpr, SB_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
@@ -134,12 +133,15 @@ STRICT_CONFIG = (128, 128, 64, 8, 8, 3)
 CANONICAL_CONFIG = (128, 128, 16, 8, 8, 8)
 """Canonical (contract-order) accumulation: 16-wide K steps, deep pipeline."""
 DEFAULT_CONFIG = (128, 128, 64, 8, 8, 3)
-"""Outside strict mode, M > 64 (H200, 2026-11-29: 1.05-1.10x cuBLAS; 128x256 ran 1.11-1.23x)."""
+"""Outside strict mode, M > 64 (1.05-1.10x cuBLAS time on the H200; 128x256 ran 1.11-1.23x). A launch
+may replace it (``config``: ``TritonOptions.gemm_tile``; ``python -m benchmarks.kernels --sections gemm_sweep``)."""
 SMALL_M_CONFIG = (64, 128, 64, 8, 4, 4)
 
 
-def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool, gpu: bool | None = None) -> tuple:
-    """Tile config: fixed in strict mode; otherwise a small heuristic on the problem shape."""
+def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool, gpu: bool | None = None,
+                  default: tuple = DEFAULT_CONFIG) -> tuple:
+    """Tile config: fixed in strict mode; otherwise a small heuristic on the problem shape (``default``
+    for M > 64)."""
     if not (gpu if gpu is not None else not interpreting()):
         # BLOCK_K = 16: the interpreter's tl.dot(a, b, acc) then adds exact block partials in
         # K order, i.e. the contract's own accumulation.
@@ -150,7 +152,7 @@ def select_config(m: int, n: int, k: int, batch_invariant: bool, canonical: bool
         return STRICT_CONFIG
     if m <= 64:
         return SMALL_M_CONFIG
-    return DEFAULT_CONFIG
+    return default
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -176,8 +178,10 @@ def gemm_op(
     out_dtype: torch.dtype,
     batch_invariant: bool,
     canonical: bool,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
-    """``a_img [M, K] @ b_img [N, K]^T`` with the contract's epilogue -> ``[M, N]`` ``out_dtype``."""
+    """``a_img [M, K] @ b_img [N, K]^T`` with the contract's epilogue -> ``[M, N]`` ``out_dtype``
+    (``config``: the default-mode launch for M > 64 in place of :data:`DEFAULT_CONFIG`, as a list)."""
     m, k = a_img.shape
     n = b_img.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a_img.device)
@@ -185,7 +189,8 @@ def gemm_op(
         return out
     if k == 0:
         return out.zero_()
-    bm, bn, bk, gm, warps, stages = select_config(m, n, k, batch_invariant, canonical)
+    bm, bn, bk, gm, warps, stages = select_config(m, n, k, batch_invariant, canonical,
+                                                  default=tuple(config) if config else DEFAULT_CONFIG)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     common = dict(
         SA_ROWS=a_scale.numel() != 1 or m == 1, SB_ROWS=b_scale.numel() != 1 or n == 1,
@@ -213,7 +218,7 @@ def gemm_op(
 
 
 @gemm_op.register_fake
-def _(a_img, b_img, a_scale, b_scale, bias, out_dtype, batch_invariant, canonical):
+def _(a_img, b_img, a_scale, b_scale, bias, out_dtype, batch_invariant, canonical, config=None):
     return a_img.new_empty((a_img.shape[0], b_img.shape[0]), dtype=out_dtype)
 
 
@@ -242,8 +247,9 @@ def gemm_forward(
     out_dtype: torch.dtype = torch.bfloat16,
     batch_invariant: bool = False,
     canonical: bool = False,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
     """Checked entry point of :func:`gemm_op` (see the module docstring)."""
     check_gemm_args(a_img, b_img, a_scale, b_scale, bias, out_dtype)
     return gemm_op(a_img, b_img, a_scale.float().reshape(-1), b_scale.float().reshape(-1),
-                   bias, out_dtype, batch_invariant, canonical)
+                   bias, out_dtype, batch_invariant, canonical, config)

@@ -22,13 +22,12 @@ import triton.language as tl
 from minite_kernels.custom_op import custom_op
 from minite_megatron.nvfp4.moe_reference import zero_empty_groups_reference  # noqa: F401  (the contract)
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 BLOCK = 1024
 CHUNKS = 32  # blocks per program: 32768 elements
 
 
-@fast_jit
+@triton.jit
 def _zero_empty_groups_kernel(out_ptr, counts_ptr, slice_numel, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     g = tl.program_id(0)
     if tl.load(counts_ptr + g) == 0:

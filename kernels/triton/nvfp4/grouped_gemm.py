@@ -28,7 +28,6 @@ from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, 
 from minite_kernels.triton.nvfp4.gemm import OUT_DTYPES
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
 @triton.jit
@@ -48,7 +47,7 @@ def _expert_of_tile(offs_ptr, tile_m, G, BLOCK_M: tl.constexpr, G_POW2: tl.const
     return valid, g, row_start, row_end, row_start + (tile_m - first_tile) * BLOCK_M
 
 
-@fast_jit
+@triton.jit
 def _grouped_gemm_kernel(
     a_desc, b_desc, c_ptr, offs_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, G, s_cm,
@@ -93,16 +92,17 @@ STRICT_CONFIG = (128, 256, 64, 8, 3)
 depend on BLOCK_K (the K order of its MMA chain), not on BLOCK_M / BLOCK_N (the rollout's strict decode
 kernels, 32-row tiles, reproduce it): the default's faster 128 x 256 tile (was 128 x 128)."""
 DEFAULT_CONFIG = (128, 256, 64, 8, 3)
-"""H200, 2026-12-01 (benchmarks.learner_sweep, 131072 routed rows, images, ms; fc1 fprop / dgrad, fc2 fprop /
-dgrad): (128, 256, 64, 8, 3) 1.456 / 1.306, 0.869 / 0.744; (128, 128, 64, 8, 4), the default before,
-1.627 / 1.700, 1.022 / 0.840; torch._grouped_mm BF16 1.558 / 1.438, 0.808 / 0.809."""
+"""Outside strict mode, more than 64 rows per expert on average: the fastest entry of
+``python -m benchmarks.kernels --sections sweep_grouped`` (fc1 and fc2, fprop and dgrad; BENCHMARKS.md).
+A launch may replace it (``config``: ``TritonOptions.grouped_gemm_tile``)."""
 SMALL_CONFIG = (64, 128, 64, 4, 4)
 """Experts with few tokens on average (<= 64): less padding waste per tile."""
 
 
 def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, canonical: bool,
-                  gpu: bool | None = None) -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); fixed in strict mode."""
+                  gpu: bool | None = None, default: tuple = DEFAULT_CONFIG) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); fixed in strict mode (``default``: the
+    launch for more than 64 rows per group)."""
     if not (gpu if gpu is not None else not interpreting()):
         return (16, 16, 16, 4, 1)
     if canonical:
@@ -111,7 +111,7 @@ def select_config(m: int, n: int, k: int, groups: int, batch_invariant: bool, ca
         return STRICT_CONFIG
     if m // max(groups, 1) <= 64:
         return SMALL_CONFIG
-    return DEFAULT_CONFIG
+    return default
 
 
 def group_offsets(group_sizes, device: torch.device) -> torch.Tensor:
@@ -139,8 +139,10 @@ def grouped_gemm_op(
     out_dtype: torch.dtype,
     batch_invariant: bool,
     canonical: bool,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
-    """``a_img [M, K]`` (rows sorted by expert, ``offsets [G + 1]``) x ``b_img [G, N, K]`` -> ``[M, N]``."""
+    """``a_img [M, K]`` (rows sorted by expert, ``offsets [G + 1]``) x ``b_img [G, N, K]`` -> ``[M, N]``
+    (``config``: the default-mode launch in place of :data:`DEFAULT_CONFIG`, as a list)."""
     m, k = a_img.shape
     groups, n = b_img.shape[0], b_img.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a_img.device)
@@ -148,7 +150,8 @@ def grouped_gemm_op(
         return out
     if k == 0:
         return out.zero_()
-    bm, bn, bk, warps, stages = select_config(m, n, k, groups, batch_invariant, canonical)
+    bm, bn, bk, warps, stages = select_config(m, n, k, groups, batch_invariant, canonical,
+                                              default=tuple(config) if config else DEFAULT_CONFIG)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a = a_img if a_img.stride(1) == 1 and (a_img.stride(0) * 2) % 16 == 0 else a_img.contiguous()
@@ -170,7 +173,7 @@ def grouped_gemm_op(
 
 
 @grouped_gemm_op.register_fake
-def _(a_img, b_img, offsets, a_scale, b_scale, bias, out_dtype, batch_invariant, canonical):
+def _(a_img, b_img, offsets, a_scale, b_scale, bias, out_dtype, batch_invariant, canonical, config=None):
     return a_img.new_empty((a_img.shape[0], b_img.shape[1]), dtype=out_dtype)
 
 
@@ -184,9 +187,10 @@ def grouped_gemm_forward(
     out_dtype: torch.dtype = torch.bfloat16,
     batch_invariant: bool = False,
     canonical: bool = False,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
     """Checked entry point: ``group_sizes`` is a list of ints (or a ``GroupSizes``), or an int tensor
-    or a ``DeviceGroupSizes`` (device: no sync)."""
+    or a ``DeviceGroupSizes`` (device: no sync); ``config`` as :func:`grouped_gemm_op`."""
     if a_img.dim() != 2 or b_img.dim() != 3:
         raise ValueError(f"grouped_gemm: need a [M, K] and b [G, N, K], got {tuple(a_img.shape)}, {tuple(b_img.shape)}")
     if a_img.shape[1] != b_img.shape[2]:
@@ -210,4 +214,4 @@ def grouped_gemm_forward(
         raise ValueError(f"grouped_gemm: bias must be [G, N] = {(groups, b_img.shape[1])}, got {tuple(bias.shape)}")
     offsets = group_offsets(group_sizes, a_img.device)
     return grouped_gemm_op(a_img, b_img, offsets, a_scale.float().reshape(-1), b_scale.float().reshape(-1),
-                           bias, out_dtype, batch_invariant, canonical)
+                           bias, out_dtype, batch_invariant, canonical, config)

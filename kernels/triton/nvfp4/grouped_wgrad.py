@@ -37,10 +37,9 @@ from minite_kernels.triton.nvfp4 import quantize_cols
 from minite_kernels.triton.nvfp4.quantize import quantize_op, rht_mask_of, sr_key
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 
-@fast_jit
+@triton.jit
 def _grouped_wgrad_kernel(
     a_desc, b_desc, a_ptr, b_ptr, out_ptr, poffs_ptr, sa_ptr, sb_ptr,
     N, KX, T_PAD,
@@ -88,19 +87,19 @@ def _grouped_wgrad_kernel(
     tl.store(ptrs, round_to(out, out_ptr.dtype.element_ty, DOT_FP32), mask=(rm < N)[:, None] & (rn < KX)[None, :])
 
 
-def select_config(canonical: bool, gpu: bool | None = None) -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_T, num_warps, num_stages)."""
+#: The GPU launch (BLOCK_M, BLOCK_N, BLOCK_T, num_warps, num_stages): the fastest entry of
+#: ``python -m benchmarks.kernels --sections sweep_wgrad`` (fc1 and fc2; BENCHMARKS.md). A launch may
+#: replace it (``config``: ``TritonOptions.grouped_wgrad_tile``).
+DEFAULT_CONFIG = (128, 256, 64, 8, 3)
+
+
+def select_config(canonical: bool, gpu: bool | None = None, default: tuple = DEFAULT_CONFIG) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_T, num_warps, num_stages): ``default`` on a GPU outside canonical mode."""
     if not (gpu if gpu is not None else not interpreting()):
         return (16, 16, 16, 4, 1)
     if canonical:
         return (128, 128, 16, 8, 8)
-    return DEFAULT_CONFIG
-
-
-#: H200, 2026-12-01 (benchmarks.learner_sweep, 131072 routed rows over 128 experts, bf16 out, ms; fc1 / fc2):
-#: (128, 256, 64, 8, 3) 1.728 / 0.917; (256, 128, 64, 8, 3) 1.886 / 0.989; (128, 128, 64, 8, 4), the default
-#: before, 2.167 / 1.113; torch._grouped_mm's BF16 wgrad 1.331 / 0.824.
-DEFAULT_CONFIG = (128, 256, 64, 8, 3)
+    return default
 
 
 def pad_index(group_sizes, t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -220,8 +219,10 @@ def grouped_wgrad_forward(
     rht_seed: int | None = None,
     out_dtype: torch.dtype = torch.float32,
     canonical: bool = False,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
-    """``grad_out [T, N]``, ``x [T, K]`` (bf16/fp16/fp32, rows sorted by expert) -> ``[G, N, K]``.
+    """``grad_out [T, N]``, ``x [T, K]`` (bf16/fp16/fp32, rows sorted by expert) -> ``[G, N, K]``
+    (``config`` as :func:`grouped_wgrad_op`).
 
     Raises ValueError when the shapes and group sizes disagree, for a global scale other than
     ``"tensor"``/``"row"``, or stochastic rounding without ``grad_seed``.
@@ -248,7 +249,7 @@ def grouped_wgrad_forward(
     _, _, sa, a_img = _quantize_padded_t(grad_out, col_index, t_pad, global_scale, grad_rounding == "stochastic",
                                          grad_seed, rht_seed)
     _, _, sb, b_img = _quantize_padded_t(x, col_index, t_pad, global_scale, False, None, rht_seed)
-    return grouped_wgrad_op(a_img, b_img, poffs, sa, sb, groups, out_dtype, canonical)
+    return grouped_wgrad_op(a_img, b_img, poffs, sa, sb, groups, out_dtype, canonical, config)
 
 
 @custom_op("minite::grouped_wgrad", mutates_args=())
@@ -261,14 +262,16 @@ def grouped_wgrad_op(
     groups: int,
     out_dtype: torch.dtype,
     canonical: bool,
+    config: list[int] | None = None,
 ) -> torch.Tensor:
-    """Images ``a [N, T_pad]``, ``b [K, T_pad]``, padded offsets ``[G + 1]`` -> ``[G, N, K]``."""
+    """Images ``a [N, T_pad]``, ``b [K, T_pad]``, padded offsets ``[G + 1]`` -> ``[G, N, K]``
+    (``config``: the GPU launch in place of :data:`DEFAULT_CONFIG`, as a list)."""
     n, t_pad = a_img.shape
     kx = b_img.shape[0]
     if n == 0 or kx == 0 or t_pad == 0 or groups == 0:
         return torch.zeros(groups, n, kx, dtype=out_dtype, device=a_img.device)
     out = torch.empty(groups, n, kx, dtype=out_dtype, device=a_img.device)
-    bm, bn, bt, warps, stages = select_config(canonical)
+    bm, bn, bt, warps, stages = select_config(canonical, default=tuple(config) if config else DEFAULT_CONFIG)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(a_img, [bm, bt])
@@ -284,5 +287,5 @@ def grouped_wgrad_op(
 
 
 @grouped_wgrad_op.register_fake
-def _(a_img, b_img, poffs, a_scale, b_scale, groups, out_dtype, canonical):
+def _(a_img, b_img, poffs, a_scale, b_scale, groups, out_dtype, canonical, config=None):
     return a_img.new_empty((groups, a_img.shape[0], b_img.shape[0]), dtype=out_dtype)

@@ -20,10 +20,9 @@ from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_kernels.triton.nvfp4._nvfp4_math import bf16_image_bits, e2m1_value, e4m3_value, exact_launch
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
-@fast_jit
+@triton.jit
 def _image_kernel(codes_ptr, scales_ptr, image_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -78,7 +78,6 @@ from minite_kernels.triton.invariant.bi_rmsnorm import MAX_BLOCK
 from minite_kernels.triton.nvfp4.quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
 #: bi_rmsnorm's num_warps (part of the reduction layout: do not change one without the other).
@@ -174,7 +173,7 @@ def _norm_chunk(x_row, y_row, w_ptr, jw, c, r, rmask3,
     return ya, yb, _chunk_block_max(ya, yb, IS_FP16)
 
 
-@fast_jit
+@triton.jit
 def _rmsnorm_quantize_kernel(
     x_ptr, w_ptr, y_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     H, sxm, sxh, eps,

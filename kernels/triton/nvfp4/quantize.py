@@ -66,7 +66,6 @@ from minite_kernels.triton.nvfp4.amax import amax_forward
 from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT, QuantizeTiles
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 
 @triton.jit
@@ -143,7 +142,7 @@ def _scale_offsets(r, c, cols, scale_cols_padded, SWIZZLED: tl.constexpr):
         return r.to(tl.int64) * cols + c
 
 
-@fast_jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key"])
 def _quantize_kernel(
     x_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
@@ -196,7 +195,7 @@ def _quantize_kernel(
                            TILE16, STOCHASTIC, WITH_IMAGE, SWIZZLED, BLOCK_R, BLOCK_K)
 
 
-@fast_jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key"])
 def _quantize_t_kernel(
     s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_s, T_SRC, rows_per_group, key, scale_cols_padded,

@@ -40,7 +40,6 @@ from minite_kernels.triton.nvfp4._nvfp4_math import (
 )
 from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT, QuantizeTiles
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 
 def supported(x2d: torch.Tensor, tile16: bool) -> bool:
@@ -232,7 +231,7 @@ def _store_group(xs, b0, bm, h2, hm2, K, s_enc, s_dec, inner, codes_ptr, scales_
                  mask=hm2 & (ij < K // 2)[None, :])
 
 
-@fast_jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key"])
 def _quantize_cols_kernel(
     s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_s, rows_per_group, key, rht_mask, scale_cols_padded, groups_per_prog,

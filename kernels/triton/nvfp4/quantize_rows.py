@@ -55,7 +55,6 @@ from minite_kernels.triton.nvfp4._nvfp4_math import (
 )
 from minite_kernels.triton.nvfp4.quantize_tiles import DEFAULT, QuantizeTiles
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 
 def supported(x2d: torch.Tensor, tile16: bool, has_col_index: bool, has_amax: bool = False) -> bool:
@@ -221,7 +220,7 @@ def _quantize_chunk(
         tl.store(iptr + 4, ib, mask=rmask[:, :, None])
 
 
-@fast_jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key"])
 def _quantize_rows_kernel(
     x_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_w, rows_per_group, key, scale_cols_padded,

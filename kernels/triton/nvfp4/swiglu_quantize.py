@@ -61,7 +61,6 @@ from minite_kernels.triton.nvfp4.norm_quantize import as_nvfp4, round_half
 from minite_kernels.triton.nvfp4.quantize_rows import _chunk_block_max, _load_chunk, _quantize_chunk, _unpack
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 
 #: Warps per program when a row takes at most 32 threads (quantize_rows' measured best: 1).
@@ -141,7 +140,7 @@ def _swiglu_chunk(g_row, a_row, F, jw, c, rmask3, p,
     return aa, ab, _chunk_block_max(aa, ab, IS_FP16)
 
 
-@fast_jit
+@triton.jit
 def _swiglu_quantize_kernel(
     h_ptr, a_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr, p_ptr,
     R, F, stride_w,

@@ -75,6 +75,8 @@ def test_kernel_switches_are_backend_options_not_module_globals():
 
     cpu = torch.device("cpu")
     assert BACKEND.options == TritonOptions()
+    # the defaults are what runs: the decode kernels, their strict configuration, the integer-dot MoE decode
+    assert BACKEND.decode_ok(cpu) and BACKEND.strict_decode_ok(64, cpu) and BACKEND.idot_decode_ok(cpu)
     off = TritonBackend(TritonOptions(decode_kernels=False))
     assert not off.decode_ok(cpu) and not off.strict_decode_ok(64, cpu)
     no_strict = TritonBackend(TritonOptions(strict_decode=False))
@@ -82,6 +84,55 @@ def test_kernel_switches_are_backend_options_not_module_globals():
     with nvfp4.backends.registered(off):
         assert nvfp4.get_backend("triton", DEVICE) is off
     assert nvfp4.backends._load("triton") is BACKEND
+
+
+def test_gemm_tiles_are_backend_options(monkeypatch):
+    """The GEMM kernels' default-mode launches were module globals (``DEFAULT_CONFIG``) that the sweeps
+    flipped (issue 25); now ``TritonOptions.gemm_tile`` / ``grouped_gemm_tile`` / ``grouped_wgrad_tile``:
+    a configured backend hands its tile to the custom op (a flat list, also through the registered
+    op's schema; None for the default), the launch takes it where the default would run, and the
+    results are the default backend's bits (the tiles change only the pipeline depth: the same MMAs in
+    the same K order)."""
+    from minite_kernels.triton.backend import BACKEND, TritonBackend, TritonOptions
+    from minite_kernels.triton.nvfp4 import gemm, grouped_gemm, grouped_wgrad
+
+    tiles = dict(gemm_tile=(128, 128, 64, 8, 8, 2), grouped_gemm_tile=(128, 256, 64, 8, 2),
+                 grouped_wgrad_tile=(128, 256, 64, 8, 2))
+    seen = []
+    for mod, name in ((gemm, "gemm_op"), (grouped_gemm, "grouped_gemm_op"), (grouped_wgrad, "grouped_wgrad_op")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    sizes = [20, 0, 12]
+    x = randn(32, 64, seed=1).to(DEVICE)
+    w = randn(48, 64, seed=2).to(DEVICE)
+    wg = randn(3, 32, 64, seed=3).to(DEVICE)
+    dy = randn(32, 48, seed=4).to(DEVICE)
+
+    def run(backend):
+        seen.clear()
+        qx = backend.quantize(x, with_image=True)
+        qw = backend.quantize(w, global_scale="tensor", tile=(16, 16), with_image=True)
+        qg = backend.quantize(wg, global_scale="group", tile=(16, 16), with_image=True)
+        outs = [backend.gemm(qx, qw), backend.grouped_gemm(qx, qg, sizes), backend.grouped_wgrad(dy, x, sizes)]
+        return outs, list(seen)
+
+    got, got_cfg = run(TritonBackend(TritonOptions(**tiles)))
+    want, want_cfg = run(BACKEND)
+    assert got_cfg == [list(tiles["gemm_tile"]), list(tiles["grouped_gemm_tile"]), list(tiles["grouped_wgrad_tile"])]
+    assert want_cfg == [None, None, None]
+    for g, e, name in zip(got, want, ("gemm", "grouped_gemm", "grouped_wgrad")):
+        assert g.dtype == e.dtype and torch.equal(g.view(torch.int16), e.view(torch.int16)), name
+    img = randn(128, 64, seed=6).to(torch.bfloat16).to(DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    registered = torch.ops.minite.gemm
+    out = registered(img, img, one, one, None, torch.bfloat16, False, False, list(tiles["gemm_tile"]))
+    assert torch.equal(out.view(torch.int16), registered(img, img, one, one, None, torch.bfloat16, False, False)
+                       .view(torch.int16))
+    assert gemm.select_config(128, 128, 64, False, False, gpu=True, default=tiles["gemm_tile"]) == tiles["gemm_tile"]
+    assert gemm.select_config(128, 128, 64, False, False, gpu=True) == gemm.DEFAULT_CONFIG
+    assert grouped_gemm.select_config(4096, 64, 64, 4, False, False, gpu=True,
+                                      default=tiles["grouped_gemm_tile"]) == tiles["grouped_gemm_tile"]
+    assert grouped_wgrad.select_config(False, gpu=True, default=tiles["grouped_wgrad_tile"]) == tiles["grouped_wgrad_tile"]
 
 
 def test_quantize_tiles_are_a_backend_option(monkeypatch):

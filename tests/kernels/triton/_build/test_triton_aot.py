@@ -82,59 +82,36 @@ from minite_kernels.triton.decode import decode_gemm as td
 from minite_kernels.triton.decode import decode_grouped_gemm as tg
 from minite_kernels.triton._build._aot import kernel_opcodes, loop_opcode_counts, ptxas_resources, sass
 out = {}
-for name, entry in (("unrolled", dict(td.GPU_STRICT_DECODE, PAD_ROWS=False)), ("rolled", tg.GPU_STRICT_GROUPED_DECODE)):
+for name, entry in (("unrolled", td.GPU_STRICT_DECODE), ("rolled", dict(tg.GPU_STRICT_GROUPED_DECODE, ONE_SPLIT=False)),
+                    ("default", tg.GPU_STRICT_GROUPED_DECODE)):
     kern = K._decode_grouped(td.strict_config(16, 2048, entry))
     text = sass(kern)
     ops = kernel_opcodes(text)
     out[name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
     out[name + "_loop"] = loop_opcode_counts(text)
+cfg = td.strict_config(16, 4096, td.GPU_STRICT_DECODE)
+kern = K._decode(m_pad=16, block_k=cfg["BLOCK_K"], nchunk=cfg["NCHUNK"], depth=cfg["DEPTH"], split_max=1)
+ops = kernel_opcodes(sass(kern))
+out["dense"] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
 print("JSON" + json.dumps(out))
 """
 
 
-def test_strict_grouped_decode_rolled_k_loop_does_not_spill():
+def test_strict_decode_launches_run_wgmma_without_spills():
     """The strict MoE decode at fc1's K (2048: 16 K steps of 128) on sm_90a: unrolled, the chain
-    runs out of registers (255 and spills: why the default-mode engine's grouped GEMM, which runs
-    it, is the slowest configuration, BENCHMARKS.md run 10); rolled into 2-step iterations
-    (``GPU_STRICT_GROUPED_DECODE``) it keeps the same wgmma steps (8 per 128-wide K step) with no
-    spill."""
+    runs out of registers (255 and spills); rolled into 2-step iterations it keeps the same wgmma
+    steps (8 per 128-wide K step) with no spill, and with the split-K code compiled out
+    (``ONE_SPLIT``: the default, ``GPU_STRICT_GROUPED_DECODE``) it needs fewer registers still. The
+    dense strict launch (``GPU_STRICT_DECODE``) at o's K (4096) is wgmma without spills too (an
+    ``HMMA``, mma.sync, would give other bits)."""
     got = run_aot_script(GROUPED_SCRIPT)
-    unrolled, rolled = got["unrolled"], got["rolled"]
+    unrolled, rolled, default, dense = got["unrolled"], got["rolled"], got["default"], got["dense"]
     assert unrolled["HGMMA"] == 16 * 128 // 16 and unrolled["spill_bytes"] > 0, unrolled
-    assert rolled["HMMA"] == 0 and rolled["spill_bytes"] == 0, rolled
-    assert got["rolled_loop"].get("HGMMA") == 2 * 128 // 16, got["rolled_loop"]
-
-
-CANDIDATES_SCRIPT = r"""
-import json
-from minite_kernels.triton._build import _aot_kernels as K
-from minite_kernels.triton.decode import decode_gemm as td
-from minite_kernels.triton.decode import decode_grouped_gemm as tg
-from minite_kernels.triton._build._aot import kernel_opcodes, ptxas_resources, sass
-out = {}
-for name, entry in [("today", tg.GPU_STRICT_GROUPED_DECODE)] + list(tg.STRICT_GROUPED_CANDIDATES.items()):
-    kern = K._decode_grouped(td.strict_config(16, 2048, entry))
-    ops = kernel_opcodes(sass(kern))
-    out["grouped " + name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
-for name, entry in td.STRICT_DENSE_CANDIDATES.items():
-    cfg = td.strict_config(16, 4096, entry)
-    kern = K._decode(m_pad=16, block_k=cfg["BLOCK_K"], nchunk=cfg["NCHUNK"], depth=cfg["DEPTH"], split_max=1,
-                     group=cfg.get("GROUP", 0), stages=cfg.get("STAGES", 0), one_split=True)
-    ops = kernel_opcodes(sass(kern))
-    out["dense " + name] = {**ptxas_resources(kern), "HGMMA": ops.count("HGMMA"), "HMMA": ops.count("HMMA")}
-print("JSON" + json.dumps(out))
-"""
-
-
-def test_strict_decode_candidates_run_wgmma_without_spills():
-    """Every faster strict decode candidate (``decode_grouped_gemm.STRICT_GROUPED_CANDIDATES``,
-    ``decode_gemm.STRICT_DENSE_CANDIDATES``) compiles for sm_90a to wgmma (``HGMMA``; an ``HMMA``,
-    mma.sync, would give other bits) without spills; with the split-K code compiled out
-    (``ONE_SPLIT``) the grouped kernel needs fewer registers than today's rolled entry."""
-    got = run_aot_script(CANDIDATES_SCRIPT)
-    for name, r in got.items():
+    for name, r in (("rolled", rolled), ("default", default), ("dense", dense)):
         assert r["HGMMA"] > 0 and r["HMMA"] == 0 and r["spill_bytes"] == 0, (name, r)
-    assert got["grouped rolled 1s"]["regs"] < got["grouped today"]["regs"], got
+    assert got["rolled_loop"].get("HGMMA") == 2 * 128 // 16, got["rolled_loop"]
+    assert got["default_loop"].get("HGMMA") == 2 * 128 // 16, got["default_loop"]
+    assert default["regs"] < rolled["regs"], got
 
 
 IDOT_SCRIPT = r"""

@@ -220,15 +220,16 @@ def test_bad_operands_name_what_is_wrong(experts):
 
 @needs_kernels
 def test_backend_default_mode_dispatches_to_it_and_can_be_switched_off(experts):
-    """``decode_grouped_gemm(batch_invariant=False)`` runs the integer-dot kernel (under the
-    interpreter; on a GPU once ``IDOT_GPU_VERIFIED``), by offsets when told the rows are sorted;
-    ``TritonOptions(idot_decode=False)`` gives the tensor-core kernel's (other) bits."""
+    """``decode_grouped_gemm(batch_invariant=False)`` runs the integer-dot kernel (the default
+    backend's choice), by offsets when told the rows are sorted; ``TritonOptions(idot_decode=False)``
+    gives the tensor-core kernel's (other) bits."""
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
 
     _, qs, st = experts
     ids = torch.tensor([4, 0, 4, 2], dtype=torch.int32)
     a = nvfp4.quantize_reference(randn(4, K, seed=54, scale=2.0))
-    on = TritonBackend(TritonOptions(idot_decode=True))
+    on = TritonBackend()
+    assert on.idot_decode_ok(torch.device(DEVICE))
     got = on.decode_grouped_gemm(_dev_q(a), _dev_q(st), _dev(ids))
     assert_bitwise_equal(got.cpu(), idot(a, st, ids=ids), "backend = the kernel")
     order, a_sorted, offsets = sorted_rows(a, ids)

@@ -26,8 +26,8 @@ from minite_kernels.triton._build._testing import DEVICE, INTERPRETING, heavy_ta
 pytestmark = pytest.mark.skipif(not kernels_runnable(), reason="needs a GPU or TRITON_INTERPRET=1")
 
 from minite_kernels.triton.backend import BACKEND  # noqa: E402
-from minite_kernels.triton.decode.decode_gemm import STRICT_DENSE_CANDIDATES, decode_gemm_forward  # noqa: E402
-from minite_kernels.triton.decode.decode_grouped_gemm import STRICT_GROUPED_CANDIDATES, decode_grouped_gemm_forward  # noqa: E402
+from minite_kernels.triton.decode.decode_gemm import decode_gemm_forward  # noqa: E402
+from minite_kernels.triton.decode.decode_grouped_gemm import decode_grouped_gemm_forward  # noqa: E402
 from minite_kernels.triton.nvfp4.gemm import gemm_forward  # noqa: E402
 
 
@@ -85,27 +85,6 @@ def test_dense_strict_rows_equal_the_learners_strict_gemm(m):
     assert_bitwise_equal(out, learner_strict(qa, qb, bias), f"strict decode M={m}")
     if INTERPRETING:
         assert_bitwise_equal(out, nvfp4.gemm_reference(qa, qb, bias), "strict decode vs reference")
-
-
-@pytest.mark.parametrize("group", [2, 3])
-def test_dense_strict_rolled_k_loop_gives_the_same_bits(group):
-    """The strict dense decode with its K steps rolled (``GROUP``; 3 does not divide the 8 steps:
-    the launch takes 2) equals the unrolled chain bit for bit, fp32 and bf16, with bias."""
-    from minite_kernels.triton.decode import decode_gemm as td
-
-    qa = q(randn(5, 128, seed=110, scale=2.0), with_image=True)
-    qb = q(heavy_tailed(48, 128, seed=111), global_scale="tensor", tile=(16, 16), with_image=True)
-    bias = randn(48, seed=112).to(DEVICE)
-    cfg = td.select_config(5, 48, 128, 1, batch_invariant=True)
-    for dt in (torch.float32, torch.bfloat16):
-        outs = []
-        for g in (0, group):
-            out = torch.empty(5, 48, dtype=dt, device=DEVICE)
-            td.launch_decode_gemm(qa.image.to(DEVICE), qb.codes.to(DEVICE), qb.block_scales.view(torch.uint8).to(DEVICE),
-                                  qa.global_decode.float().reshape(-1).to(DEVICE),
-                                  qb.global_decode.float().reshape(-1).to(DEVICE), bias, out, dict(cfg, GROUP=g))
-            outs.append(out.cpu())
-        assert_bitwise_equal(outs[1], outs[0], f"GROUP {group} vs unrolled ({dt})")
 
 
 def test_dense_strict_is_batch_invariant():
@@ -225,71 +204,37 @@ def test_grouped_strict_rolled_k_loop_gives_the_same_bits(experts, group):
         assert_bitwise_equal(outs[0], grouped(a, st, ids, strict=True, out_dtype=dt), f"unrolled vs the op ({dt})")
 
 
-def _candidate_cfg(module, entry, m, n, k, experts=None):
-    """A strict candidate's launch: the real entry on the GPU; under the interpreter its K-loop form
-    (GROUP / STAGES / ONE_SPLIT) on the interpreter's strict tile (16-wide K steps: the canonical order)."""
-    from minite_kernels.triton.decode import decode_gemm as td
-
-    if not INTERPRETING:
-        return td.strict_config(m, k, entry)
-    base = (module.select_config(m, n, k, experts, 1, batch_invariant=True) if experts
-            else module.select_config(m, n, k, 1, batch_invariant=True))
-    return dict(base, GROUP=entry.get("GROUP", 0), STAGES=entry.get("STAGES", 0), ONE_SPLIT=entry.get("ONE_SPLIT", False))
-
-
-@pytest.mark.parametrize("name", sorted(STRICT_GROUPED_CANDIDATES))
-def test_grouped_strict_candidates_give_the_learners_bits(experts, name):
-    """Each faster strict grouped launch (``STRICT_GROUPED_CANDIDATES``: split-K code compiled out,
-    4-step iterations, Triton-pipelined K loops) equals the strict op bit for bit (the learner's
-    strict grouped GEMM's bits, pinned above), fp32 and bf16, with an expert of more rows than one
-    row chunk and experts chosen by no row."""
+def test_grouped_strict_launch_gives_the_learners_bits(experts):
+    """The strict grouped launch (``GPU_STRICT_GROUPED_DECODE``: K steps rolled into 2-step
+    iterations, the split-K code compiled out) equals the learner's strict grouped GEMM bit for bit,
+    fp32 and bf16, with an expert of more rows than one row chunk and experts chosen by no row. On
+    the GPU the launch is the op's own; under the interpreter its K-loop form (GROUP / ONE_SPLIT) on
+    the interpreter's strict tile (16-wide K steps: the canonical order, so also the reference)."""
     from minite_kernels.triton.decode import decode_grouped_gemm as tg
 
-    _, qs = experts
+    w, qs = experts
     ids = torch.tensor([1] * 20 + [4, 0, 4, 2, 4, 0, 5], dtype=torch.int32)
     a = q(randn(len(ids), K, seed=78, scale=2.0), with_image=True)
     st = stack_expert_weights(qs)
     m = st.matrix()
-    cfg = _candidate_cfg(tg, tg.STRICT_GROUPED_CANDIDATES[name], len(ids), N, K, E)
+    cfg = tg.select_config(len(ids), N, K, E, 1, batch_invariant=True)
+    if INTERPRETING:
+        cfg = dict(cfg, GROUP=tg.GPU_STRICT_GROUPED_DECODE["GROUP"], ONE_SPLIT=tg.GPU_STRICT_GROUPED_DECODE["ONE_SPLIT"])
+    order = torch.argsort(ids.long(), stable=True)
+    sizes = torch.bincount(ids.long(), minlength=E).tolist()
+    qw = q(w, global_scale="group", with_image=True)
     for dt in (torch.float32, torch.bfloat16):
         out = torch.empty(len(ids), N, dtype=dt, device=DEVICE)
         tg.launch_decode_grouped(a.image.to(DEVICE), m.codes.to(DEVICE), m.block_scales.view(torch.uint8).to(DEVICE),
                                  st.global_decode.float().reshape(-1).to(DEVICE), ids.to(DEVICE),
                                  a.global_decode.float().reshape(-1).to(DEVICE), out, E, cfg)
-        assert_bitwise_equal(out.cpu(), grouped(a, st, ids, strict=True, out_dtype=dt), f"{name} vs the op ({dt})")
-
-
-@pytest.mark.parametrize("name", sorted(STRICT_DENSE_CANDIDATES))
-def test_dense_strict_candidates_give_the_learners_bits(name):
-    """Each dense strict candidate (``STRICT_DENSE_CANDIDATES``) equals the learner's strict GEMM bit
-    for bit at M = 1 / 5 / 64, fp32 and bf16, with bias; K = 160 leaves a K tail on the GPU's
-    128- and 64-wide steps."""
-    from minite_kernels.triton.decode import decode_gemm as td
-
-    qb = q(heavy_tailed(48, 160, seed=121), global_scale="tensor", tile=(16, 16), with_image=True)
-    bias = randn(48, seed=122)
-    for mm in (1, 5, 64):
-        qa = q(randn(mm, 160, seed=120 + mm, scale=2.0), with_image=True)
-        cfg = _candidate_cfg(td, td.STRICT_DENSE_CANDIDATES[name], mm, 48, 160)
-        for dt in (torch.float32, torch.bfloat16):
-            out = torch.empty(mm, 48, dtype=dt, device=DEVICE)
-            td.launch_decode_gemm(qa.image.to(DEVICE), qb.codes.to(DEVICE), qb.block_scales.view(torch.uint8).to(DEVICE),
-                                  qa.global_decode.float().reshape(-1).to(DEVICE),
-                                  qb.global_decode.float().reshape(-1).to(DEVICE), bias.to(DEVICE), out, cfg)
-            assert_bitwise_equal(out.cpu(), learner_strict(qa, qb, bias, dt), f"{name} M={mm} ({dt})")
-
-
-def test_strict_candidates_stay_off_until_verified():
-    """Until a GPU check records the learner's bits (``*_NEXT_VERIFIED``), the strict launches are
-    today's verified ones; the names the flags would switch to exist."""
-    from minite_kernels.triton.decode import decode_gemm as td
-    from minite_kernels.triton.decode import decode_grouped_gemm as tg
-
-    assert tg.STRICT_GROUPED_NEXT in tg.STRICT_GROUPED_CANDIDATES and td.STRICT_DENSE_NEXT in td.STRICT_DENSE_CANDIDATES
-    if not tg.STRICT_GROUPED_NEXT_VERIFIED:
-        assert tg.strict_grouped_entry() is tg.GPU_STRICT_GROUPED_DECODE
-    if not td.STRICT_DENSE_NEXT_VERIFIED:
-        assert td.strict_dense_entry() in (td.GPU_STRICT_DECODE, td.GPU_STRICT_DECODE_ROLLED)
+        learner = BACKEND.grouped_gemm(dev(nvfp4.grouped._take_rows(a, order)), dev(qw), sizes, out_dtype=dt,
+                                       batch_invariant=True).cpu()
+        expect = torch.empty_like(learner)
+        expect[order] = learner
+        assert_bitwise_equal(out.cpu(), expect, f"strict grouped launch vs the learner ({dt})")
+        if INTERPRETING:
+            assert_bitwise_equal(out.cpu(), nvfp4.decode_grouped_gemm_reference(a, st, ids, dt), f"vs reference ({dt})")
 
 
 def test_rolled_group_divides_the_steps():
@@ -341,6 +286,13 @@ def test_grouped_zero_rows_bad_ids_and_nan_rows(experts):
                                       stm.block_scales.view(torch.uint8), dev(st).global_decode,
                                       torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE),
                                       a.global_decode.to(DEVICE), E).cpu()
+    assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
+    # a backend told to skip the eager check (TritonOptions.check_expert_ids) runs that kernel as is
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+
+    unchecked = TritonBackend(TritonOptions(check_expert_ids=False))
+    out = unchecked.decode_grouped_gemm(dev(a), dev(st), torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE),
+                                        batch_invariant=True).cpu()
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
 
 

@@ -214,16 +214,15 @@ def test_backward_empty_and_bad_arguments():
 # ---------------------------------------------------------------- the autograd op and its handoff
 
 @pytest.mark.parametrize("probs_dtype", [torch.float32, torch.bfloat16])
-def test_autograd_op_forward_bits_backward_and_probs_dtype(monkeypatch, probs_dtype):
+def test_autograd_op_forward_bits_backward_and_probs_dtype(probs_dtype):
     """``ops.moe_activation.weighted_swiglu``: Megatron's unfused forward bits (CPU: its torch
-    composition; GPU: the kernel), the fused backward (the kernel: ``KERNEL_ON_CPU``), ``dp`` in
+    composition; GPU: the kernel), the fused backward (the kernel: ``kernels_on_cpu``), ``dp`` in
     the probabilities' dtype, and gradients within the rule -- autograd's own chain through
     Megatron's three roundings is checked against the same exact gradient to show what it
     costs: it is allowed the rule plus its extra roundings (it is not the contract)."""
-    monkeypatch.setattr(moe_activation, "KERNEL_ON_CPU", True)
     h = randn(21, 2 * 48, seed=5, scale=3.0, dtype=torch.bfloat16).to(DEVICE).requires_grad_()
     p = _probs(21, 6).to(probs_dtype).to(DEVICE).requires_grad_()
-    y = moe_activation.weighted_swiglu(h, p)
+    y = moe_activation.weighted_swiglu(h, p, kernels_on_cpu=True)
     megatron = moe_activation.weighted_swiglu_reference(h.detach(), p.detach())
     assert_bitwise_equal(y.detach().cpu(), megatron.cpu(), "forward vs Megatron's unfused path")
     dy = randn(21, 48, seed=8, dtype=torch.bfloat16).to(DEVICE)
@@ -232,7 +231,7 @@ def test_autograd_op_forward_bits_backward_and_probs_dtype(monkeypatch, probs_dt
     if probs_dtype == torch.float32:
         assert_weighted_swiglu_backward(h.grad, p.grad, dy, h.detach(), p.detach(), "autograd op")
     else:  # dp rounded to bf16 once more
-        _dh, dp32 = moe_activation.weighted_swiglu_backward(dy, h.detach(), p.detach().float())
+        _dh, dp32 = moe_activation.weighted_swiglu_backward(dy, h.detach(), p.detach().float(), kernels_on_cpu=True)
         assert_bitwise_equal(p.grad.cpu(), dp32.to(torch.bfloat16).cpu(), "dp in bf16")
 
 

@@ -363,6 +363,23 @@ def test_swiglu_without_image_empty_strided_and_bad_arguments():
         swiglu_quantize(torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE), nonfinite="no")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_reference_gives_torchs_cuda_silu_bits(dtype):
+    """On CUDA tensors the reference's spelled-out silu (fp32 ``x / (1 + exp(-x))``, one rounding)
+    is bitwise ``torch.nn.functional.silu`` -- what Megatron's eager SwiGLU calls there: every
+    finite value of the dtype's range walked densely, +-0, +-inf, NaN, and a vector tail."""
+    finite = torch.linspace(-90.0, 90.0, 1 << 20, dtype=torch.float32)
+    tiny = torch.logspace(-30, 0, 4096, dtype=torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e4, -1e4, 3e38, -3e38])
+    gate = torch.cat([finite, tiny, -tiny, special]).to(dtype).cuda()
+    gate = torch.cat([gate, gate[:7]])  # a length that leaves a tail in any vector width
+    up = torch.ones_like(gate)
+    h = torch.stack([gate, up]).reshape(2, 1, -1).transpose(0, 1).reshape(1, -1)
+    assert_bitwise_equal(swiglu_reference(h), torch.nn.functional.silu(gate).reshape(1, -1) * up.reshape(1, -1),
+                         "reference silu vs torch's CUDA silu", nan_equal=True)
+
+
 def test_swiglu_reference_is_megatrons_formula_and_the_cpu_path(monkeypatch):
     """On the CPU the reference is strict mode's silu (x / (1 + exp(-x)) in fp32, one rounding)
     times up, bitwise; without a GPU (outside the interpreter) ``swiglu_quantize`` returns it."""
