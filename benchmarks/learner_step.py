@@ -90,7 +90,7 @@ import time
 
 import torch
 
-from ._timing import add_gate_args, ensure_minite_kernels, environment, gates_set, print_table, save
+from ._timing import ensure_minite_kernels, environment, print_table, save
 
 ensure_minite_kernels()
 
@@ -135,6 +135,10 @@ def build(variant: str, preset: dict, seq: int, device, dtype, changes: dict | N
     else:
         recipe = recipe_of(variant, changes)
         model = build_gpt(preset, recipe, max_seq=seq, device=device, dtype=dtype)
+        if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            from minite_megatron.modules.deterministic_moe import use_kernels_on_cpu
+
+            use_kernels_on_cpu(model)  # the GPU's MoE combine kernel (interpreted), as the GPU runs it
     model.train()
 
     def run(tokens, labels):
@@ -595,27 +599,11 @@ def _run_graphed(variant, preset, batch, seq, args, device, dtype, label, change
 
 
 def main(argv=None):
-    """The benchmark (:func:`_main`); process-wide switches it sets are put back after it (a test
-    that calls it in-process must not leave the interpreted MoE combine kernel on for later tests:
-    the GRPO example's steps took 10-17 s instead of 0.04 s after it)."""
-    from minite_megatron.modules import deterministic_moe
-
-    saved = deterministic_moe.KERNEL_ON_CPU
-    try:
-        with gates_set(_gate_specs(argv)) as gates:
-            return _main(argv, gates)
-    finally:
-        deterministic_moe.KERNEL_ON_CPU = saved
+    """The benchmark (:func:`_main`)."""
+    return _main(argv)
 
 
-def _gate_specs(argv) -> list[str]:
-    """The ``--gate`` values of ``argv`` (set before the benchmark's own imports and parsing)."""
-    ap = OneLineArgumentParser(add_help=False)
-    add_gate_args(ap)
-    return ap.parse_known_args(argv)[0].gate
-
-
-def _main(argv=None, gates=None):
+def _main(argv=None):
     ap = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=None,
                     help="a training.presets name or moe16 (default: qwen3-moe; tiny with --smoke)")
@@ -641,7 +629,6 @@ def _main(argv=None, gates=None):
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="extra directory for JSON and profiles")
     ap.add_argument("--json-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check that the script works")
-    add_gate_args(ap)
     args = ap.parse_args(argv)
 
     from minite_megatron.training.presets import PRESETS, init_single_process
@@ -658,10 +645,6 @@ def _main(argv=None, gates=None):
     device = init_single_process(seed=0)
     if device.type != "cuda" and not args.smoke:
         sys.exit("benchmarks.learner_step needs a CUDA GPU (or --smoke on a CPU)")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        from minite_megatron.modules import deterministic_moe
-
-        deterministic_moe.KERNEL_ON_CPU = True  # the GPU's MoE combine kernel (interpreted), as the GPU runs it
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -778,7 +761,7 @@ def _main(argv=None, gates=None):
             "bench": "learner_step", **env, "preset": preset_name, "config": preset, "tokens": tokens, "batch": batch,
             "seq_length": seq, "dtype": str(dtype).replace("torch.", ""), "weight_refresh": args.weight_refresh,
             "flops_per_step": flops, "peak_tflops": args.peak_tflops, "smoke": args.smoke, **ratios,
-            "variants": rows, "gates": gates or {}, "command": "python -m benchmarks.learner_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "variants": rows, "command": "python -m benchmarks.learner_step " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
         records.append(record)
         save(record, "learner_step", [args.out] + ([] if args.smoke else [args.json_dir]))

@@ -210,15 +210,6 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 # ---- the one door to the kernels (issue 25) -------------------------------------------------------
 #: The backend layer (docs/architecture.md): the only modules of minite_megatron/ that reach the kernels.
 BACKEND_LAYER = {"minite_megatron/nvfp4/backends.py"}
-#: Files another branch (issue 25's gates) takes the kernels out of; the coordinator deletes this set
-#: once that branch is merged.
-PENDING_OTHER_BRANCH = {
-    "minite_megatron/ops/moe_activation.py",  # imports minite_kernels.triton.moe.weighted_swiglu
-    "minite_megatron/ops/producers.py",  # imports the fused producer kernels
-    "minite_megatron/nvfp4/producers.py",  # imports a kernel module; swiglu_reference chooses on gate.is_cuda
-    "minite_megatron/modules/deterministic_moe.py",  # imports minite_kernels.triton.moe
-    "minite_megatron/ops/linear.py",  # dy.is_cuda and not SHARED_DY_AMAX_GPU_VERIFIED (a module-global gate)
-}
 #: Files that ask whether a tensor is on a GPU for something other than choosing a kernel: file -> why.
 DEVICE_CHECKS_ALLOWED = {
     "minite_megatron/cpu_compat.py": "maps CUDA device arguments to the CPU (the compatibility layer itself)",
@@ -278,7 +269,7 @@ def _package_files() -> dict[str, Path]:
 
 def test_only_the_backend_layer_reaches_the_kernels():
     bad = [f"{name}:{what}" for name, path in _package_files().items()
-           if name not in BACKEND_LAYER | PENDING_OTHER_BRANCH for what in kernel_reaches(path)]
+           if name not in BACKEND_LAYER for what in kernel_reaches(path)]
     assert not bad, ("minite_kernels reached outside the backend layer (add a Backend method, "
                      "docs/architecture.md 'Where to add'):\n" + "\n".join(bad))
     assert all(kernel_reaches(ROOT / name) for name in BACKEND_LAYER), "the backend layer reaches no kernel?"
@@ -287,7 +278,7 @@ def test_only_the_backend_layer_reaches_the_kernels():
 def test_no_kernel_is_chosen_by_device_outside_the_backend_layer():
     files = _package_files()
     bad = [f"{name}:{what}" for name, path in files.items()
-           if name not in BACKEND_LAYER | PENDING_OTHER_BRANCH | set(DEVICE_CHECKS_ALLOWED) for what in device_checks(path)]
+           if name not in BACKEND_LAYER | set(DEVICE_CHECKS_ALLOWED) for what in device_checks(path)]
     assert not bad, ("a device check outside the backend layer (choose kernels through get_backend / supports, or "
                      "allow a non-kernel use in DEVICE_CHECKS_ALLOWED with its reason):\n" + "\n".join(bad))
     stale = sorted(name for name in DEVICE_CHECKS_ALLOWED if name not in files or not device_checks(files[name]))

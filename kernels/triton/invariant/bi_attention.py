@@ -47,7 +47,6 @@ import triton.language as tl
 from minite_kernels.triton.invariant.bi_common import interpreting, tile_dot
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages): one config for every call on a GPU (the learner,
 #: prefill and decode alike) -- flash-attention-sized tiles for the wgmma tensor cores; the
@@ -116,7 +115,7 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@fast_jit
+@triton.jit
 def _bi_attention_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, out_ptr, lse_ptr,
     Hq, Sq, Sk, D, Dv, GROUP, qk_scale,

@@ -18,12 +18,11 @@ import triton
 import triton.language as tl
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 MAX_BLOCK = 4096
 
 
-@fast_jit
+@triton.jit
 def _bi_log_softmax_kernel(x_ptr, out_ptr, V, sxm, sxv, som, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)

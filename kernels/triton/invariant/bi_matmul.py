@@ -30,7 +30,6 @@ import triton.language as tl
 from minite_kernels.triton.invariant.bi_common import finish, interpreting, kernel_out_dtype, tile_dot
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
-from minite_kernels.triton._build._launch import fast_jit
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The tensor-core path (bf16 / fp16 operands of
 #: one dtype: strict mode's FP32-output LM head and router) ran the FMA tile until issue 16 round
@@ -42,7 +41,7 @@ MMA_CONFIG = (128, 128, 64, 8, 3)
 FMA_CONFIG = (64, 64, 32, 4, 3)
 
 
-@fast_jit
+@triton.jit
 def _bi_matmul_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     sxm, sxk, swn, swk, som, son,

@@ -21,12 +21,11 @@ import triton.language as tl
 from minite_kernels.triton.invariant.bi_common import finish, kernel_out_dtype
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 MAX_BLOCK = 4096
 
 
-@fast_jit
+@triton.jit
 def _bi_rmsnorm_kernel(
     x_ptr, w_ptr, out_ptr, H, sxm, sxh, som, eps,
     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,

@@ -24,14 +24,13 @@ import triton.language as tl
 
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv, next_pow2
-from minite_kernels.triton._build._launch import fast_jit
 
 MAX_H = 4096
 #: most programs (weight-gradient partials) of one call
 MAX_PROGRAMS = 1024
 
 
-@fast_jit
+@triton.jit
 def _bi_rmsnorm_backward_kernel(
     g_ptr, x_ptr, w_ptr, gx_ptr, dwp_ptr, M, H, s_g, s_x, s_gx, eps, n_prog,
     ZERO_CENTERED: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
