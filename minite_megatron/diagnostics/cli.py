@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from .metrics import DEFAULT_THRESHOLDS, gap_metrics, position_curves
 
-PLUGIN_MODULES: tuple[str, ...] = ("minite_megatron.diagnostics.run",)
+PLUGIN_MODULES: tuple[str, ...] = ("minite_megatron.diagnostics.run", "minite_megatron.diagnostics.vllm_run")
 """Modules imported before the parser is built; each may call :func:`register_subcommand`."""
 
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
