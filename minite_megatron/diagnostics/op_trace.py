@@ -41,12 +41,10 @@ one) and ``"rope"`` (vLLM's ``get_rope`` rotary embedding).
 
 from __future__ import annotations
 
-import types
 
 import torch
 
 from .capture import Tracer
-from .trace import pack_keys
 
 OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj", "attn_residual",
        "post_attn_norm", "router_logits", "moe", "mlp", "mlp_residual")
@@ -248,7 +246,7 @@ class VllmOpHooks:
         self._rec("final_norm", norm)
         if self._live:
             n = self._n
-            self._final = (norm[:n].detach().cpu().clone(), self.tracer._grid_keys.clone())
+            self._final = (norm[:n].detach().cpu().clone(), self.tracer.grid_keys.clone())
 
     def _logits_pre(self, mod, args):
         """Key the rows of the LM head's input by the forward's final_norm rows they equal."""
