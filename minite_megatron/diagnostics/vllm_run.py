@@ -165,8 +165,8 @@ def _run(args: argparse.Namespace) -> int:
     from .metrics import gap_metrics, pad_sequences
     from .op_trace import LearnerOpHooks, VllmOpHooks
 
-    init_single_process(seed=None)
-    learner = learner_from_export(args.model, recipe_overrides=overrides)
+    device = init_single_process(seed=None)  # the learner on the device vLLM runs on (the same NVFP4 backend)
+    learner = learner_from_export(args.model, recipe_overrides=overrides, device=device)
     strict = bool(learner.recipe.strict)
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the hooks reach its model
@@ -179,9 +179,11 @@ def _run(args: argparse.Namespace) -> int:
                          f"{cfg['max_position_embeddings']}")
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens,
                                                              "enable_chunked_prefill": True}
+    # one request at a time: a KV cache for two of these sequences (K and V, BF16, every layer) and some slack
+    kv_bytes = 2 * max_len * int(cfg["num_hidden_layers"]) * 2 * int(cfg["num_key_value_heads"]) * int(cfg["head_dim"]) * 2
     llm = LLM(model=str(args.model), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=int(cfg["max_position_embeddings"]), max_num_seqs=1, seed=args.seed,
-              logprobs_mode="raw_logits", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, **extra)
+              max_model_len=max_len, max_num_seqs=1, seed=args.seed, logprobs_mode="raw_logits",
+              kv_cache_memory_bytes=kv_bytes + (16 << 20), enable_prefix_caching=False, **extra)
     vllm_config = llm.llm_engine.vllm_config
     tr_vllm = Tracer(engine="vllm")
     hooks = llm.apply_model(lambda m: VllmOpHooks(tr_vllm, m, stock, vllm_config).__enter__())[0]
