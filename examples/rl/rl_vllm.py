@@ -30,8 +30,9 @@ from minite_megatron.rollout.rollout import Rollout
 
 @contextlib.contextmanager
 def _caller_rng_preserved():
-    """vLLM reseeds the global torch/numpy/python RNGs when it builds (``seed=``) and may draw from
-    them while it samples; the learner's data draws must not shift because an engine exists."""
+    """The caller's global torch / numpy / python RNG states, restored on exit. vLLM reseeds all three
+    when an ``LLM`` is built (``seed=``), and importing it draws from python's; the learner's draws must
+    not shift because an engine exists (``tests/serving/test_rl_vllm_rng.py``)."""
     states = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
         yield
@@ -45,6 +46,10 @@ class VllmRolloutEngine:
     """``generate`` through ``vllm.LLM`` with a refit of the learner's weights first (module docstring)."""
 
     def __init__(self, model, recipe, *, eod_id: int, max_batch_size: int, max_sequence_length: int):
+        with _caller_rng_preserved():  # the whole construction: vLLM's import and LLM(seed=) included
+            self._build(model, recipe, eod_id, max_batch_size, max_sequence_length)
+
+    def _build(self, model, recipe, eod_id: int, max_batch_size: int, max_sequence_length: int) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the refit reaches it
         from megatron.core.utils import get_attr_wrapped_model
         from vllm import LLM
@@ -63,10 +68,9 @@ class VllmRolloutEngine:
         self.workdir = tempfile.mkdtemp(prefix="minite-rl-vllm-")
         export_modelopt(self.workdir, learner_weights(gpt), self.config, recipe, rope_theta=float(gpt.rotary_base),
                         max_position_embeddings=max_sequence_length)
-        with _caller_rng_preserved():
-            self.llm = LLM(model=self.workdir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                           max_model_len=max_sequence_length, max_num_seqs=max_batch_size, seed=0,
-                           logprobs_mode="raw_logits", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+        self.llm = LLM(model=self.workdir, dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
+                       max_model_len=max_sequence_length, max_num_seqs=max_batch_size, seed=0,
+                       logprobs_mode="raw_logits", kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
         self.refits = []
 
     def sync_weights(self) -> None:
@@ -87,20 +91,23 @@ class VllmRolloutEngine:
                  seed: int = 0, stop_at_eod: bool = True, logprobs: str = "raw") -> list[Rollout]:
         """:meth:`RolloutEngine.generate`'s arguments (``top_k`` 0 / ``top_p`` 0: off); vLLM's sampler
         draws from its own generator (the LLM's seed), not from ``seed``."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if logprobs == "sampled" and temperature != 1.0:
             raise ValueError(f"--rollout-engine vllm: --temperature {temperature}: vLLM reports the log-probs at "
                              "temperature 1 (logprobs_mode raw_logits); use --temperature 1")
+        with _caller_rng_preserved():
+            return self._generate(prompts, max_new_tokens, temperature, top_k, top_p, stop_at_eod)
+
+    def _generate(self, prompts, max_new_tokens, temperature, top_k, top_p, stop_at_eod) -> list[Rollout]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         self.refit()
         greedy = temperature == 0
         sp = SamplingParams(max_tokens=int(max_new_tokens), temperature=0.0 if greedy else float(temperature),
                             top_k=int(top_k or 0), top_p=float(top_p) if top_p else 1.0,
                             logprobs=0, detokenize=False, ignore_eos=True,
                             stop_token_ids=[self.eod] if stop_at_eod else None)
-        with _caller_rng_preserved():
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
         rollouts = []
         for p, o in zip(prompts, outs):
             gen = list(o.outputs[0].token_ids)

@@ -8,7 +8,9 @@
 - :mod:`.compare` / :mod:`.report`: point-by-point comparison of two traces, the first
   divergence, and markdown / JSON / PNG reports.
 - :mod:`.monitor`: :class:`GapMonitor`, the gap logged each training step with alerts.
-- :mod:`.cli`: ``minite-diagnose gap | compare``.
+- :mod:`.op_trace` / :mod:`.export_learner`: the same ops named alike in the learner's and vLLM's
+  forward, and the learner rebuilt from an export (its bytes checked bitwise).
+- :mod:`.cli`: ``minite-diagnose gap | compare | run | vllm``.
 
 Formulas and file formats: ``docs/diagnostics.md``.
 """

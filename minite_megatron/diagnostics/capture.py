@@ -216,6 +216,11 @@ class Tracer:
         self._routing.clear()
 
     @property
+    def grid_keys(self) -> torch.Tensor | None:
+        """The packed (sequence, position) keys of the current token grid, flattened (None: no grid)."""
+        return self._grid_keys
+
+    @property
     def num_tokens(self) -> int:
         return 0 if self._grid_keys is None else int(self._grid_keys.numel())
 

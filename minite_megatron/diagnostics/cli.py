@@ -11,8 +11,15 @@ Subcommands::
         ``report.md``, ``report.json`` and ``report.png`` into DIR. Prints the verdict.
         Exit status 1 with ``--fail-on-divergence`` when a point diverged.
 
-More subcommands (e.g. ``run``: run the learner and the rollout on a checkpoint and compare)
-plug in through :func:`register_subcommand` from a module listed in ``PLUGIN_MODULES``.
+    minite-diagnose run --out DIR [--strict] ...          (:mod:`.run`)
+        Run the project's rollout engine and the learner on the same weights and compare.
+
+    minite-diagnose vllm --model EXPORT [--prompts FILE] [--out DIR] ...   (:mod:`.vllm_run`)
+        Serve an export with ``vllm.LLM`` (minite-vllm plugin) and name the first op where it
+        differs from the learner rebuilt from the same export.
+
+More subcommands plug in through :func:`register_subcommand` from a module listed in
+``PLUGIN_MODULES``.
 
 Exit status: 0 on success, 1 for a divergence with ``--fail-on-divergence``, 2 for bad input
 (missing file, unreadable format, inconsistent shapes), with the reason on stderr.
@@ -37,7 +44,7 @@ import torch  # noqa: E402
 
 from .metrics import DEFAULT_THRESHOLDS, gap_metrics, position_curves
 
-PLUGIN_MODULES: tuple[str, ...] = ("minite_megatron.diagnostics.run",)
+PLUGIN_MODULES: tuple[str, ...] = ("minite_megatron.diagnostics.run", "minite_megatron.diagnostics.vllm_run")
 """Modules imported before the parser is built; each may call :func:`register_subcommand`."""
 
 _SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}

@@ -9,13 +9,14 @@ others decode, greedy and sampled requests. The failures pinned:
   log-prob bit for bit (the residual add + norm, RoPE, attention on the paged cache, the MoE,
   the LM head and the log-softmax must all be the learner's);
 - default mode: a mean gap above 1e-3 nats per token;
-- vLLM's compilation (``enforce_eager=False``) accepted instead of refused with one line;
-- the RL trainer with ``--rollout-engine vllm`` reporting a nonzero gap at any step in strict mode.
+- vLLM's compilation (``enforce_eager=False``) accepted instead of refused with one line.
+
+The RL trainer with ``--rollout-engine vllm`` (gap 0 at every step in strict mode, and learning as the
+built-in engine does): ``test_rl_vllm_learns.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -61,18 +62,3 @@ def test_default_mode_gap_within_1e3_nats_per_token(tmp_path):
 def test_vllm_compilation_is_refused_with_one_line(tmp_path):
     r = _job(tmp_path, "strict", "compile")
     assert "enforce_eager=True" in r["refused"] and "\n" not in r["refused"]
-
-
-def test_rl_with_vllm_rollouts_has_gap_zero_at_every_step_in_strict_mode(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples" / "rl"),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "examples/rl/train_grpo.py", "--rollout-engine", "vllm", "--strict",
-                        "--params-dtype", "bf16", "--steps", "3", "--sft-steps", "0", "--rollout-batch-size", "4",
-                        "--group", "4", "--mini-batch-size", "4", "--eval-interval", "0", "--log-dir", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stderr[-1500:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    gaps = [row["rollout_corr/train_rollout_logprob_abs_diff"] for row in rows
-            if "rollout_corr/train_rollout_logprob_abs_diff" in row]
-    assert len(gaps) == 3 and all(g == 0.0 for g in gaps), gaps
