@@ -32,15 +32,14 @@ modules, the final norm and the LM head. Three things it does itself, with the l
 
 **Fused kernels** (:mod:`.fused_ops`, on the GPU; on a CPU the learner's modules run unless
 ``kernels_on_cpu=True``; none with ``fused_kernels=False``: :class:`DecodeModel`'s options, the
-backend chosen once and held by every step): where the
-learner's modules are the batch-invariant formulations (strict mode, or default mode's
-``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
+backend chosen once and held by every step): where the learner's modules are the batch-invariant
+formulations (strict mode, or default mode's ``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
 q/k RMSNorm + RoPE + KV-cache write of all heads (``minite_kernels.triton.decode.qk_norm_rope``), the
 router's top-k + softmax + Megatron's expert-major rows after the learner's own gating
 (``moe_route``), the experts' SwiGLU times the routing weight -> NVFP4 (``swiglu_quantize``), the
 grouped GEMMs told the rows are sorted (``decode_grouped_gemm(group_offsets=)``), and the
 combine (``moe_combine``). A step of the qwen3-moe preset's structure runs ~100 kernels instead
-of ~470 (``python -m benchmarks.decode_kernel_count``). While a tracer fires the modules' hooks,
+of ~470 (``python -m benchmarks.kernels --sections decode_count``). While a tracer fires the modules' hooks,
 the unfused path runs (same bits).
 
 The prefill is the learner's forward itself (``GPTModel.forward`` over the padded prompts, as

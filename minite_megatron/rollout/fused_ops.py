@@ -29,6 +29,7 @@ import torch
 from ..nvfp4.backends import Backend, invariant_backend, kernel_backend
 from ..nvfp4.moe_reference import Route, ordered_sum_reference
 
+
 def fused_backend(device: torch.device | str, *, fused_kernels: bool = True,
                   kernels_on_cpu: bool = False) -> Backend | None:
     """The backend whose fused decode kernels run on ``device`` (its ``supports(op)`` then says
