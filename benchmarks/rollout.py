@@ -22,7 +22,7 @@ select, ``E (1 - (1 - k/E)^B)``, which uniform routing gives), the effective wei
 copy bandwidth), ``speedup_vs_bf16``, and the learner/sampler gap on the generated tokens
 (temperature 1, :func:`~minite_megatron.diagnostics.gap_metrics`). Then, at ``--gap-batch``, the
 default-mode variants (gap and decode ms): the decode step on the learner's modules without the
-fused decode kernels (``rollout.fused_ops.ENABLED``), torch SDPA attention in the learner and the
+fused decode kernels (``RolloutEngine(fused_kernels=False)``), torch SDPA attention in the learner and the
 decode step (``recipe.aligned_attention`` off), round 1's default (SDPA and no aligned norms /
 routing either), the split-K decode GEMMs instead of the learner's order, Megatron's atomic
 combine in the learner (``--variant-set fused``: the default and the first of these only);
@@ -237,7 +237,6 @@ def run_engine(name, model, preset, args, batches, copy_gbps, attention) -> list
 
 def default_mode_variants(model, preset, args) -> list[dict]:
     """The default-mode gap (and decode ms) under the alternatives round 1 and 2 chose between."""
-    from minite_megatron.rollout import fused_ops
     from minite_megatron.rollout.engine import RolloutEngine
 
     max_seq = args.prompt_max + args.new
@@ -260,11 +259,7 @@ def default_mode_variants(model, preset, args) -> list[dict]:
     variant("default (aligned ops + attention, fused decode kernels)")
     variant("batch-invariant decode GEMMs (invariant_gemm=True: strict's kernels; the default until run 11)",
             invariant_gemm=True)
-    fused_ops.ENABLED = False
-    try:
-        variant("decode step on the learner's modules (no fused decode kernels)")
-    finally:
-        fused_ops.ENABLED = True
+    variant("decode step on the learner's modules (no fused decode kernels)", fused_kernels=False)
     if args.variant_set == "fused":
         return out
     with sdpa_attention(model):

@@ -30,15 +30,16 @@ modules, the final norm and the LM head. Three things it does itself, with the l
   weights, or, for strict BF16 experts, each expert's own modules on its rows (a host loop:
   eager only).
 
-**Fused kernels** (:mod:`.fused_ops`, on the GPU; on a CPU the learner's modules run): where the
-learner's modules are the batch-invariant formulations (strict mode, or default mode's
-``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
+**Fused kernels** (:mod:`.fused_ops`, on the GPU; on a CPU the learner's modules run unless
+``kernels_on_cpu=True``; none with ``fused_kernels=False``: :class:`DecodeModel`'s options, the
+backend chosen once and held by every step): where the learner's modules are the batch-invariant
+formulations (strict mode, or default mode's ``recipe.aligned_ops``) a few kernels with the same bits stand in for chains of small ops --
 q/k RMSNorm + RoPE + KV-cache write of all heads (``minite_kernels.triton.decode.qk_norm_rope``), the
 router's top-k + softmax + Megatron's expert-major rows after the learner's own gating
 (``moe_route``), the experts' SwiGLU times the routing weight -> NVFP4 (``swiglu_quantize``), the
 grouped GEMMs told the rows are sorted (``decode_grouped_gemm(group_offsets=)``), and the
 combine (``moe_combine``). A step of the qwen3-moe preset's structure runs ~100 kernels instead
-of ~470 (``python -m benchmarks.decode_kernel_count``). While a tracer fires the modules' hooks,
+of ~470 (``python -m benchmarks.kernels --sections decode_count``). While a tracer fires the modules' hooks,
 the unfused path runs (same bits).
 
 The prefill is the learner's forward itself (``GPTModel.forward`` over the padded prompts, as
@@ -71,6 +72,7 @@ from ..nvfp4.tensor import NVFP4Tensor
 from ..ops.handoff import activation_key, clear_all
 from ..ops.linear import backend_for, quantize_activation
 from ..modules.deterministic_moe import ordered_sum
+from ..nvfp4.backends import kernel_backend
 from . import fused_ops
 from .decode_weights import DecodeWeights, StaticWeight, stacked_nvfp4
 from .support import is_nvfp4_linear, unwrap_gpt
@@ -223,10 +225,12 @@ def routed_experts(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) ->
 
 
 class ExpertsStep:
-    """The routed experts of one MoE layer for ``R = T * k`` (token, expert) rows."""
+    """The routed experts of one MoE layer for ``R = T * k`` (token, expert) rows; ``fused``: the
+    backend of the fused decode kernels (:func:`.fused_ops.fused_backend`) or None."""
 
-    def __init__(self, experts, invariant: bool, weights: list):
+    def __init__(self, experts, invariant: bool, weights: list, fused):
         self.experts = experts
+        self.fused = fused
         self.owner = experts  # whose activation: TEGroupedMLP's, or the local experts' MLP
         if isinstance(experts, TEGroupedMLP):
             fc1, fc2 = experts.linear_fc1, experts.linear_fc2
@@ -307,7 +311,7 @@ class ExpertsStep:
         Megatron's permutation, quantized per row as the learner quantizes them, the grouped
         decode GEMMs on the stacked weights (the backend is told the rows are sorted), the
         experts' activation times the routing probabilities (one fused SwiGLU -> NVFP4 kernel on
-        the GPU, :func:`.fused_ops.use_kernels`), fc2."""
+        the GPU where ``fused`` has it, :func:`.fused_ops.use_kernels`), fc2."""
         backend = backend_for(self.recipe, x.device)
         xs = x.index_select(0, route.tokens)
         qx = quantize_activation(xs, self.lctx1, backend)
@@ -323,7 +327,7 @@ class ExpertsStep:
     def _fused_activation(self, h: torch.Tensor, backend) -> bool:
         """Is the experts' activation Megatron's plain SwiGLU (what ``swiglu_quantize`` computes)?"""
         c = self.owner.config
-        return (fused_ops.use_kernels(h, "weighted_swiglu", dtype=h.dtype, width=h.shape[-1])
+        return (fused_ops.use_kernels(self.fused, "weighted_swiglu", dtype=h.dtype, width=h.shape[-1])
                 and backend.supports("swiglu_quantize") is None and self.recipe.activation_scale == "row"
                 and h.dtype in (torch.bfloat16, torch.float16) and h.shape[-1] % 32 == 0
                 and c.gated_linear_unit and c.activation_func is torch.nn.functional.silu
@@ -409,18 +413,21 @@ def _grouped_bf16_expert(linear: NVFP4GroupedLinear, e: int, x: torch.Tensor) ->
 
 
 class MoEStep:
-    """An MoE layer: the router (module), the routed experts, the ordered combine, shared experts."""
+    """An MoE layer: the router (module), the routed experts, the ordered combine, shared experts.
+    ``fused``: the backend of the fused decode kernels or None; ``routing``: the backend whose
+    ``moe_route`` limits say which token counts take the expert-major rows (:func:`.fused_ops.route_supported`)."""
 
-    def __init__(self, moe: MoELayer, invariant: bool, weights: list):
+    def __init__(self, moe: MoELayer, invariant: bool, weights: list, fused, routing):
         self.moe = moe
         self.topk = moe.router.topk
-        self.experts = ExpertsStep(moe.experts, invariant, weights)
+        self.fused, self.routing = fused, routing
+        self.experts = ExpertsStep(moe.experts, invariant, weights, fused)
         self.shared = MLPStep(moe.shared_experts, invariant, weights) if moe.use_shared_expert else None
 
     def fused_supported(self, tokens: int) -> bool:
         """The routing kernel and the expert-major rows can stand in for the router module and
         :class:`ExpertsStep`'s token-major rows (same bits; not while tracing)."""
-        return fused_ops.route_supported(self.moe.router, tokens) and self.experts.sorted_supported()
+        return fused_ops.route_supported(self.moe.router, tokens, self.routing) and self.experts.sorted_supported()
 
     def __call__(self, x: torch.Tensor, fire: bool = False):
         def compute():
@@ -430,9 +437,9 @@ class MoEStep:
                 router = self.moe.router
                 logits = router.gating(x2)  # the learner's FP32 batch-invariant gating
                 route = fused_ops.moe_route(logits.view(s * b, -1), self.topk,
-                                            router.config.moe_router_topk_scaling_factor)
+                                            router.config.moe_router_topk_scaling_factor, backend=self.fused)
                 rows = self.experts.sorted_rows(x2, route)
-                out = fused_ops.combine_rows(rows, route.combine, self.topk).view(s, b, h)
+                out = fused_ops.combine_rows(rows, route.combine, self.topk, backend=self.fused).view(s, b, h)
             else:
                 probs, routing_map = self.moe.router(x)
                 experts, weights = routed_experts(routing_map, probs, self.topk)
@@ -448,10 +455,11 @@ class MoEStep:
 
 # ---- attention ----------------------------------------------------------------------------------
 class AttentionStep:
-    """``SelfAttention`` over the static cache (see the module docstring)."""
+    """``SelfAttention`` over the static cache (see the module docstring); ``fused``: the backend of
+    the fused decode kernels (q/k norm + RoPE + cache write) or None."""
 
-    def __init__(self, index: int, attn, invariant: bool, weights: list, mode: str):
-        self.index, self.attn, self.mode = index, attn, mode
+    def __init__(self, index: int, attn, invariant: bool, weights: list, mode: str, fused):
+        self.index, self.attn, self.mode, self.fused = index, attn, mode, fused
         self.qkv = LinearStep(attn.linear_qkv, invariant, weights)
         self.proj = LinearStep(attn.linear_proj, invariant, weights)
         self.np = attn.num_attention_heads_per_partition
@@ -489,13 +497,13 @@ class AttentionStep:
             return None
         if not all(n.normalization == "RMSNorm" and n.invariant_rms and n.offer_to is None for n in (qn, kn)):
             return None
-        if qn.eps != kn.eps or qn.zero_centered_gamma != kn.zero_centered_gamma or not fused_ops.norm_fuses(qn.weight):
+        if qn.eps != kn.eps or qn.zero_centered_gamma != kn.zero_centered_gamma or not fused_ops.norm_fuses(self.fused, qn.weight.device):
             return None
         return qn.weight, kn.weight, qn.eps, qn.zero_centered_gamma
 
     def _fused_qk(self, mixed: torch.Tensor, rope) -> bool:
         c = self.attn.config
-        return (fused_ops.use_kernels(mixed, "qk_norm_rope_cache") and mixed.dtype in (torch.bfloat16, torch.float16)
+        return (fused_ops.use_kernels(self.fused, "qk_norm_rope_cache") and mixed.dtype in (torch.bfloat16, torch.float16)
                 and self._qk_norms() is not None and self.hn <= 4096
                 and (rope is None or (not c.rotary_interleaved and not c.apply_rope_fusion
                                       and not c.multi_latent_attention and getattr(c, "mrope_section", None) is None)))
@@ -510,7 +518,7 @@ class AttentionStep:
         if not fire and self._fused_qk(mixed, rope):
             wq, wk, eps, zc = self._qk_norms()
             cos, sin = (None, None) if rope is None else rope.tables(mixed.dtype, attn._yarn_concentration_factor)
-            q = fused_ops.fused_backend(mixed).qk_norm_rope_cache(mixed.view(b, -1), wq, wk, eps, zc, cos, sin, positions, kc, vc,
+            q = self.fused.qk_norm_rope_cache(mixed.view(b, -1), wq, wk, eps, zc, cos, sin, positions, kc, vc,
                 self.ng, self.np // self.ng).view(1, b, self.np, self.hn)
         else:
             q, k, v = self.split(mixed)
@@ -536,10 +544,11 @@ class AttentionStep:
 class LayerStep:
     """One ``TransformerLayer``: the layer's norms and bias-dropout-adds around attention and MLP."""
 
-    def __init__(self, index: int, layer, invariant: bool, weights: list, attention: str):
+    def __init__(self, index: int, layer, invariant: bool, weights: list, attention: str, fused, routing):
         self.layer = layer
-        self.attention = AttentionStep(index, layer.self_attention, invariant, weights, attention)
-        self.mlp = MoEStep(layer.mlp, invariant, weights) if isinstance(layer.mlp, MoELayer) else MLPStep(
+        self.fused = fused
+        self.attention = AttentionStep(index, layer.self_attention, invariant, weights, attention, fused)
+        self.mlp = MoEStep(layer.mlp, invariant, weights, fused, routing) if isinstance(layer.mlp, MoELayer) else MLPStep(
             layer.mlp, invariant, weights)
 
     def __call__(self, h, pending, rope, hidden, rows, positions, cache, fire: bool = False):
@@ -552,9 +561,9 @@ class LayerStep:
         if pending is None:
             x = layer.input_layernorm(h)
         else:
-            h, x = add_then_norm(layer.input_layernorm, h, pending, fire)
+            h, x = add_then_norm(layer.input_layernorm, h, pending, fire, self.fused)
         out = self.attention(x, rope, hidden, rows, positions, cache, fire)
-        h, x = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire)
+        h, x = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused)
         return h, (self.mlp(x, fire), self.bda("mlp_bda"))
 
     def bda(self, name: str):
@@ -570,27 +579,28 @@ class LayerStep:
         return apply
 
 
-def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool):
-    """``(h, norm(h))`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``.
+def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool, fused):
+    """``(h, norm(h))`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``; ``fused``:
+    the backend of the fused decode kernels (:func:`.fused_ops.fused_backend`) or None.
 
     One kernel (``minite_kernels.triton.nvfp4.norm_quantize.add_rmsnorm_quantize``: ``h`` bitwise torch's
     add, ``norm(h)`` bitwise ``bi_rmsnorm``) where the norm is the batch-invariant RMSNorm the
     learner computes with ``bi_rmsnorm`` -- an input norm whose NVFP4 quantization goes to the
     next linear (the handoff gets it, as from the learner's fused producer) or a strict / aligned
-    ``MiniteNorm`` -- the add is plain and the fused kernels run (:func:`.fused_ops.use_kernels`);
+    ``MiniteNorm`` -- the add is plain and ``fused`` has the kernel (:func:`.fused_ops.use_kernels`);
     else the learner's bias-dropout-add and the norm module."""
     (out, bias), bda = pending
-    fused = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out)
-    if fused is not None:
-        return fused
+    done = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out, fused)
+    if done is not None:
+        return done
     h = bda((out, bias), residual)
     return h, norm(h)
 
 
-def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
+def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused):
     from ..modules.norm import MiniteNorm
 
-    if not (fused_ops.use_kernels(out, "add_rmsnorm_quantize") and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
+    if not (fused_ops.use_kernels(fused, "add_rmsnorm_quantize") and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
             and isinstance(norm, MiniteNorm) and norm.normalization == "RMSNorm" and out.shape[-1] % 16 == 0
             and residual.shape == out.shape):
         return None
@@ -601,10 +611,10 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor):
         backend = backend_for(slot.recipe, out.device)
         if slot.recipe.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, slot.recipe, backend):
             return None
-    elif not (norm.invariant_rms and fused_ops.norm_fuses(out)):
+    elif not (norm.invariant_rms and fused_ops.norm_fuses(fused, out.device)):
         return None  # not bi_rmsnorm's arithmetic in the learner
     shape, hdim = out.shape, out.shape[-1]
-    h, y, q = fused_ops.fused_backend(out).add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
+    h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
                                    norm.zero_centered_gamma, with_image=True)
     if slot is not None:
         slot.offer(y, q, activation_key(slot.recipe, backend))
@@ -618,16 +628,28 @@ class DecodeModel:
         model: the learner's model (support checked by :func:`.support.fast_path_refusal`).
         attention: ``"module"`` (the layers' own ``core_attention``) or ``"sdpa"``.
         invariant_gemm: decode GEMMs in the learner's accumulation order in default mode too.
+        fused_kernels: the fused decode kernels (:mod:`.fused_ops`) where their backend has them;
+            False: none -- the learner's modules and the ops' torch references, the same bits
+            (tests and ``benchmarks.rollout`` compare the two).
+        kernels_on_cpu: on a CPU model, the fused kernels of the Triton backend under
+            ``TRITON_INTERPRET=1`` (:func:`~minite_megatron.nvfp4.backends.kernel_backend`; tests and
+            ``benchmarks.kernels._decode_count``); else a CPU runs the references.
     """
 
-    def __init__(self, model: torch.nn.Module, *, attention: str = "module", invariant_gemm: bool = False):
+    def __init__(self, model: torch.nn.Module, *, attention: str = "module", invariant_gemm: bool = False,
+                 fused_kernels: bool = True, kernels_on_cpu: bool = False):
         if attention not in ("module", "sdpa"):
             raise ValueError(f"attention must be 'module' or 'sdpa', got {attention!r}")
         self.gpt = gpt = unwrap_gpt(model)
         from .resident import is_resident
 
+        device = gpt.embedding.word_embeddings.weight.device
+        # the backend whose fused kernels run (None: fused_kernels=False), and the recipe-less ops'
+        # backend, whose moe_route limits pick the MoE layer's path either way
+        self.fused = fused_ops.fused_backend(device, fused_kernels=fused_kernels, kernels_on_cpu=kernels_on_cpu)
+        self.routing = kernel_backend(device, kernels_on_cpu)
         self.weights = DecodeWeights(alias=is_resident(gpt))
-        self.layers = [LayerStep(i, layer, invariant_gemm, self.weights, attention)
+        self.layers = [LayerStep(i, layer, invariant_gemm, self.weights, attention, self.fused, self.routing)
                        for i, layer in enumerate(gpt.decoder.layers)]
         attn = gpt.decoder.layers[0].self_attention
         self.groups, self.head_dim = attn.num_query_groups_per_partition, attn.hidden_size_per_attention_head
@@ -723,7 +745,7 @@ class DecodeModel:
         for layer in self.layers:
             h, pending = layer(h, pending, rope, hidden, rows, positions, cache, fire_hooks)
         if gpt.decoder.final_layernorm is not None:
-            h = add_then_norm(gpt.decoder.final_layernorm, h, pending, fire_hooks)[1]
+            h = add_then_norm(gpt.decoder.final_layernorm, h, pending, fire_hooks, self.fused)[1]
         else:
             (out, bias), bda = pending
             h = bda((out, bias), h)

@@ -78,6 +78,12 @@ class RolloutEngine:
             kernels (default: False -- the MoE experts on the integer-dot kernel, the dense GEMMs
             split-K: 0.89 vs 2.79 ms per decode step at batch 8 on the H200, with the default-mode
             gap 0 there too, BENCHMARKS.md run 11).
+        fused_kernels: the fast path's fused decode kernels (:mod:`.fused_ops`; default True);
+            False: the learner's modules and the ops' torch references only, the same bits (tests
+            and ``benchmarks.rollout`` compare the two).
+        kernels_on_cpu: on a CPU model, the fused decode kernels of the Triton backend under
+            ``TRITON_INTERPRET=1`` (tests, ``benchmarks.kernels._decode_count``); default False: a
+            CPU runs the references.
     Raises:
         ValueError for an ``eod_id`` outside the vocabulary, bad options, or ``fast=True`` where
         the fast path cannot run.
@@ -85,7 +91,8 @@ class RolloutEngine:
 
     def __init__(self, model, *, eod_id: int, max_batch_size: int = 8, max_sequence_length: int | None = None,
                  strict: bool | None = None, fast: bool | None = None, cuda_graphs: bool | None = None,
-                 attention: str = "module", invariant_gemm: bool = False):
+                 attention: str = "module", invariant_gemm: bool = False, fused_kernels: bool = True,
+                 kernels_on_cpu: bool = False):
         from .support import fast_path_refusal, graph_refusal
 
         self.model = model
@@ -119,7 +126,8 @@ class RolloutEngine:
             self._fast = FastGenerator(
                 model, eod_id=eod_id, vocab_size=self.vocab_size, max_batch_size=max_batch_size,
                 max_sequence_length=self.max_sequence_length, strict=self.strict, use_graphs=use_graphs,
-                attention=attention, invariant_gemm=bool(invariant_gemm),
+                attention=attention, invariant_gemm=bool(invariant_gemm), fused_kernels=bool(fused_kernels),
+                kernels_on_cpu=bool(kernels_on_cpu),
             )
             graphs = "CUDA graphs per batch bucket" if use_graphs else f"eager decode steps ({no_graphs or 'cuda_graphs=False'})"
             log.info("RolloutEngine: fast path (static KV cache, %s%s)", graphs, ", strict" if self.strict else "")

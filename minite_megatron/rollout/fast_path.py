@@ -123,12 +123,14 @@ class FastGenerator:
     Args:
         model: the learner's ``GPTModel`` (or a wrapper); :func:`.support.fast_path_refusal` is None.
         use_graphs: capture the decode step in CUDA graphs (needs a GPU).
-        attention / invariant_gemm: :class:`~.decode_step.DecodeModel`'s options.
+        attention / invariant_gemm / fused_kernels / kernels_on_cpu: :class:`~.decode_step.DecodeModel`'s options.
     """
 
     def __init__(self, model, *, eod_id: int, vocab_size: int, max_batch_size: int, max_sequence_length: int,
-                 strict: bool, use_graphs: bool, attention: str = "module", invariant_gemm: bool = False):
-        self.runner = DecodeModel(model, attention=attention, invariant_gemm=invariant_gemm)
+                 strict: bool, use_graphs: bool, attention: str = "module", invariant_gemm: bool = False,
+                 fused_kernels: bool = True, kernels_on_cpu: bool = False):
+        self.runner = DecodeModel(model, attention=attention, invariant_gemm=invariant_gemm,
+                                  fused_kernels=fused_kernels, kernels_on_cpu=kernels_on_cpu)
         self.eod_id, self.vocab_size, self.strict = eod_id, vocab_size, strict
         self.max_batch_size, self.max_seq = max_batch_size, max_sequence_length
         gpt = self.runner.gpt

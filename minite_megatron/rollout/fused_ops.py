@@ -13,10 +13,13 @@ kernels' tests compare them with these references on fresh data and on the hard 
   torch (``(cos(freqs) * mscale).to(dtype)``, what ``_apply_rotary_pos_emb_bshd`` computes per call),
   read per position by ``minite_kernels.triton.decode.qk_norm_rope``.
 
-Where the kernels run: CUDA tensors; CPU tensors only with :data:`KERNELS_ON_CPU` under
-``TRITON_INTERPRET=1`` (tests, ``benchmarks.decode_kernel_count``). The CPU path of the engine
-otherwise runs the references: on a CPU the learner's own torch ops are the oracle (the
-interpreter's ``exp`` is numpy's, not torch's).
+Which backend runs them is the caller's choice, made once (:func:`fused_backend`: the decode step
+holds it and hands it to each op here): :func:`~minite_megatron.nvfp4.backends.kernel_backend`'s
+for the model's device -- CUDA tensors; CPU tensors only with ``kernels_on_cpu=True`` under
+``TRITON_INTERPRET=1`` (tests, ``benchmarks.kernels._decode_count``) -- or None
+(``fused_kernels=False``: no fused kernel; each op runs the learner's modules or its torch
+reference). The CPU path of the engine otherwise runs the references: on a CPU the learner's own
+torch ops are the oracle (the interpreter's ``exp`` is numpy's, not torch's).
 """
 
 from __future__ import annotations
@@ -26,30 +29,29 @@ import torch
 from ..nvfp4.backends import Backend, invariant_backend, kernel_backend
 from ..nvfp4.moe_reference import Route, ordered_sum_reference
 
-KERNELS_ON_CPU = False
-"""Run the fused kernels on CPU tensors too (under ``TRITON_INTERPRET=1``): tests and the kernel counter."""
-ENABLED = True
-"""False: the decode step runs the learner's modules only, on every device (tests compare the two)."""
+
+def fused_backend(device: torch.device | str, *, fused_kernels: bool = True,
+                  kernels_on_cpu: bool = False) -> Backend | None:
+    """The backend whose fused decode kernels run on ``device`` (its ``supports(op)`` then says
+    which): :func:`kernel_backend` ``(device, kernels_on_cpu)``; None with ``fused_kernels=False``
+    (the learner's modules and the ops' torch references only: tests compare the two)."""
+    return kernel_backend(device, kernels_on_cpu) if fused_kernels else None
 
 
-def fused_backend(t: torch.Tensor) -> Backend | None:
-    """The backend whose fused decode kernels run for tensors like ``t`` (its ``supports(op)``
-    then says which), or None: the learner's modules only (``ENABLED`` off)."""
-    return kernel_backend(t.device, KERNELS_ON_CPU) if ENABLED else None
-
-
-def use_kernels(t: torch.Tensor, op: str, **shape) -> bool:
-    """Does ``op`` run on a fused kernel for tensors like ``t`` (``shape``: its operand facts)?"""
-    backend = fused_backend(t)
+def use_kernels(backend: Backend | None, op: str, **shape) -> bool:
+    """Does ``op`` run on a fused kernel of ``backend`` (:func:`fused_backend`'s choice; ``shape``:
+    its operand facts)?"""
     return backend is not None and backend.supports(op, **shape) is None
 
 
-def norm_fuses(t: torch.Tensor) -> bool:
-    """Is the learner's batch-invariant RMSNorm, for tensors like ``t``, the ``bi_rmsnorm`` of the
-    backend whose fused kernels run here (the arithmetic its fused norms reproduce: q/k norm + RoPE,
-    the residual add + RMSNorm -> NVFP4)? ``invariant_backend`` runs the learner's norm."""
-    fused, learner = fused_backend(t), invariant_backend(t.device)
-    return fused is not None and fused.name == learner.name and learner.supports("bi_rmsnorm") is None
+def norm_fuses(backend: Backend | None, device: torch.device | str) -> bool:
+    """Is the learner's batch-invariant RMSNorm on ``device`` the ``bi_rmsnorm`` of ``backend``
+    (:func:`fused_backend`'s choice; the arithmetic its fused norms reproduce: q/k norm + RoPE, the
+    residual add + RMSNorm -> NVFP4)? ``invariant_backend`` runs the learner's norm."""
+    if backend is None:
+        return False
+    learner = invariant_backend(device)
+    return backend.name == learner.name and learner.supports("bi_rmsnorm") is None
 
 
 def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +63,12 @@ def rope_tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple
 
 
 # ---- MoE routing ---------------------------------------------------------------------------------
-def route_supported(router, tokens: int) -> bool:
+def route_supported(router, tokens: int, routing: Backend) -> bool:
     """Can :func:`moe_route` stand in for ``router``'s forward on ``tokens`` tokens? The strict or
     aligned router (batch-invariant fp32 gating, :func:`topk_routing`) with a softmax after the
-    top-k, no expert bias, not training (no aux losses, no jitter), and a shape the backend's
-    ``moe_route`` kernel takes (:func:`_route_shape_ok`)."""
+    top-k, no expert bias, not training (no aux losses, no jitter), and a shape ``routing`` (the
+    :func:`kernel_backend` of the model's device, whether or not its fused kernels run) routes
+    (:func:`_route_shape_ok`)."""
     from ..modules.router import StrictTopKRouter
 
     if not isinstance(router, StrictTopKRouter) or not getattr(router, "aligned", True):
@@ -73,13 +76,12 @@ def route_supported(router, tokens: int) -> bool:
     c = router.config
     return (not router.training and router.score_function == "softmax" and not c.moe_router_pre_softmax
             and router.expert_bias is None and not c.moe_input_jitter_eps
-            and _route_shape_ok(router.weight, tokens, c.num_moe_experts, router.topk))
+            and _route_shape_ok(routing, tokens, c.num_moe_experts, router.topk))
 
 
-def _route_shape_ok(t: torch.Tensor, tokens: int, experts: int, topk: int) -> bool:
-    """The shape is routed: by the backend's ``moe_route`` kernel where it has one (its limits),
+def _route_shape_ok(backend: Backend, tokens: int, experts: int, topk: int) -> bool:
+    """The shape is routed: by ``backend``'s ``moe_route`` kernel where it has one (its limits),
     else by :func:`moe_route_reference` (any shape)."""
-    backend = kernel_backend(t.device, KERNELS_ON_CPU)
     if type(backend).moe_route is Backend.moe_route:
         return True
     return backend.supports("moe_route", tokens=tokens, experts=experts, topk=topk) is None
@@ -115,21 +117,21 @@ def route_from_map(probs: torch.Tensor, routing_map: torch.Tensor, k: int, route
                      combine.to(torch.int32), sizes, offsets)
 
 
-def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None):
+def moe_route(logits: torch.Tensor, k: int, scaling_factor: float | None = None, *, backend: Backend | None):
     """The routing of fp32 ``logits`` ``[T, E]`` (:mod:`minite_kernels.triton.moe.moe_route`'s
-    :class:`Route`): the backend's kernel where it supports the shape, else :func:`moe_route_reference`."""
-    backend = fused_backend(logits)
+    :class:`Route`): ``backend``'s kernel (:func:`fused_backend`'s choice) where it supports the
+    shape, else :func:`moe_route_reference`."""
     if backend is not None and backend.supports("moe_route", tokens=logits.shape[0], experts=logits.shape[1], topk=k) is None:
         return backend.moe_route(logits, k, scaling_factor)
     return moe_route_reference(logits, k, scaling_factor)
 
 
 # ---- the combine -----------------------------------------------------------------------------------
-def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int) -> torch.Tensor:
+def combine_rows(rows: torch.Tensor, combine: torch.Tensor, k: int, *, backend: Backend | None) -> torch.Tensor:
     """``[T * k, H]`` expert-major rows -> ``[T, H]``: each token's rows added in increasing expert
     order from ``+0.0`` (:func:`~minite_megatron.modules.deterministic_moe.ordered_sum`'s bits), ``combine`` the
-    rows of token ``t`` at ``t * k .. t * k + k - 1``. The backend's ``moe_sum_rows`` (one kernel on the GPU)."""
-    backend = fused_backend(rows)
+    rows of token ``t`` at ``t * k .. t * k + k - 1``. ``backend``'s ``moe_sum_rows`` (:func:`fused_backend`'s
+    choice; one kernel on the GPU), else the reference."""
     if backend is not None:
         return backend.moe_sum_rows(rows, combine, k)
     t = combine.numel() // k

@@ -2,7 +2,7 @@
 routing, weighted SwiGLU -> NVFP4, the sorted expert rows, the combine, the residual add fused
 into the next RMSNorm -> NVFP4) inside the engine.
 
-Pinned here, on the CPU with the kernels forced under the interpreter (``KERNELS_ON_CPU``) and
+Pinned here, on the CPU with the kernels forced under the interpreter (``kernels_on_cpu=True``) and
 the batch-invariant ops on their Triton kernels (``settings.overridden(strict_backend="triton")``, what
 a GPU runs): a decode step through the fused kernels gives bitwise the logits and KV cache of
 the unfused step on the learner's modules, in default (aligned) and strict mode; and the
@@ -36,10 +36,11 @@ def _tiny(strict: bool, seed: int = 3, backend: str = "reference", layers: int =
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
-    """Prefill 3 prompts, then two decode steps each way from the same cache: logits and every
-    layer's keys and values bitwise equal (and the fused path really ran its kernels: two layers,
-    so the residual add is fused into the second layer's input norm, each pre-MLP norm and the
-    final norm). The data
+    """Prefill 3 prompts, then two decode steps each way from the same cache -- a CPU's choice (the
+    references), ``fused_kernels=False`` (none, even with ``kernels_on_cpu``) and the fused kernels
+    (``kernels_on_cpu=True``): logits and every layer's keys and values bitwise equal (and the
+    fused path really ran its kernels, the others none: two layers, so the residual add is fused
+    into the second layer's input norm, each pre-MLP norm and the final norm). The data
     are fixed: under the interpreter the routing kernel's ``exp`` is numpy's, which gives torch's
     CPU bits on them (tests/kernels/triton/moe/test_moe_route.py compares exactly that)."""
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
@@ -48,7 +49,12 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
 
     init_single_process(1)
     model = _tiny(strict, layers=2)
-    runner = DecodeModel(model, invariant_gemm=True)
+    runners = {"cpu": DecodeModel(model, invariant_gemm=True),
+               "off": DecodeModel(model, invariant_gemm=True, fused_kernels=False, kernels_on_cpu=True),
+               "fused": DecodeModel(model, invariant_gemm=True, kernels_on_cpu=True)}
+    assert runners["cpu"].fused.name == "reference" and runners["off"].fused is None
+    assert runners["fused"].fused.name == "triton"
+    runner = runners["cpu"]
     prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
     launched = []
     import minite_kernels.triton.moe.moe_route as mr
@@ -59,11 +65,11 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
         fn = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: (launched.append(_n), _fn(*a, **k))[1])
     with overridden(strict_backend="triton"), torch.no_grad():
-        outs = {}
+        outs, launches = {}, {}
         prefilled = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
         runner.prefill(prompts, prefilled)
-        for fused in (False, True):
-            monkeypatch.setattr(fused_ops, "KERNELS_ON_CPU", fused)
+        for name, runner in runners.items():
+            launched.clear()
             cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
             for dst, src in zip(cache.k + cache.v, prefilled.k + prefilled.v):
                 dst.copy_(src)
@@ -72,15 +78,18 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
             for _ in range(2):
                 logits.append(runner.step(tokens, positions, cache))
                 tokens, positions = logits[-1].argmax(-1), positions + 1
-            outs[fused] = (logits, [t.clone() for t in cache.k + cache.v])
-    assert {"moe_route", "qk_norm_rope_cache", "add_rmsnorm_quantize"} <= set(launched)
+            outs[name] = (logits, [t.clone() for t in cache.k + cache.v])
+            launches[name] = list(launched)
+    assert launches["cpu"] == launches["off"] == []
+    assert {"moe_route", "qk_norm_rope_cache", "add_rmsnorm_quantize"} <= set(launches["fused"])
     # per fused step: layer 1's input norm falls back (the reference GEMM backend has no fused
     # producer to match), the two pre-MLP norms and the final norm fuse
-    assert launched.count("add_rmsnorm_quantize") == 2 * 3, launched
-    for i, (a, b) in enumerate(zip(outs[False][0], outs[True][0])):
-        assert_bitwise_equal(b, a, f"step {i} logits")
-    for i, (a, b) in enumerate(zip(outs[False][1], outs[True][1])):
-        assert_bitwise_equal(b, a, f"cache {i}")
+    assert launches["fused"].count("add_rmsnorm_quantize") == 2 * 3, launches["fused"]
+    for name in ("off", "fused"):
+        for i, (a, b) in enumerate(zip(outs["cpu"][0], outs[name][0])):
+            assert_bitwise_equal(b, a, f"{name}: step {i} logits")
+        for i, (a, b) in enumerate(zip(outs["cpu"][1], outs[name][1])):
+            assert_bitwise_equal(b, a, f"{name}: cache {i}")
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
@@ -89,7 +98,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     """``decode_step.add_then_norm`` in one kernel gives bitwise the learner's bias-dropout-add
     (Megatron's, inference) then its norm: ``h``, ``y`` and, for a norm feeding an NVFP4 linear
     (Triton backend: the learner's fused RMSNorm -> NVFP4 producer), the quantization it hands
-    over; a bias or ``fire`` (hooks) takes the unfused path."""
+    over; a bias, ``fire`` (hooks) or no fused backend takes the unfused path."""
     from types import SimpleNamespace
 
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -122,17 +131,18 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
     launched = []
     kernel = nq.add_rmsnorm_quantize
     monkeypatch.setattr(nq, "add_rmsnorm_quantize", lambda *a, **k: (launched.append(1), kernel(*a, **k))[1])
-    monkeypatch.setattr(fused_ops, "KERNELS_ON_CPU", True)
+    fused = fused_ops.fused_backend(out.device, kernels_on_cpu=True)
     with overridden(strict_backend="triton"), torch.no_grad():
         h_ref = bda((out, None), residual)
         y_ref = norm(h_ref)
         q_ref = slot and slot.take(y_ref, key)
-        h, y = add_then_norm(norm, residual, ((out, None), bda), False)
+        h, y = add_then_norm(norm, residual, ((out, None), bda), False, fused)
         q = slot and slot.take(y, key)
         assert len(launched) == 1
-        add_then_norm(norm, residual, ((out, None), bda), True)
-        add_then_norm(norm, residual, ((out, torch.zeros(256, dtype=torch.bfloat16)), bda), False)
-        assert len(launched) == 1, "fire / a bias must take the unfused path"
+        add_then_norm(norm, residual, ((out, None), bda), True, fused)
+        add_then_norm(norm, residual, ((out, torch.zeros(256, dtype=torch.bfloat16)), bda), False, fused)
+        add_then_norm(norm, residual, ((out, None), bda), False, None)
+        assert len(launched) == 1, "fire / a bias / no fused backend must take the unfused path"
     assert_bitwise_equal(h, h_ref, "h")
     assert_bitwise_equal(y, y_ref, "y")
     assert (q is None) == (q_ref is None) == (not offered)
@@ -144,6 +154,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
 def test_route_reference_is_the_router_modules_output():
     """``moe_route_reference`` on the aligned router's logits is the router module's forward
     (probabilities and routing map) laid out in Megatron's expert-major order."""
+    from minite_megatron.nvfp4.backends import kernel_backend
     from minite_megatron.training.presets import init_single_process
 
     init_single_process(1)
@@ -153,7 +164,7 @@ def test_route_reference_is_the_router_modules_output():
     with torch.no_grad():
         probs, routing_map = moe.router(x)
         logits = moe.router.gating(x.view(6, -1))
-    assert fused_ops.route_supported(moe.router, 6)
+    assert fused_ops.route_supported(moe.router, 6, kernel_backend("cpu"))
     route = fused_ops.moe_route_reference(logits, moe.router.topk)
     t, e = routing_map.shape
     order_e, order_t = torch.nonzero(routing_map.t(), as_tuple=True)  # expert-major, tokens in order
@@ -194,7 +205,7 @@ def test_sorted_rows_skip_the_fallbacks_sort():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-def test_gpu_fused_graphs_equal_the_unfused_eager_steps(monkeypatch, strict):
+def test_gpu_fused_graphs_equal_the_unfused_eager_steps(strict):
     """On the GPU (bf16, Triton backend, CUDA graphs): the fused decode kernels give bitwise the
     tokens and log-probs of the unfused eager steps on the learner's modules, and the learner's
     teacher-forced log-probs: exactly in strict mode, within the issue's 1e-3 mean |dlogp| in
@@ -209,10 +220,8 @@ def test_gpu_fused_graphs_equal_the_unfused_eager_steps(monkeypatch, strict):
     model = build_gpt(preset, Recipe(strict=strict), max_seq=48, device="cuda", dtype=torch.bfloat16, seed=3).eval()
     prompts = [[5, 17, 33, 2, 71, 9, 12], [64, 7], [11, 22, 33, 44, 55], [90, 1, 4, 9]]
     fused = RolloutEngine(model, eod_id=0, max_batch_size=4).generate(prompts, 12, temperature=1.0, seed=4)
-    monkeypatch.setattr(fused_ops, "ENABLED", False)
-    unfused = RolloutEngine(model, eod_id=0, max_batch_size=4, cuda_graphs=False).generate(prompts, 12, temperature=1.0,
-                                                                                          seed=4)
-    monkeypatch.setattr(fused_ops, "ENABLED", True)
+    unfused = RolloutEngine(model, eod_id=0, max_batch_size=4, cuda_graphs=False, fused_kernels=False).generate(
+        prompts, 12, temperature=1.0, seed=4)
     for a, b in zip(fused, unfused):
         assert a.tokens == b.tokens
         assert_bitwise_equal(a.log_probs, b.log_probs, "fused vs unfused")
