@@ -179,6 +179,8 @@ EXPORTED = (
                                           " sets it on a machine without a GPU where it is unset, `deactivate()` removes it"),
     ("NO_VCS_VERSION", "1", "megatron-core's version lookup skips git (`training.upstream_warnings.install()`),"
                             " unless the environment says otherwise"),
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "0", "`minite-diagnose vllm` runs vLLM's engine in its own process, so the"
+                                            " tracer's hooks reach the model (`export`: always, whatever was set)"),
 )
 
 
@@ -190,6 +192,15 @@ def export_default(name: str, value: str) -> bool:
         return False
     os.environ[name] = value
     return True
+
+
+def export(name: str, value: str) -> str | None:
+    """Set ``name`` (one of :data:`EXPORTED`) to ``value`` whatever it was; the previous value (None: unset)."""
+    if name not in {e[0] for e in EXPORTED}:
+        raise ValueError(f"settings.export: {name!r} is not listed in settings.EXPORTED")
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    return previous
 
 
 def unexport(name: str) -> None:

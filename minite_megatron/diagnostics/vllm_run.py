@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from ..settings import export
 from .cli import format_metrics, register_subcommand
 from .op_trace import STOCK_OPS
 
@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     learner = learner_from_export(args.model, recipe_overrides=overrides, device=device)
     strict = bool(learner.recipe.strict)
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the hooks reach its model
+    export("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: the hooks reach its model
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
