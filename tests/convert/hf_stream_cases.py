@@ -87,3 +87,25 @@ class LiveBytes:
 
     def _freed(self, n: int) -> None:
         self.now -= n
+
+
+def assert_same_rollouts(res, ref, strict: bool) -> None:
+    """The two models score and sample alike, bit for bit: teacher-forced log-probs and the engine's
+    rollouts (tokens and log-probs); in strict mode the learner's log-probs of ``res``'s rollouts
+    are the sampler's (gap 0)."""
+    from minite_megatron.rollout.engine import RolloutEngine
+    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
+
+    seqs = [[1, 5, 7, 9, 11, 3, 2], [4, 4, 2, 8, 200]]
+    a, b = teacher_forced_logprobs(res, seqs), teacher_forced_logprobs(ref, seqs)
+    assert a[0].std() > 0.05
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    outs = [RolloutEngine(m, eod_id=0, max_batch_size=2).generate(seqs, 4, seed=1, stop_at_eod=False) for m in (res, ref)]
+    for r1, r2 in zip(*outs):
+        assert r1.generated_tokens == r2.generated_tokens
+        assert torch.equal(r1.generated_log_probs, r2.generated_log_probs)
+    if strict:  # the learner/rollout gap on the checkpoint's weights: 0
+        learner = teacher_forced_logprobs(res, [r.tokens for r in outs[0]])
+        for r, lp in zip(outs[0], learner):
+            assert torch.equal(lp[len(r.prompt_tokens) - 1:].float().cpu(), r.generated_log_probs.float().cpu())

@@ -19,7 +19,7 @@ from minite_megatron.convert.hf_stream import build_resident_gpt_from_hf
 from minite_megatron.recipe import Recipe
 from minite_megatron.rollout.resident import is_resident
 
-from .hf_stream_cases import TINY, LiveBytes, assert_same_resident, importer_resident, save_tiny
+from .hf_stream_cases import TINY, assert_same_rollouts, LiveBytes, assert_same_resident, importer_resident, save_tiny
 
 pytestmark = pytest.mark.usefixtures("single_process")
 
@@ -43,9 +43,6 @@ def test_streamed_build_is_the_importer_bit_for_bit(tiny_dir, strict):
     tensor (embedding, head, norms, router), equal in raw bits to loading the whole checkpoint
     with the importer and quantizing it; so are the learner's log-probs and the engine's rollouts
     on both, and in strict mode the rollouts' log-probs are the learner's (gap 0)."""
-    from minite_megatron.rollout.engine import RolloutEngine
-    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
-
     assert len(list(tiny_dir.glob("*.safetensors"))) >= 6 and (tiny_dir / "model.safetensors.index.json").is_file()
     recipe = Recipe(strict=strict)
     res = build_resident_gpt_from_hf(tiny_dir, recipe, device="cpu", preset=TINY)
@@ -54,19 +51,7 @@ def test_streamed_build_is_the_importer_bit_for_bit(tiny_dir, strict):
     assert assert_same_resident(res, ref) == 2 * 4  # per layer: qkv, proj, expert fc1, fc2
     w = res.decoder.layers[1].mlp.experts.linear_fc1.weight7
     assert w.stride() == (0, 0) and torch.isnan(w).all()
-    seqs = [[1, 5, 7, 9, 11, 3, 2], [4, 4, 2, 8, 200]]
-    a, b = teacher_forced_logprobs(res, seqs), teacher_forced_logprobs(ref, seqs)
-    assert a[0].std() > 0.05
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
-    outs = [RolloutEngine(m, eod_id=0, max_batch_size=2).generate(seqs, 4, seed=1, stop_at_eod=False) for m in (res, ref)]
-    for r1, r2 in zip(*outs):
-        assert r1.generated_tokens == r2.generated_tokens
-        assert torch.equal(r1.generated_log_probs, r2.generated_log_probs)
-    if strict:  # the learner/rollout gap on the checkpoint's weights: 0
-        learner = teacher_forced_logprobs(res, [r.tokens for r in outs[0]])
-        for r, lp in zip(outs[0], learner):
-            assert torch.equal(lp[len(r.prompt_tokens) - 1:].float(), r.generated_log_probs.float())
+    assert_same_rollouts(res, ref, strict)
 
 
 def test_one_part_is_held_at_a_time(tiny_dir):

@@ -10,7 +10,7 @@ import torch
 from minite_megatron.convert.hf_stream import build_resident_gpt_from_hf
 from minite_megatron.recipe import Recipe
 
-from .hf_stream_cases import TINY, assert_same_resident, importer_resident, save_tiny
+from .hf_stream_cases import TINY, assert_same_rollouts, assert_same_resident, importer_resident, save_tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_process"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -18,26 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_process"),
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_streamed_build_on_cuda_is_the_importer_bit_for_bit(tmp_path, strict):
-    from minite_megatron.rollout.engine import RolloutEngine
-    from minite_megatron.rollout.logprobs import teacher_forced_logprobs
-
     path = save_tiny(tmp_path / "hf")
     recipe = Recipe(strict=strict)
     res = build_resident_gpt_from_hf(path, recipe, device="cuda", preset=TINY)
     ref = importer_resident(path, recipe, "cuda")
     assert res.decoder.layers[0].mlp.router.weight.is_cuda
     assert assert_same_resident(res, ref) == 2 * 4
-    seqs = [[1, 5, 7, 9, 11, 3, 2], [4, 4, 2, 8, 200]]
-    for x, y in zip(teacher_forced_logprobs(res, seqs), teacher_forced_logprobs(ref, seqs)):
-        assert torch.equal(x, y)
-    outs = [RolloutEngine(m, eod_id=0, max_batch_size=2).generate(seqs, 4, seed=1, stop_at_eod=False) for m in (res, ref)]
-    for r1, r2 in zip(*outs):
-        assert r1.generated_tokens == r2.generated_tokens
-        assert torch.equal(r1.generated_log_probs, r2.generated_log_probs)
-    if strict:  # the learner/rollout gap on the checkpoint's weights: 0
-        learner = teacher_forced_logprobs(res, [r.tokens for r in outs[0]])
-        for r, lp in zip(outs[0], learner):
-            assert torch.equal(lp[len(r.prompt_tokens) - 1:].float().cpu(), r.generated_log_probs.float().cpu())
+    assert_same_rollouts(res, ref, strict)
 
 
 def test_streamed_build_never_holds_the_bf16_model_on_the_device(tmp_path):
