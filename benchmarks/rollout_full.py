@@ -88,7 +88,7 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool, rows: l
     """Rows of one engine, appended to ``rows`` as they come (``flush()`` after each one); with
     ``kernels``, last (the profiler stays initialized after it), the kernels one decode step
     launches at batch 1 and the time per kernel."""
-    from benchmarks.rollout import gap_of, kernels_per_step, prompts_for, time_engine
+    from benchmarks._engine_timing import gap_of, kernels_per_step, prompts_for, time_engine
     from minite_megatron.rollout.engine import RolloutEngine
 
     rows = [] if rows is None else rows
@@ -136,7 +136,7 @@ def engine_rows(name, model, preset, args, batches, gap: bool, rl: bool, rows: l
 
 def kv_peak_row(model, preset, args) -> dict:
     """The engine with a ``--kv-batch x --kv-len`` cache: its bytes, and the peak of one batch."""
-    from benchmarks.rollout import prompts_for
+    from benchmarks._engine_timing import prompts_for
     from minite_megatron.rollout.engine import RolloutEngine
 
     _free_all()
@@ -187,7 +187,7 @@ def resident_model(preset: dict, strict: bool, max_seq: int, device, hf_checkpoi
 def bf16_rows(preset: dict, args, device) -> list[dict]:
     """The project's BF16 engine at the preset's depth where it fits, else at the deepest cut
     that fits, with the NVFP4 engine at that cut in the same run (the ratio of the two)."""
-    from benchmarks.rollout import local_bf16_gpt
+    from benchmarks._engine_timing import local_bf16_gpt
     from minite_megatron.rollout.resident import resident_bytes
 
     _free_all()

@@ -30,7 +30,7 @@ from minite_megatron.training.cli import OneLineArgumentParser
 
 ensure_minite_kernels()
 
-from benchmarks.rollout import local_bf16_gpt, minite_gpt, prompts_for, sync  # noqa: E402
+from benchmarks._engine_timing import local_bf16_gpt, minite_gpt, prompts_for, sync  # noqa: E402
 
 
 def kernel_times(fn) -> tuple[dict[str, float], dict[str, int]]:
