@@ -61,17 +61,13 @@ def why_not(device: torch.device | str | None) -> str | None:
     return dsl_import_error()
 
 
-OUTPUT_FILL: float | None = None
-"""Bring-up aid (``benchmarks.blackwell_bringup``): when set, the ops allocate their outputs
-filled with this value (NaN there) instead of uninitialised memory, so any cell the kernel
-fails to write shows up. None (the default) costs nothing."""
-
-
-def new_output(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The output buffer of an op: ``torch.empty``, or filled with :data:`OUTPUT_FILL`."""
-    if OUTPUT_FILL is None:
+def new_output(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.Tensor:
+    """The output buffer of an op: ``torch.empty``, or filled with ``fill`` (the backend's
+    ``output_fill``: NaN in ``benchmarks.blackwell_bringup``, so a cell the kernel fails to write
+    shows up; None, the default, costs nothing)."""
+    if fill is None:
         return torch.empty(*shape, dtype=dtype, device=device)
-    return torch.full(shape, OUTPUT_FILL, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
 def tma_operand(t: torch.Tensor) -> torch.Tensor:

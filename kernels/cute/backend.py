@@ -44,6 +44,11 @@ class BlackwellBackend(Backend):
 
     name = "blackwell"
 
+    def __init__(self, output_fill: float | None = None):
+        #: A bring-up aid (``benchmarks.blackwell_bringup``: NaN): the GEMMs' outputs are allocated
+        #: filled with it instead of uninitialised, so a cell a kernel fails to write shows up.
+        self.output_fill = output_fill
+
     def why_not(self, device: torch.device | None = None) -> str | None:
         return _host.why_not(device)
 
@@ -79,14 +84,14 @@ class BlackwellBackend(Backend):
 
         if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
             raise TypeError("nvfp4.gemm takes two NVFP4Tensor operands (quantize them first)")
-        return nvfp4_gemm(a.swizzled(), b.swizzled(), bias, out_dtype)
+        return nvfp4_gemm(a.swizzled(), b.swizzled(), bias, out_dtype, fill=self.output_fill)
 
     def grouped_gemm(self, a, b, group_sizes, bias=None, out_dtype=torch.bfloat16, batch_invariant=False):
         from .grouped_gemm import nvfp4_grouped_gemm
 
         if not isinstance(a, NVFP4Tensor) or not isinstance(b, NVFP4Tensor):
             raise TypeError("nvfp4.grouped_gemm takes two NVFP4Tensor operands (quantize them first)")
-        return nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), group_sizes, bias, out_dtype)
+        return nvfp4_grouped_gemm(a.swizzled(), b.swizzled(), group_sizes, bias, out_dtype, fill=self.output_fill)
 
     def grouped_wgrad(
         self,
@@ -118,7 +123,7 @@ class BlackwellBackend(Backend):
         """The GEMM half of the MoE wgrad on pre-quantized token-major operands -> ``[G, N, K]``."""
         from .grouped_wgrad_gemm import nvfp4_grouped_wgrad_gemm
 
-        return nvfp4_grouped_wgrad_gemm(a, b, padded_group_sizes, out_dtype)
+        return nvfp4_grouped_wgrad_gemm(a, b, padded_group_sizes, out_dtype, fill=self.output_fill)
 
 
 BACKEND = BlackwellBackend()

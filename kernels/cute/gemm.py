@@ -112,12 +112,13 @@ def nvfp4_gemm_op(
     b_global: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
     mma_k = choose_mma_k(blackwell_arch(a_codes.device))
     m, n, k = validate_gemm_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype, mma_k)
     arch = device_arch(a_codes.device)
-    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device, fill=fill)
     if m == 0 or n == 0:
         return out
     from . import _blockscaled_gemm_impl as impl
@@ -147,7 +148,7 @@ def nvfp4_gemm_op(
 
 
 @nvfp4_gemm_op.register_fake
-def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype):
+def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, bias, out_dtype, fill=None):
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
 
 
@@ -156,6 +157,7 @@ def nvfp4_gemm(
     b: NVFP4Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` for NVFP4 ``a`` ``[..., K]`` and ``b`` ``[N, K]`` -> ``[..., N]`` (``out_dtype``).
 
@@ -183,5 +185,6 @@ def nvfp4_gemm(
         b_global.reshape(-1),
         bias,
         out_dtype,
+        fill,
     )
     return out.reshape(*a.shape[:-1], b.rows)

@@ -161,6 +161,7 @@ def nvfp4_grouped_gemm_op(
     offsets: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
     mma_k = choose_mma_k(blackwell_arch(a_codes.device))
@@ -168,7 +169,7 @@ def nvfp4_grouped_gemm_op(
         a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype, mma_k
     )
     arch = device_arch(a_codes.device)
-    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(m, n, dtype=out_dtype, device=a_codes.device, fill=fill)
     if m == 0 or n == 0:
         return out
     from . import _blockscaled_gemm_impl as impl
@@ -204,7 +205,7 @@ def nvfp4_grouped_gemm_op(
 
 
 @nvfp4_grouped_gemm_op.register_fake
-def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype):
+def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, offsets, bias, out_dtype, fill=None):
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[1]), dtype=out_dtype)
 
 
@@ -214,6 +215,7 @@ def nvfp4_grouped_gemm(
     group_sizes: Sequence[int] | torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """MoE GEMM: ``a`` ``[M, K]`` (rows sorted by group), ``b`` ``[G, N, K]`` with
     ``global_scale="group"`` -> ``[M, N]``. Both operands need swizzled block scales
@@ -244,4 +246,5 @@ def nvfp4_grouped_gemm(
         offsets,
         bias,
         out_dtype,
+        fill,
     )

@@ -117,13 +117,14 @@ def nvfp4_grouped_wgrad_gemm_op(
     b_global: torch.Tensor,
     k_offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """The launch (see the module docstring). Raises BackendUnavailable off Blackwell."""
     n, kout, t, g = validate_wgrad_operands(a_codes, a_scales, a_global, b_codes, b_scales, b_global, k_offsets, out_dtype)
     arch = device_arch(a_codes.device)
     if t == 0 or n == 0 or kout == 0:  # no tokens at all: every expert's gradient is zero
         return torch.zeros(g, n, kout, dtype=out_dtype, device=a_codes.device)
-    out = _host.new_output(g, n, kout, dtype=out_dtype, device=a_codes.device)
+    out = _host.new_output(g, n, kout, dtype=out_dtype, device=a_codes.device, fill=fill)
     from . import _blockscaled_gemm_impl as impl
 
     config = GemmConfig(tile_n=choose_tile_n(kout), out_dtype=_OUT_DTYPE_NAMES[out_dtype], k_grouped=True)
@@ -149,7 +150,7 @@ def nvfp4_grouped_wgrad_gemm_op(
 
 
 @nvfp4_grouped_wgrad_gemm_op.register_fake
-def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, k_offsets, out_dtype):
+def _(a_codes, a_scales, a_global, b_codes, b_scales, b_global, k_offsets, out_dtype, fill=None):
     return a_codes.new_empty((k_offsets.shape[0] - 1, a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
 
 
@@ -158,6 +159,7 @@ def nvfp4_grouped_wgrad_gemm(
     b: NVFP4Tensor,
     padded_group_sizes: Sequence[int],
     out_dtype: torch.dtype = torch.float32,
+    fill: float | None = None,
 ) -> torch.Tensor:
     """``out[g] = a[:, cols_g] @ b[:, cols_g].T`` -> ``[G, N, K]`` (see the module docstring).
 
@@ -193,4 +195,5 @@ def nvfp4_grouped_wgrad_gemm(
         b_global.reshape(-1),
         k_offsets,
         out_dtype,
+        fill,
     )

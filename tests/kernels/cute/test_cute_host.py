@@ -962,3 +962,14 @@ def test_batch_invariant_ops_are_the_fallbacks_kernels(op):
         else:
             with pytest.raises(nvfp4.OpNotSupported):
                 BACKEND.bi_log_softmax(x)
+
+
+def test_output_fill_is_a_backend_option():
+    """The bring-up's NaN-filled outputs are an option of a backend instance, not a module global:
+    the shared backend allocates uninitialised outputs, one built with ``output_fill`` fills them."""
+    from minite_kernels.cute.backend import BlackwellBackend
+
+    assert BACKEND.output_fill is None and BlackwellBackend(output_fill=float("nan")).output_fill != 0
+    assert torch.isnan(_host.new_output(3, 5, dtype=torch.bfloat16, device=torch.device("cpu"), fill=float("nan"))).all()
+    assert _host.new_output(3, 5, dtype=torch.bfloat16, device=torch.device("cpu")).shape == (3, 5)
+    assert not hasattr(_host, "OUTPUT_FILL")
