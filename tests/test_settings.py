@@ -22,8 +22,6 @@ from minite_megatron.settings import Settings, SettingsError, overridden, settin
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS_FILE = ROOT / "minite_megatron" / "settings.py"
 ENV_CALLS = {"environ", "getenv", "putenv", "unsetenv", "environb", "getenvb"}
-#: Reads another branch removes (``MINITE_FAST_LAUNCH`` goes with the launch table's gate); the
-#: coordinator deletes this set once that branch is merged.
 
 
 def environment_uses(path: Path) -> list[str]:
