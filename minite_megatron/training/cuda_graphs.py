@@ -139,9 +139,9 @@ class GraphedStep:
             raise RuntimeError(
                 "GraphedStep: the gradient accumulators of " + ", ".join(stale[:6])
                 + (f" (+{len(stale) - 6} more)" if len(stale) > 6 else "")
-                + " were made on another stream before this step and are still held: a tensor with autograd "
-                "history of an earlier step is kept somewhere (a module attribute is released, module docstring); "
-                "drop it before graphing")
+                + " were made on another stream and are still held: a tensor with autograd history of an earlier "
+                "step is kept outside the modules (release_step_tensors drops what modules keep), e.g. a loss kept "
+                "from an eager step; drop it before graphing")
         self._set_grads_none()
         invalidate_weight_caches()  # the quantize kernels run inside the graph, every replay
         self.graph = torch.cuda.CUDAGraph()
