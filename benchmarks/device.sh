@@ -9,6 +9,7 @@
 #   gpu_tests     every `-m gpu` test of the suite (strict mode, the minite model, the rollout engine on CUDA)
 #   kernel_tests  the other Triton kernel tests, compiled for the GPU (tests/kernels; on a CPU they run
 #                 interpreted); with gpu_tests, the whole GPU set (PYTEST_WORKERS xdist workers, default 12)
+#   gpu_set       gpu_tests and kernel_tests as one pytest run (-m "gpu or kernels"): one worker pool
 #   graphs        the CUDA-graph checks of the learner (graphed step == eager step, bit for bit)
 #   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, NVFP4 RNE, strict at 4096 and 16384 tokens,
 #                 eager and CUDA-graphed
@@ -29,7 +30,7 @@
 # STEP_TIMEOUT_S (each step's cap, default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS="gpu_tests kernel_tests graphs learner rollout rollout48 alignment kernels profile multigpu blackwell rl"
+STEPS="gpu_set gpu_tests kernel_tests graphs learner rollout rollout48 alignment kernels profile multigpu blackwell rl"
 if [ "${1:-}" = --list ]; then
   sed -n '/^# Steps:/,/^#$/p' "$0" | sed '1d;$d;s/^#   //'
   exit 0
@@ -67,6 +68,7 @@ WORKERS=${PYTEST_WORKERS:-12}  # pytest-xdist workers of the test steps (the GPU
 for s in $RUN; do
   case $s in
     gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
+    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" -m "gpu or kernels" tests ;;
     kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     graphs) step graphs "${PYTEST[@]}" -m gpu tests/megatron -k graph ;;
     learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \

@@ -24,9 +24,17 @@ if not HAS_CUDA:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "multiproc: spawns several processes (gloo)")
+    config.addinivalue_line("markers", "kernels: a test under tests/kernels (set by this conftest)")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # Before `-m` deselects: `-m "gpu or kernels"` is the whole GPU set in one pytest run
+    # (benchmarks/device.sh gpu_set), the -m gpu tests and the kernel tests compiled for the GPU.
+    kernels_dir = os.path.join(os.path.dirname(__file__), "kernels") + os.sep
+    for item in items:
+        if str(item.path).startswith(kernels_dir):
+            item.add_marker(pytest.mark.kernels)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
