@@ -547,9 +547,14 @@ class TritonBackend(Backend):
         results put back -- or, with ``group_offsets``, the rows as given (already sorted). Needs
         the experts' bf16 images: the attached one (the learner's ``"group"`` weights carry it)
         or one made here from all experts' bytes."""
-        order = sizes = None
+        order = sizes = valid = None
         if group_offsets is None:
+            # ids outside [0, E) (unchecked: check_expert_ids=False or under capture) are counted and
+            # gathered as expert 0 and their rows made NaN, as the decode kernel does: an index out of
+            # range would be a device-side assert that poisons the whole CUDA context
             ids = expert_ids.to(torch.int64)
+            valid = (ids >= 0) & (ids < e)
+            ids = torch.where(valid, ids, 0)
             order = torch.argsort(ids, stable=True)
             sizes = torch.zeros(e, dtype=torch.int32, device=a.device).scatter_add_(
                 0, ids, torch.ones_like(ids, dtype=torch.int32))
@@ -574,7 +579,7 @@ class TritonBackend(Backend):
                                           config=self._grouped_cfg)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
-        return out
+        return torch.where(valid[:, None], out, float("nan"))
 
     def grouped_gemm_nt(
         self,

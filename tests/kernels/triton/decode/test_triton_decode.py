@@ -290,10 +290,18 @@ def test_grouped_zero_rows_bad_ids_and_nan_rows(experts):
     # a backend told to skip the eager check (TritonOptions.check_expert_ids) runs that kernel as is
     from minite_kernels.triton.backend import TritonBackend, TritonOptions
 
+    bad_ids = torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE)
     unchecked = TritonBackend(TritonOptions(check_expert_ids=False))
-    out = unchecked.decode_grouped_gemm(dev(a), dev(st), torch.tensor([0, -1, 6], dtype=torch.int32, device=DEVICE),
-                                        batch_invariant=True).cpu()
+    out = unchecked.decode_grouped_gemm(dev(a), dev(st), bad_ids, batch_invariant=True).cpu()
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
+    # and so does the fallback through the learner's grouped GEMM (sorted rows): no out-of-range
+    # index (on a GPU a device-side assert that poisons the process), the good row's bits unchanged
+    for strict in (True, False):
+        sorted_path = TritonBackend(TritonOptions(check_expert_ids=False, decode_kernels=False))
+        out = sorted_path.decode_grouped_gemm(dev(a), dev(st), bad_ids, batch_invariant=strict).cpu()
+        good = sorted_path.decode_grouped_gemm(dev(a), dev(st), torch.zeros_like(bad_ids), batch_invariant=strict).cpu()
+        assert torch.isnan(out[1:]).all()
+        assert torch.equal(out[0].view(torch.int16), good[0].view(torch.int16))
 
 
 def test_grouped_nonfinite_expert_weights_reach_only_their_rows(experts):
