@@ -68,7 +68,7 @@ WORKERS=${PYTEST_WORKERS:-12}  # pytest-xdist workers of the test steps (the GPU
 for s in $RUN; do
   case $s in
     gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
-    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" -m "gpu or kernels" tests ;;
+    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" --durations=30 -m "gpu or kernels" tests ;;
     kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     graphs) step graphs "${PYTEST[@]}" -m gpu tests/megatron -k graph ;;
     learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \
