@@ -18,6 +18,7 @@ cover the rows a decode batch can have), against the same backend with them off.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -74,27 +75,34 @@ def _weights(n, k, data, seed):
                           with_image=True)
 
 
-@pytest.mark.parametrize("data", sorted(DATA))
-@pytest.mark.parametrize("shape", sorted(DENSE))
-def test_dense_strict_decode_rows_equal_the_learners_strict_gemm(backends, shape, data):
-    """Strict dense decode of M = 1 / 3 / 8 / 16 / 33 / 64 rows at offsets 0, 29 and the end of a
-    4096-row batch == those rows of the learner's strict GEMM of the whole batch, fp32 and bf16
-    (a different K order in the decode kernel's strict chain shows as differing bits)."""
-    on, off = backends
+@functools.lru_cache(maxsize=2)
+def _dense_case(shape, data):
+    """A 4096-row activation and the weight of ``shape``, quantized (shared by a worker's M cases)."""
     k, n = DENSE[shape]
     gen = DATA[data]
-    qx = nvfp4.quantize(gen(BIG, k, seed=1), backend="triton", with_image=True)
-    qw = _weights(n, k, gen, seed=2)
-    for dt in (torch.float32, BF16):
-        learner = off.gemm(qx, qw, out_dtype=dt, batch_invariant=True)
-        for m in (1, 3, 8, 16, 33, 64):
-            for start in sorted({0, 29, BIG - m}):
-                part = rows_of(qx, start, m)
-                where = f"{shape} {data} M={m} rows {start}: {dt}"
-                assert_bitwise_equal(on.gemm(part, qw, out_dtype=dt, batch_invariant=True),
-                                     learner[start:start + m], f"strict decode, {where}")
-                assert_bitwise_equal(off.gemm(part, qw, out_dtype=dt, batch_invariant=True),
-                                     learner[start:start + m], f"the learner's strict GEMM alone, {where}")
+    return nvfp4.quantize(gen(BIG, k, seed=1), backend="triton", with_image=True), _weights(n, k, gen, seed=2)
+
+
+# One test per (shape, data, M, dtype): each compiles its own kernel specializations, and xdist
+# spreads them over the workers (as one loop they were one worker's four minutes from a cold cache).
+@pytest.mark.parametrize("dt", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 33, 64])
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("shape", sorted(DENSE))
+def test_dense_strict_decode_rows_equal_the_learners_strict_gemm(backends, shape, data, m, dt):
+    """Strict dense decode of M rows at offsets 0, 29 and the end of a 4096-row batch == those rows
+    of the learner's strict GEMM of the whole batch (a different K order in the decode kernel's
+    strict chain shows as differing bits)."""
+    on, off = backends
+    qx, qw = _dense_case(shape, data)
+    learner = off.gemm(qx, qw, out_dtype=dt, batch_invariant=True)
+    for start in sorted({0, 29, BIG - m}):
+        part = rows_of(qx, start, m)
+        where = f"{shape} {data} M={m} rows {start}: {dt}"
+        assert_bitwise_equal(on.gemm(part, qw, out_dtype=dt, batch_invariant=True),
+                             learner[start:start + m], f"strict decode, {where}")
+        assert_bitwise_equal(off.gemm(part, qw, out_dtype=dt, batch_invariant=True),
+                             learner[start:start + m], f"the learner's strict GEMM alone, {where}")
 
 
 @pytest.mark.parametrize("shape", sorted(DENSE))
