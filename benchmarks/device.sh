@@ -8,8 +8,9 @@
 # Steps:
 #   gpu_tests     every `-m gpu` test of the suite (strict mode, the minite model, the rollout engine on CUDA)
 #   kernel_tests  the other Triton kernel tests, compiled for the GPU (tests/kernels; on a CPU they run
-#                 interpreted); with gpu_tests, the whole GPU set (PYTEST_WORKERS xdist workers, default 12)
-#   gpu_set       gpu_tests and kernel_tests as one pytest run (-m "gpu or kernels"): one worker pool
+#                 interpreted); PYTEST_WORKERS xdist workers, default 12
+#   gpu_set       the whole GPU set, gpu_tests and kernel_tests as one pytest run (-m "gpu or kernels"):
+#                 one worker pool
 #   graphs        the CUDA-graph checks of the learner (graphed step == eager step, bit for bit)
 #   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, NVFP4 RNE, strict at 4096 and 16384 tokens,
 #                 eager and CUDA-graphed

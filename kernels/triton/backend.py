@@ -579,7 +579,7 @@ class TritonBackend(Backend):
                                           config=self._grouped_cfg)
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
-        return torch.where(valid[:, None], out, float("nan"))
+        return out.masked_fill_(~valid[:, None], float("nan"))
 
     def grouped_gemm_nt(
         self,

@@ -296,8 +296,8 @@ def test_grouped_zero_rows_bad_ids_and_nan_rows(experts):
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:]).all()
     # and so does the fallback through the learner's grouped GEMM (sorted rows): no out-of-range
     # index (on a GPU a device-side assert that poisons the process), the good row's bits unchanged
+    sorted_path = TritonBackend(TritonOptions(check_expert_ids=False, decode_kernels=False))
     for strict in (True, False):
-        sorted_path = TritonBackend(TritonOptions(check_expert_ids=False, decode_kernels=False))
         out = sorted_path.decode_grouped_gemm(dev(a), dev(st), bad_ids, batch_invariant=strict).cpu()
         good = sorted_path.decode_grouped_gemm(dev(a), dev(st), torch.zeros_like(bad_ids), batch_invariant=strict).cpu()
         assert torch.isnan(out[1:]).all()
