@@ -20,7 +20,7 @@ experts top-8 with FFN 768, 32k vocabulary), BF16 parameters, built from the min
 * ``nvfp4_sdpa`` (not in the default list): the default recipe with ``aligned_ops`` and
   ``aligned_attention`` off (what the aligned ops cost the learner);
 * ``nvfp4_rne``: the default recipe with ``grad_stochastic_rounding=False`` (round to nearest: what
-  a CUDA graph can replay, ``training.cuda_graphs``);
+  stochastic rounding costs);
 * ``strict``: ``Recipe(strict=True)`` (batch-invariant kernels, FP32 LM head);
 * ``local`` (not in the default list): Megatron's local spec (experts looped, unfused attention).
 
@@ -709,12 +709,17 @@ def _main(argv=None):
             gpu = {v: by[v].get("profile", {}).get("gpu_ms_per_step") for v in ("nvfp4", "bf16")}
             if gpu["nvfp4"] and gpu["bf16"]:  # with --profile: the kernels' time alone (no host waits)
                 ratios["nvfp4_over_bf16_gpu_time"] = gpu["nvfp4"] / gpu["bf16"]
+        if "nvfp4@graphed" in by and "bf16@graphed" in by:
+            ratios["nvfp4_graphed_over_bf16_graphed_time"] = by["nvfp4@graphed"]["step_ms"] / by["bf16@graphed"]["step_ms"]
         if "nvfp4_rne@graphed" in by and "bf16@graphed" in by:
             ratios["nvfp4_rne_graphed_over_bf16_graphed_time"] = by["nvfp4_rne@graphed"]["step_ms"] / by["bf16@graphed"]["step_ms"]
         if "nvfp4_rne@graphed" in by and "bf16" in by:
             ratios["nvfp4_rne_graphed_over_bf16_eager_time"] = by["nvfp4_rne@graphed"]["step_ms"] / by["bf16"]["step_ms"]
         if "strict" in by and "nvfp4" in by:
             ratios["strict_over_default_time"] = by["strict"]["step_ms"] / by["nvfp4"]["step_ms"]
+        if "strict@graphed" in by and "nvfp4@graphed" in by:
+            ratios["strict_graphed_over_default_graphed_time"] = (by["strict@graphed"]["step_ms"]
+                                                                  / by["nvfp4@graphed"]["step_ms"])
         if "nvfp4" in by and "nvfp4_sdpa" in by:
             ratios["aligned_over_sdpa_time"] = by["nvfp4"]["step_ms"] / by["nvfp4_sdpa"]["step_ms"]
         if "bf16" in by and "anchor" in by:

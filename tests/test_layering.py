@@ -220,6 +220,7 @@ DEVICE_CHECKS_ALLOWED = {
     "minite_megatron/ops/grouped_linear.py": "whether torch's own _grouped_mm runs there (an ATen op's limits)",
     "minite_megatron/rollout/fast_path.py": "the KV cache / prefill memory checks and timing events of a GPU",
     "minite_megatron/rollout/resident.py": "the progress log of allocated GPU memory",
+    "minite_megatron/ops/seeds.py": "pinned staging memory and the copy event of the device seeds a CUDA graph reads",
     "minite_megatron/rollout/support.py": "CUDA graphs need a GPU",
     "minite_megatron/testing.py": "the host-sync counter classifies host <-> device copies",
     "minite_megatron/training/cuda_graphs.py": "CUDA graphs need a GPU",

@@ -182,8 +182,6 @@ class NVFP4GroupedLinear(MegatronModule):
             return "the expert linears have biases"
         if _pg_size(self._tp_group) > 1:
             return "expert tensor parallelism"
-        if self.recipe.strict:
-            return "strict mode (its experts are kept on the host sizes' path)"
         if self.precision == "nvfp4":
             return nvfp4_why_host_sizes(self.recipe, device)
         return bf16_why_host_sizes(dtype, device, w.dtype)

@@ -101,8 +101,6 @@ class MiniteGroupedMLP(TEGroupedMLP):
     def _why_host_counts(self, dtype, device) -> str | None:
         if dtype not in _KERNEL_DTYPES:
             return f"the experts run Megatron's forward on {dtype} tokens"
-        if self.recipe.strict:
-            return "strict mode (its router waits for its NaN check in every MoE layer anyway)"
         for name in ("linear_fc1", "linear_fc2"):
             linear = getattr(self, name)
             ask = getattr(linear, "why_host_counts", None)

@@ -60,6 +60,7 @@ from .grouped import (
 )
 from .hadamard import hadamard_matrix, rht16, rht_signs
 from .quantize import NonFiniteError, check_amax_override, global_scales, quantize_reference, validate_input
+from .stochastic import DeviceSeed, sr_key
 from .swizzle import swizzle_scales, swizzled_numel, unswizzle_scales
 from .tensor import NVFP4Tensor
 
@@ -81,7 +82,7 @@ def quantize(
     generator: torch.Generator | None = None,
     backend: str | None = None,
     *,
-    seed: int | None = None,
+    seed: int | DeviceSeed | None = None,
     rht_seed: int | None = None,
     amax: torch.Tensor | None = None,
     with_image: bool = False,
@@ -95,7 +96,9 @@ def quantize(
         tile: ``(1, 16)`` blocks, or ``(16, 16)`` tiles (weights: the transpose is exact;
             needs rows a multiple of 16 and a ``"tensor"``/``"group"`` scale).
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (gradients), whose random
-            bits come from ``seed`` or, if None, a seed drawn from ``generator``.
+            bits come from ``seed`` (an int, or a :class:`DeviceSeed`: its key read on the device
+            when the kernel runs, as CUDA-graph replays need) or, if None, a seed drawn from
+            ``generator``.
         backend: ``"reference"``, ``"triton"``, ``"blackwell"``, or None for the best one for
             ``x.device``.
         rht_seed: apply the 16x16 random Hadamard transform first (``-1``: fixed signs).
@@ -217,6 +220,8 @@ __all__ = [
     "decode_grouped_gemm",
     "decode_grouped_gemm_reference",
     "draw_seed",
+    "DeviceSeed",
+    "sr_key",
     "e2m1_decode",
     "e2m1_encode_nearest",
     "e4m3_rne_satfinite",

@@ -49,7 +49,7 @@ from .formats import (
     pack_e2m1,
 )
 from .hadamard import rht16, rht_signs
-from .stochastic import e2m1_encode_stochastic, random_bits, uniform_from_bits
+from .stochastic import DeviceSeed, check_seed, e2m1_encode_stochastic, random_bits, uniform_from_bits
 from .tensor import NVFP4Tensor
 
 Rounding = Literal["nearest", "stochastic"]
@@ -158,7 +158,7 @@ def quantize_reference(
     global_scale: str = "row",
     tile: tuple[int, int] = (1, BLOCK),
     rounding: Rounding = "nearest",
-    seed: int | None = None,
+    seed: int | DeviceSeed | None = None,
     rht_seed: int | None = None,
     amax: torch.Tensor | None = None,
     with_image: bool = False,
@@ -174,6 +174,8 @@ def quantize_reference(
         raise ValueError("stochastic rounding needs a seed (nvfp4.quantize draws one from `generator`)")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic":
+        check_seed(seed, x.device)
     if rht_seed is not None and tuple(tile) != (1, BLOCK):
         raise ValueError("the random Hadamard transform applies to 1x16 blocks only")
 

@@ -12,9 +12,15 @@ A magnitude ``a = |x * enc|`` below 6 lies between two neighbouring E2M1 values 
 whose gap is a power of two (0.5, 1 or 2), so ``frac = (a - lo) / gap`` is exact in fp32. The
 code rounds up iff ``u < frac``: P(up) = ceil(frac * 2^24) / 2^24, unbiased to 2^-24.
 Magnitudes >= 6 saturate to 6; NaN encodes as code 0; the sign bit is kept (code 8 is -0).
+
+A seed is a Python int, or a :class:`DeviceSeed`: the key of a seed held in device memory, read
+by the kernels when they run (a CUDA graph replays its quantizations with the keys written
+before each replay; ``ops.seeds``). The same seed gives the same bits either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,9 +46,52 @@ def fmix32(h):
     return h ^ (h >> 16)
 
 
-def random_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def sr_key(seed: int) -> int:
+    """``fmix32(seed mod 2^32)`` as a signed int32 (the value a kernel reinterprets as uint32)."""
+    key = int(fmix32(seed & _M32))
+    return key - (1 << 32) if key >= (1 << 31) else key
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceSeed:
+    """A stochastic-rounding seed in device memory: ``key`` is an int32 ``[1]`` tensor holding
+    :func:`sr_key` of the seed, read by the quantize kernels when they run (no host value in the
+    launch, so a captured launch draws whatever key is written there before a replay)."""
+
+    key: torch.Tensor
+
+    def __post_init__(self):
+        k = self.key
+        if not isinstance(k, torch.Tensor) or k.dtype != torch.int32 or k.numel() != 1:
+            raise TypeError(f"DeviceSeed.key must be an int32 tensor of one element, got "
+                            f"{type(k).__name__ if not isinstance(k, torch.Tensor) else f'{k.dtype} {tuple(k.shape)}'}")
+
+    @staticmethod
+    def of(seed: int, device: torch.device | str) -> "DeviceSeed":
+        """The device seed holding ``seed``'s key (a host-to-device copy)."""
+        return DeviceSeed(torch.tensor([sr_key(int(seed))], dtype=torch.int32, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.key.device
+
+
+def check_seed(seed, device: torch.device) -> None:
+    """TypeError / ValueError, one line, for a seed that is neither an int nor a
+    :class:`DeviceSeed` on ``device``."""
+    if isinstance(seed, DeviceSeed):
+        if seed.device != torch.device(device):
+            raise ValueError(f"stochastic rounding: the DeviceSeed is on {seed.device}, the tensor on {device}")
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"stochastic rounding: seed must be an int or a DeviceSeed, got {type(seed).__name__}")
+
+
+def random_bits(seed: "int | DeviceSeed", rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """uint32 values (as int64) for elements at (rows, cols) (broadcast), see the module docstring."""
-    key = fmix32(seed & _M32)
+    if isinstance(seed, DeviceSeed):  # its key, read on the device (tensor ops: no host sync)
+        key = seed.key.to(torch.int64) & _M32
+    else:
+        key = fmix32(seed & _M32)
     inner = fmix32((rows.to(torch.int64) + key) & _M32)
     return fmix32((inner + cols.to(torch.int64)) & _M32)
 

@@ -10,16 +10,25 @@ Distinct ranks get distinct streams, so data-parallel replicas do not round alik
 
 Outside ``megatron.training`` (plain loops, tests, the RL example) the seed is drawn from
 torch's default CPU generator: reproducible under ``torch.manual_seed``, no device sync.
+
+A CUDA graph cannot take host ints that change per step, so while a step is captured
+(:func:`device_seeds`) each draw returns the next slot of a :class:`DeviceSeedSlots` buffer (an
+:class:`~minite_megatron.nvfp4.DeviceSeed` the kernels read when they run) and
+:meth:`DeviceSeedSlots.refill` draws, before every replay, the seeds an eager step would draw
+at that point, in the same order, and writes their keys into the slots: a replay rounds with the
+eager step's bits, and the draws advance as an eager run's do.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from .. import nvfp4
 from ..nvfp4.stochastic import fmix32
 
-_STATE = {"iteration": None, "n": 0}
+_STATE = {"iteration": None, "n": 0, "draws": 0, "slots": None}
 
 
 def _megatron_iteration() -> int | None:
@@ -44,8 +53,22 @@ def _mix(*words: int) -> int:
     return h & 0x7FFFFFFF
 
 
-def next_sr_seed(recipe_seed: int) -> int:
-    """The seed of the next stochastic-rounding quantization (see the module docstring)."""
+def next_sr_seed(recipe_seed: int) -> "int | nvfp4.DeviceSeed":
+    """The seed of the next stochastic-rounding quantization (see the module docstring): an int,
+    or while a step is captured (:func:`device_seeds`) the next slot of the capture's buffer."""
+    slots = _STATE["slots"]
+    if slots is not None:
+        return slots.take(recipe_seed)
+    return _host_seed(recipe_seed)
+
+
+def draws() -> int:
+    """How many host seeds have been drawn in this process (a step's count: the difference)."""
+    return _STATE["draws"]
+
+
+def _host_seed(recipe_seed: int) -> int:
+    _STATE["draws"] += 1
     it = _megatron_iteration()
     if it is None:
         return nvfp4.draw_seed()
@@ -54,3 +77,49 @@ def next_sr_seed(recipe_seed: int) -> int:
     n = _STATE["n"]
     _STATE["n"] += 1
     return _mix(recipe_seed, it, n, _rank())
+
+
+class DeviceSeedSlots:
+    """``capacity`` device seeds (int32 keys on ``device``) for one captured step: slot ``i`` is
+    the ``i``-th stochastic quantization of the step, filled by :meth:`refill` before each replay."""
+
+    def __init__(self, capacity: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.keys = torch.zeros(max(int(capacity), 1), dtype=torch.int32, device=self.device)
+        self._staging = torch.zeros(self.keys.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._copied = None  # the event after the last staging copy (the staging buffer is reused)
+        self.recipe_seeds: list[int] = []
+
+    def take(self, recipe_seed: int) -> "nvfp4.DeviceSeed":
+        i = len(self.recipe_seeds)
+        if i >= self.keys.numel():
+            raise RuntimeError(f"the captured step draws more than the {self.keys.numel()} stochastic-rounding seeds "
+                               "of its warm-up step (the number of stochastic quantizations changed between steps)")
+        self.recipe_seeds.append(int(recipe_seed))
+        return nvfp4.DeviceSeed(self.keys[i:i + 1])
+
+    def refill(self) -> None:
+        """Draw the step's seeds on the host (as an eager step would, in its order) and copy their
+        keys into the slots on the current stream (before the replay that reads them)."""
+        n = len(self.recipe_seeds)
+        if n == 0:
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the staging buffer
+        self._staging[:n] = torch.tensor([nvfp4.sr_key(_host_seed(s)) for s in self.recipe_seeds], dtype=torch.int32)
+        self.keys[:n].copy_(self._staging[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+@contextmanager
+def device_seeds(slots: DeviceSeedSlots):
+    """Within: every stochastic-rounding draw takes the next slot of ``slots`` (a capture)."""
+    if _STATE["slots"] is not None:
+        raise RuntimeError("device_seeds: already recording a step's seeds")
+    _STATE["slots"] = slots
+    try:
+        yield slots
+    finally:
+        _STATE["slots"] = None

@@ -4,11 +4,21 @@
 (None where they can); :class:`GraphedStep` captures one step of a fixed token count and replays
 it. What a captured graph freezes, and so what is refused:
 
-* stochastic rounding: its seeds are host ints drawn per quantization (``ops.seeds.next_sr_seed``,
-  passed to the quantize kernels as a scalar), so a replay would repeat the captured draws;
-* strict mode and every MoE layer whose dispatcher answers ``why_host_counts``: the token counts
-  go to the host (a wait, and host ints that size the permutation), which capture forbids;
+* every MoE layer whose dispatcher answers ``why_host_counts``: the token counts go to the host
+  (a wait, and host ints that size the permutation), which capture forbids;
 * expert parallelism: the all-to-all takes its split sizes on the host.
+
+Stochastic rounding: the captured quantizations read their seeds from device memory
+(``ops.seeds.device_seeds``: a slot per stochastic quantization of the step, counted in the last
+warm-up step), and :meth:`GraphedStep.step` draws the eager step's seeds on the host, in its
+order, and copies them there before each replay: a replay rounds with the bits of the eager step
+it stands for (also under ``megatron.training``, whose seeds hash the iteration).
+
+Strict mode: its MoE layers keep the token counts on the device (the batch-invariant grouped
+GEMMs take them there with the host counts' bits), and its router's NaN check, a host wait
+eagerly, becomes a device flag per MoE layer (``invariant.topk.nan_checks_on_device``), which
+:meth:`GraphedStep.step` reads after the replay: one wait per step instead of one per MoE layer,
+and a step that routed NaN raises before its gradients can be applied.
 
 Weights: the quantized-weight caches (``ops.weight_cache``) are invalidated before capture, so
 the quantize kernels are part of the graph and every replay quantizes the weights as they are
@@ -39,11 +49,6 @@ def why_not_graphable(model: torch.nn.Module, recipe, device: torch.device | str
     device = torch.device(device)
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device (got {device})"
-    if recipe is not None and getattr(recipe, "strict", False):
-        return "strict mode keeps Megatron's host token counts (a host wait per MoE layer)"
-    if recipe is not None and recipe.precision == "nvfp4" and recipe.grad_stochastic_rounding:
-        return ("grad_stochastic_rounding: the stochastic-rounding seeds are host ints, a graph would "
-                "replay the captured draws (use grad_stochastic_rounding=False)")
     config = getattr(model, "config", None)
     if config is not None and (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
         return "expert parallelism: the all-to-all takes its split sizes on the host"
@@ -112,6 +117,8 @@ class GraphedStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, tokens: torch.Tensor, labels: torch.Tensor,
                  *, recipe=None, warmup: int = 3):
+        from ..invariant.topk import nan_checks_on_device
+        from ..ops import seeds
         from ..ops.weight_cache import invalidate_weight_caches
 
         why = why_not_graphable(model, recipe, tokens.device)
@@ -128,9 +135,11 @@ class GraphedStep:
             for i in range(max(1, warmup)):
                 self._set_grads_none()
                 invalidate_weight_caches()
+                drawn = seeds.draws()
                 loss = loss_fn(self.static_tokens, self.static_labels)
                 stale = _foreign_accumulators(loss, side, names) if i == max(1, warmup) - 1 else None
                 loss.backward()
+                drawn = seeds.draws() - drawn  # the stochastic quantizations of one step
                 del loss
                 release_step_tensors(model)
         torch.cuda.current_stream().wait_stream(side)
@@ -144,14 +153,20 @@ class GraphedStep:
                 "from an eager step; drop it before graphing")
         self._set_grads_none()
         invalidate_weight_caches()  # the quantize kernels run inside the graph, every replay
+        self.seeds = seeds.DeviceSeedSlots(drawn, tokens.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with seeds.device_seeds(self.seeds), nan_checks_on_device() as flags, torch.cuda.graph(self.graph):
             loss = loss_fn(self.static_tokens, self.static_labels)
             loss.backward()
+            self._nan = torch.stack(flags).any() if flags else None  # NaN routed in this replay
+        if len(self.seeds.recipe_seeds) != drawn:
+            raise RuntimeError(f"GraphedStep: the captured step drew {len(self.seeds.recipe_seeds)} stochastic-rounding "
+                               f"seeds, its warm-up step {drawn} (the step's quantizations must not change)")
         self.static_loss = loss.detach()
         del loss
         release_step_tensors(model)  # the captured graph's autograd nodes are not kept by the modules
         self.static_grads = [p.grad for p in self.params]
+        self.replays = 0
         invalidate_weight_caches()  # an eager step after this one quantizes afresh (the graph's pool is its own)
         torch.cuda.synchronize()
 
@@ -171,5 +186,10 @@ class GraphedStep:
                                    "(keep the graph's gradients; do not set them to None between replays)")
         self.static_tokens.copy_(tokens)
         self.static_labels.copy_(labels)
+        self.seeds.refill()  # this step's stochastic-rounding seeds, as an eager step draws them
         self.graph.replay()
+        self.replays += 1
+        if self._nan is not None and bool(self._nan):  # strict routing's NaN checks: one wait per step
+            raise ValueError(f"GraphedStep: NaN in the routing scores of replay {self.replays} (strict mode refuses "
+                             "to route them; do not apply this step's gradients)")
         return self.static_loss

@@ -181,6 +181,27 @@ def test_stochastic_rounding_draws_the_reference_bits(backend, path, seed, k):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ALL)
+@pytest.mark.parametrize("rht_seed", [None, 3])
+def test_a_device_seed_draws_the_bits_of_its_int_seed(backend, path, dtype, rht_seed):
+    """The key read from device memory when the kernel runs (``DeviceSeed``: what a CUDA-graph
+    replay rounds with) gives the int seed's reference bits, on every kernel path; a seed on
+    another device, or of another type, is refused in one line."""
+    x = randn(21, 320, seed=9, scale=4.0, dtype=dtype)
+    for seed, gs in ((0, "row"), (2**32 - 1, "tensor"), (12345, "tensor")):
+        kw = dict(rounding="stochastic", global_scale=gs, with_image=True)
+        if rht_seed is not None:
+            kw["rht_seed"] = rht_seed
+        got = backend.quantize(_present(x, path), seed=nvfp4.DeviceSeed.of(seed, DEVICE), **kw)
+        assert_quantized_equal(_cpu(got), nvfp4.quantize_reference(x.cpu(), seed=seed, **kw), f"seed {seed} {gs}")
+    with pytest.raises(TypeError, match="seed must be an int or a DeviceSeed"):
+        backend.quantize(_present(x, path), rounding="stochastic", seed=1.5)
+    if torch.device(DEVICE).type == "cuda":
+        with pytest.raises(ValueError, match="DeviceSeed is on cpu"):
+            backend.quantize(_present(x, path), rounding="stochastic", seed=nvfp4.DeviceSeed.of(1, "cpu"))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rht_seed", [-1, 0, 3])
 def test_random_hadamard_transform(backend, path, rht_seed):
     x = randn(12, 64, seed=10, dtype=torch.bfloat16)

@@ -5,8 +5,11 @@ Failures pinned: a graph that froze the quantized weights (the weight caches mus
 every replay: the weights are changed in place between replays here), stale static inputs, a
 gradient accumulated instead of written, an eager step on the default stream before the capture
 (Megatron's dispatchers kept its routing probabilities, and with them gradient accumulators bound to
-the legacy stream: ``cudaErrorStreamCaptureImplicit``; ``release_step_tensors``); and the recipes a graph would silently break (stochastic
-rounding's host seeds, strict's host counts) are refused with their reason, never captured.
+the legacy stream: ``cudaErrorStreamCaptureImplicit``; ``release_step_tensors``), stochastic
+rounding that replays the captured seeds (the default recipe: each replay must round with the
+seeds the eager step draws from the same generator state), strict mode (device token counts into
+its batch-invariant experts; its router's NaN check, a host wait eagerly, a device flag the step
+reads: a replay that routes NaN raises).
 """
 
 import pytest
@@ -23,6 +26,8 @@ SEQ, BATCH = 128, 2
 RECIPES = {
     "bf16_twin": Recipe(precision="bf16"),
     "nvfp4_rne": Recipe(grad_stochastic_rounding=False),
+    "nvfp4_sr": Recipe(),  # the default: stochastic rounding of the gradients
+    "strict": Recipe(strict=True),
 }
 
 
@@ -71,12 +76,16 @@ def test_graphed_step_is_the_eager_steps_bits(name):
     graphed = GraphedStep(model, loss_fn, *_data(0, device), recipe=RECIPES[name])
     for i in range(3):
         data = _data(100 + i, device)
+        rng = torch.get_rng_state()  # the seeds' generator: the eager step below draws the same seeds
         loss = graphed.step(*data).clone()
         got = {n: p.grad.detach().clone() for n, p in params.items()}
         saved = [p.grad for p in params.values()]
         for p in params.values():
             p.grad = None
+        after_replay = torch.get_rng_state()
+        torch.set_rng_state(rng)
         want_loss, want = eager(*data)
+        assert torch.equal(torch.get_rng_state(), after_replay), "a replay draws as many seeds as the eager step"
         for p, g in zip(params.values(), saved):
             p.grad = g  # the graph's static gradients back in place
         assert_bitwise_equal(loss, want_loss, f"loss, replay {i}")
@@ -87,12 +96,17 @@ def test_graphed_step_is_the_eager_steps_bits(name):
                 p.mul_(0.99)
 
 
-@pytest.mark.parametrize("recipe,reason", [(Recipe(), "stochastic"), (Recipe(strict=True), "strict")],
-                         ids=["sr", "strict"])
-def test_graphing_is_refused_with_its_reason(recipe, reason):
-    from minite_megatron.training.cuda_graphs import GraphedStep, why_not_graphable
+def test_a_strict_replay_that_routes_nan_raises():
+    """Strict mode refuses to route NaN scores: eagerly its router raises; in a graph the check is
+    a device flag read after the replay, so the replay after a router weight turned NaN raises."""
+    from minite_megatron.training.cuda_graphs import GraphedStep
 
+    recipe = Recipe(strict=True)
     model, loss_fn, device = _build(recipe)
-    assert reason in why_not_graphable(model, recipe, device)
-    with pytest.raises(ValueError, match=reason):
-        GraphedStep(model, loss_fn, *_data(0, device), recipe=recipe)
+    graphed = GraphedStep(model, loss_fn, *_data(0, device), recipe=recipe)
+    assert torch.isfinite(graphed.step(*_data(1, device)))
+    router = next(m for n, m in model.named_modules() if n.endswith("router"))
+    with torch.no_grad():
+        router.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN in the routing scores of replay 2"):
+        graphed.step(*_data(2, device))

@@ -100,3 +100,28 @@ def test_mean_of_many_draws_converges_to_the_input(scale):
 def test_stochastic_needs_a_seed_in_the_reference():
     with pytest.raises(ValueError, match="seed"):
         nvfp4.quantize_reference(torch.randn(2, 16), rounding="stochastic")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1, 2**31 + 7, 2**32 - 1, 2**40 + 3])
+def test_a_device_seed_is_its_int_seeds_key_and_bits(seed):
+    """``DeviceSeed.of(seed)`` holds ``sr_key(seed)`` (fmix32 of the seed mod 2^32, as a signed
+    int32) and the reference draws the int seed's bits from it, on fresh data and ties."""
+    ds = nvfp4.DeviceSeed.of(seed, "cpu")
+    key = int(fmix32(seed & 0xFFFFFFFF))
+    assert int(ds.key) == nvfp4.sr_key(seed) == (key - (1 << 32) if key >= (1 << 31) else key)
+    r, c = torch.arange(40).unsqueeze(1), torch.arange(96).unsqueeze(0)
+    assert torch.equal(random_bits(ds, r, c), random_bits(seed, r, c))
+    x = torch.randn(40, 96) * 3
+    x[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # E2M1 bin edges (ties)
+    for gs in ("row", "tensor"):
+        assert_nvfp4_equal(nvfp4.quantize(x, gs, rounding="stochastic", seed=ds),
+                           nvfp4.quantize(x, gs, rounding="stochastic", seed=seed))
+
+
+def test_a_bad_device_seed_is_refused_in_one_line():
+    with pytest.raises(TypeError, match="int32 tensor of one element"):
+        nvfp4.DeviceSeed(torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="int32 tensor of one element"):
+        nvfp4.DeviceSeed(torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(TypeError, match="seed must be an int or a DeviceSeed"):
+        nvfp4.quantize_reference(torch.randn(2, 16), rounding="stochastic", seed="7")

@@ -207,14 +207,52 @@ def test_sr_seeds_follow_the_megatron_iteration(monkeypatch):
 
     args = SimpleNamespace(curr_iteration=7)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0})
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
     first = [seeds.next_sr_seed(0) for _ in range(3)]
     torch.rand(5)  # unrelated draws from the default generator change nothing
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0})
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
     assert [seeds.next_sr_seed(0) for _ in range(3)] == first
     assert len(set(first)) == 3
     args.curr_iteration = 8
     assert seeds.next_sr_seed(0) not in first
+
+
+@pytest.mark.parametrize("megatron_iteration", [None, 7])
+def test_device_seed_slots_hold_the_seeds_an_eager_step_draws(monkeypatch, megatron_iteration):
+    """While a step is captured every draw is the next slot of the capture's buffer (a DeviceSeed
+    view, no host value); refill() then writes the keys of exactly the seeds the eager step would
+    draw there, in its order (torch's generator, or the Megatron iteration hash), and advances the
+    draws as the eager step does. More draws than slots, or a nested capture, is refused."""
+    from types import SimpleNamespace
+
+    from megatron.training import global_vars
+
+    from minite_megatron.ops import seeds
+
+    args = SimpleNamespace(curr_iteration=megatron_iteration) if megatron_iteration is not None else None
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
+    torch.manual_seed(3)
+    eager = [seeds.next_sr_seed(s) for s in (0, 5, 0)]
+    after_eager = torch.rand(2)
+    assert seeds.draws() == 3
+
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
+    slots = seeds.DeviceSeedSlots(3, "cpu")
+    with seeds.device_seeds(slots):
+        taken = [seeds.next_sr_seed(s) for s in (0, 5, 0)]
+        with pytest.raises(RuntimeError, match="already recording"):
+            with seeds.device_seeds(slots):
+                pass
+        with pytest.raises(RuntimeError, match="more than the 3"):
+            seeds.next_sr_seed(0)
+    assert all(isinstance(t, nvfp4.DeviceSeed) for t in taken) and seeds.draws() == 0
+    assert [t.key.data_ptr() for t in taken] == [slots.keys[i:].data_ptr() for i in range(3)]
+    torch.manual_seed(3)
+    slots.refill()
+    assert [int(t.key) for t in taken] == [nvfp4.sr_key(s) for s in eager]
+    assert_bitwise_equal(torch.rand(2), after_eager, "the generator after refill, as after the eager draws")
+    assert isinstance(seeds.next_sr_seed(0), int)  # outside the capture: host seeds again
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -118,6 +118,17 @@ def fmix32(h):
 
 
 @triton.jit
+def sr_key_u32(key, KEY_PTR: tl.constexpr):
+    """The stochastic-rounding key as a uint32 scalar: the int32 argument itself, or (``KEY_PTR``)
+    the int32 it points to (a ``DeviceSeed``: read when the kernel runs, so a CUDA-graph replay
+    draws the key written before it)."""
+    if KEY_PTR:
+        return tl.load(key).to(tl.uint32, bitcast=True)
+    else:
+        return key.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def sr_uniform(key, rows, cols):
     """Uniforms in [0, 1) of :mod:`minite_megatron.nvfp4.stochastic` for int32 ``rows`` [R, 1]
     and ``cols`` [1, C] of the logical matrix; ``key = fmix32(seed)`` as a uint32 scalar."""

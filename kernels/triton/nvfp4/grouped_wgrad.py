@@ -34,7 +34,7 @@ from minite_kernels.triton.nvfp4._nvfp4_math import exact_launch, interpreting, 
 from minite_kernels.triton.nvfp4.amax import amax_forward
 from minite_kernels.triton.nvfp4.grouped_gemm import group_offsets
 from minite_kernels.triton.nvfp4 import quantize_cols
-from minite_kernels.triton.nvfp4.quantize import quantize_op, rht_mask_of, sr_key
+from minite_kernels.triton.nvfp4.quantize import key_args, quantize_op, rht_mask_of
 from minite_kernels.custom_op import custom_op
 from minite_kernels.triton._build._host import cdiv
 
@@ -134,8 +134,8 @@ def _quantize_padded_t(x, col_index, t_pad, global_scale, stochastic, seed, rht_
             amax = quantize_cols.amax_launch(src, col_index, rpg, rht) if rht >= 0 else amax_forward(x, max(x.shape[0], 1))
     else:
         amax, rpg = None, 1
-    return quantize_op(src, amax, col_index, rpg, False, stochastic, sr_key(seed) if stochastic else 0, with_image,
-                       False, rht)
+    key, key_tensor = key_args(seed, x.device) if stochastic else (0, None)
+    return quantize_op(src, amax, col_index, rpg, False, stochastic, key, with_image, False, rht, None, key_tensor)
 
 
 def _check_scale_and_rounding(op: str, global_scale: str, rounding: str, seed) -> None:

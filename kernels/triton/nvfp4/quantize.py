@@ -42,7 +42,7 @@ import triton.language as tl
 from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.hadamard import rht16, rht_signs
 from minite_megatron.nvfp4.quantize import check_finite, validate_input
-from minite_megatron.nvfp4.stochastic import fmix32 as _fmix32_ref
+from minite_megatron.nvfp4.stochastic import DeviceSeed, check_seed, sr_key
 from minite_megatron.nvfp4.swizzle import swizzled_numel
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
@@ -58,6 +58,7 @@ from minite_kernels.triton.nvfp4._nvfp4_math import (
     exact_launch,
     global_scales_from_amax,
     interpreting,
+    sr_key_u32,
     sr_uniform,
 )
 from minite_kernels.triton.nvfp4 import quantize_cols
@@ -148,7 +149,7 @@ def _quantize_kernel(
     R, K, stride_r, stride_k, rows_per_group, key, scale_cols_padded,
     HAS_COL_INDEX: tl.constexpr, ROW_AMAX: tl.constexpr, TILE16: tl.constexpr,
     STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr, KEY_PTR: tl.constexpr = False,
 ):
     """Row-major programs: BLOCK_R rows each; one pass when ``SINGLE_PASS`` (BLOCK_K >= K:
     the rows stay in registers), else one amax pass (row scales) and one quantize pass."""
@@ -156,7 +157,7 @@ def _quantize_kernel(
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     if STOCHASTIC:
-        key_u = key.to(tl.uint32, bitcast=True)
+        key_u = sr_key_u32(key, KEY_PTR)
     else:
         key_u = 0
     if SINGLE_PASS:  # whole rows in registers
@@ -200,7 +201,7 @@ def _quantize_t_kernel(
     s_ptr, col_ptr, amax_ptr, codes_ptr, scales_ptr, sdec_ptr, image_ptr,
     R, K, stride_s, T_SRC, rows_per_group, key, scale_cols_padded,
     HAS_COL_INDEX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, KEY_PTR: tl.constexpr = False,
 ):
     """Quantize ``S^T`` where ``S`` is row-major ``[T_SRC, R]`` (row stride ``stride_s``): the
     wgrad operands ``x.t()`` / ``dy.t()``. The quantized matrix is ``[R, K]`` (K = tokens, or
@@ -240,7 +241,7 @@ def _quantize_t_kernel(
     enc = tl.where(enc > FLT_MAX, FLT_MAX, enc)
     v = tl.reshape(x3 * enc[:, None, :], (BLOCK_T, BLOCK_H))
     if STOCHASTIC:
-        codes = e2m1_stochastic(v, sr_uniform(key.to(tl.uint32, bitcast=True), h[None, :], t[:, None]))
+        codes = e2m1_stochastic(v, sr_uniform(sr_key_u32(key, KEY_PTR), h[None, :], t[:, None]))
     else:
         codes = e2m1_nearest(v)
     # codes [BT, BH] -> pairs of consecutive tokens -> bytes [BT/2, BH]
@@ -310,11 +311,13 @@ def _signs_of_mask(mask: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([-1.0 if (mask >> j) & 1 else 1.0 for j in range(BLOCK)], dtype=torch.float32, device=device)
 
 
-def sr_key(seed: int) -> int:
-    """fmix32(seed mod 2^32) as a signed int32 (the kernel reinterprets it as uint32). The
-    contract's ``fmix32`` on a Python int (the same integer arithmetic, no torch ops)."""
-    key = int(_fmix32_ref(seed & 0xFFFFFFFF))
-    return key - (1 << 32) if key >= (1 << 31) else key
+def key_args(seed, device) -> tuple[int, torch.Tensor | None]:
+    """``(key, key_tensor)`` of :func:`quantize_op` for a stochastic-rounding ``seed``: an int's
+    key as a scalar, a ``DeviceSeed``'s key tensor (read by the kernel when it runs)."""
+    check_seed(seed, device)
+    if isinstance(seed, DeviceSeed):
+        return 0, seed.key
+    return sr_key(seed), None
 
 
 @custom_op("minite::quantize", mutates_args=())
@@ -330,6 +333,7 @@ def quantize_op(
     swizzled: bool,
     rht_mask: int = -1,
     tiles: list[int] | None = None,
+    key_tensor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch on a 2D (possibly strided) ``x2d`` ``[R, K]`` (K = ``col_index`` length if given).
 
@@ -338,7 +342,8 @@ def quantize_op(
     ``rht_mask``: -1, or the RHT sign vector as bits (bit j set: sign j is -1, see
     :func:`rht_mask_of`); the transform runs along K, fused into the column kernel for
     transposed sources, a separate ``rht16`` pass otherwise. ``tiles``: ``QuantizeTiles.as_list()``
-    (None: the defaults). Returns ``(codes [R, K/2] uint8, scales uint8 (linear [R, K/16] or flat
+    (None: the defaults). ``key_tensor``: an int32 [1] tensor holding the stochastic-rounding key
+    (a ``DeviceSeed``'s), read by the kernel instead of ``key``. Returns ``(codes [R, K/2] uint8, scales uint8 (linear [R, K/16] or flat
     swizzled), global decode fp32 [domains], image bf16 [R, K] or [0])``.
     """
     r = x2d.shape[0]
@@ -356,6 +361,8 @@ def quantize_op(
     if r == 0 or k == 0:
         return codes, scales, sdec, image
     cols_padded = -(-scale_cols // 4) * 4
+    if key_tensor is not None:
+        key = key_tensor  # the launchers pass it as a pointer (KEY_PTR)
     if rht_mask < 0 and quantize_rows.supported(x2d, tile16, col_index is not None, amax is not None):
         quantize_rows.launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, key, swizzled,
                              cols_padded, tile16, t)
@@ -380,7 +387,7 @@ def quantize_op(
             src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image.view(torch.int16),
             r, k, src.stride(0), src.shape[0], rows_per_group, key, cols_padded,
             HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
-            BLOCK_T=bt, BLOCK_H=bh, num_warps=warps, **exact_launch(),
+            BLOCK_T=bt, BLOCK_H=bh, KEY_PTR=key_tensor is not None, num_warps=warps, **exact_launch(),
         )
         return codes, scales, sdec, image
     block_r, block_k, warps, single = _config(r, k, tile16, stochastic, t)
@@ -390,13 +397,15 @@ def quantize_op(
         r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, cols_padded,
         HAS_COL_INDEX=col_index is not None, ROW_AMAX=amax is None, TILE16=tile16,
         STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
-        BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single, num_warps=warps, **exact_launch(),
+        BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single, KEY_PTR=key_tensor is not None, num_warps=warps,
+        **exact_launch(),
     )
     return codes, scales, sdec, image
 
 
 @quantize_op.register_fake
-def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled, rht_mask=-1, tiles=None):
+def _(x2d, amax, col_index, rows_per_group, tile16, stochastic, key, with_image, swizzled, rht_mask=-1, tiles=None,
+      key_tensor=None):
     r = x2d.shape[0]
     k = col_index.shape[0] if col_index is not None else x2d.shape[1]
     scale_numel = swizzled_numel(r, k // BLOCK) if swizzled else r * (k // BLOCK)
@@ -415,7 +424,7 @@ def quantize_forward(
     global_scale: str = "row",
     tile: tuple[int, int] = (1, BLOCK),
     rounding: str = "nearest",
-    seed: int | None = None,
+    seed: int | DeviceSeed | None = None,
     rht_seed: int | None = None,
     amax: torch.Tensor | None = None,
     with_image: bool = False,
@@ -437,6 +446,7 @@ def quantize_forward(
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if rounding == "stochastic" and seed is None:
         raise ValueError("stochastic rounding needs a seed (nvfp4.quantize draws one from `generator`)")
+    key, key_tensor = key_args(seed, x.device) if rounding == "stochastic" else (0, None)
     if rht_seed is not None and tuple(tile) != (1, BLOCK):
         raise ValueError("the random Hadamard transform applies to 1x16 blocks only")
     if scale_layout not in ("linear", "swizzled"):
@@ -467,8 +477,7 @@ def quantize_forward(
         amax = quantize_cols.amax_launch(x2d, None, rpg, rht, tiles) if rht >= 0 else _tensor_amax(x2d, rpg)
     codes, scales, sdec, image = quantize_op(
         x2d, amax, None, rpg, tile16, rounding == "stochastic",
-        sr_key(seed) if rounding == "stochastic" else 0, with_image, scale_layout == "swizzled", rht,
-        None if tiles is DEFAULT else tiles.as_list(),
+        key, with_image, scale_layout == "swizzled", rht, None if tiles is DEFAULT else tiles.as_list(), key_tensor,
     )
     q = NVFP4Tensor(
         codes=codes.reshape(*shape[:-1], k // 2),

@@ -35,6 +35,7 @@ from minite_kernels.triton.nvfp4._nvfp4_math import (
     e2m1_round_stochastic,
     exact_launch,
     fmix32,
+    sr_key_u32,
     global_scales_from_amax,
     interpreting,
 )
@@ -237,7 +238,7 @@ def _quantize_cols_kernel(
     R, K, stride_s, rows_per_group, key, rht_mask, scale_cols_padded, groups_per_prog,
     HAS_COL_INDEX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
     RHT: tl.constexpr, AMAX_ONLY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NB: tl.constexpr,
-    PLAIN_AMAX: tl.constexpr = False,
+    PLAIN_AMAX: tl.constexpr = False, KEY_PTR: tl.constexpr = False,
 ):
     """Program (token range, feature group): BLOCK_H features x ``groups_per_prog`` groups of
     BLOCK_NB blocks of 16 tokens (the per-feature set-up is paid once per program).
@@ -284,7 +285,7 @@ def _quantize_cols_kernel(
         if pid_t == 0:
             tl.store(sdec_ptr + h // rows_per_group, canonical_nan_f32(s_dec), mask=hm & ((h % rows_per_group) == 0))
         if STOCHASTIC:
-            inner = fmix32(h.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, None]
+            inner = fmix32(h.to(tl.uint32, bitcast=True) + sr_key_u32(key, KEY_PTR))[:, None]
         else:
             inner = tl.zeros((BLOCK_H, 1), tl.uint32)
         for g in range(g0, g0 + groups_per_prog):
@@ -316,7 +317,7 @@ def launch(x2d, amax, col_index, codes, scales, sdec, image, rows_per_group, sto
         r, k, src.stride(0), rows_per_group, key, rht_mask, cols_padded, per,
         HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0,
         SWIZZLED=swizzled, RHT=rht_mask >= 0, AMAX_ONLY=False,
-        BLOCK_H=bh, BLOCK_NB=nb, num_warps=warps, **exact_launch(),
+        BLOCK_H=bh, BLOCK_NB=nb, KEY_PTR=torch.is_tensor(key), num_warps=warps, **exact_launch(),
     )
 
 

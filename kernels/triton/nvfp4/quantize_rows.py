@@ -49,6 +49,7 @@ from minite_kernels.triton.nvfp4._nvfp4_math import (
     e2m1_round_stochastic,
     exact_launch,
     fmix32,
+    sr_key_u32,
     global_scales_from_amax,
     interpreting,
     max_propagate_nan,
@@ -226,7 +227,7 @@ def _quantize_rows_kernel(
     R, K, stride_w, rows_per_group, key, scale_cols_padded,
     ROW_AMAX: tl.constexpr, STOCHASTIC: tl.constexpr, WITH_IMAGE: tl.constexpr, SWIZZLED: tl.constexpr,
     IS_FP16: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
-    TILE16: tl.constexpr = False,
+    TILE16: tl.constexpr = False, KEY_PTR: tl.constexpr = False,
 ):
     """BLOCK_R rows per program, BLOCK_NB threads (one block each) per row and chunk. Tiles are
     ``[BLOCK_NB, BLOCK_R, 4]`` (blocks first: Triton spreads threads over the first
@@ -241,7 +242,7 @@ def _quantize_rows_kernel(
     row_ptr = x_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, :, None] * stride_w
     jw = (tl.arange(0, BLOCK_NB) * 8)[:, None, None] + tl.arange(0, 4)[None, None, :]
     if STOCHASTIC:
-        inner = fmix32(rows.to(tl.uint32, bitcast=True) + key.to(tl.uint32, bitcast=True))[:, :, None]
+        inner = fmix32(rows.to(tl.uint32, bitcast=True) + sr_key_u32(key, KEY_PTR))[:, :, None]
     else:
         inner = tl.zeros((1, BLOCK_R, 1), tl.uint32)
 
@@ -311,5 +312,5 @@ def launch(x2d, amax, codes, scales, sdec, image, rows_per_group, stochastic, ke
         r, k, x2d.stride(0) // 2, rows_per_group, key, cols_padded,
         ROW_AMAX=amax is None, STOCHASTIC=stochastic, WITH_IMAGE=image.numel() > 0, SWIZZLED=swizzled,
         IS_FP16=x2d.dtype == torch.float16, BLOCK_NB=block_nb, BLOCK_R=block_r, CHUNKS=chunks, TILE16=tile16,
-        num_warps=warps, **exact_launch(),
+        KEY_PTR=torch.is_tensor(key), num_warps=warps, **exact_launch(),
     )
