@@ -153,11 +153,11 @@ def test_quantize_tiles_are_a_backend_option(monkeypatch):
     assert BACKEND.options.quantize_tiles is DEFAULT
     seen = []
     real_op = quantize.quantize_op
-    monkeypatch.setattr(quantize, "quantize_op", lambda *a: (seen.append(a[-1]), real_op(*a))[1])
+    monkeypatch.setattr(quantize, "quantize_op", lambda *a: (seen.append(a[-2]), real_op(*a))[1])
     x = randn(32, 64).to(DEVICE)
     be = TritonBackend(TritonOptions(quantize_tiles=tiles))
     assert_nvfp4_equal(be.quantize(x, with_image=True), BACKEND.quantize(x, with_image=True))
-    assert seen == [tiles.as_list(), None]
+    assert seen == [tiles.as_list(), None]  # the tiles argument (the last but one: then key_tensor)
     for mod in (quantize_rows, quantize_cols, quantize):  # the GPU configs the launchers pick from the record
         monkeypatch.setattr(mod, "interpreting", lambda: False)
     assert quantize_rows.config(64, 2048, tiles=tiles) == (16, 4, 2, 0)  # 128 blocks: 16 threads, 8 chunks > 2
