@@ -387,7 +387,7 @@ def quantize_op(
             src, col_index if col_index is not None else codes, amax, codes, scales, sdec, image.view(torch.int16),
             r, k, src.stride(0), src.shape[0], rows_per_group, key, cols_padded,
             HAS_COL_INDEX=col_index is not None, STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
-            BLOCK_T=bt, BLOCK_H=bh, KEY_PTR=key_tensor is not None, num_warps=warps, **exact_launch(),
+            BLOCK_T=bt, BLOCK_H=bh, KEY_PTR=torch.is_tensor(key), num_warps=warps, **exact_launch(),
         )
         return codes, scales, sdec, image
     block_r, block_k, warps, single = _config(r, k, tile16, stochastic, t)
@@ -397,7 +397,7 @@ def quantize_op(
         r, k, x2d.stride(0), x2d.stride(1), rows_per_group, key, cols_padded,
         HAS_COL_INDEX=col_index is not None, ROW_AMAX=amax is None, TILE16=tile16,
         STOCHASTIC=stochastic, WITH_IMAGE=with_image, SWIZZLED=swizzled,
-        BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single, KEY_PTR=key_tensor is not None, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_K=block_k, SINGLE_PASS=single, KEY_PTR=torch.is_tensor(key), num_warps=warps,
         **exact_launch(),
     )
     return codes, scales, sdec, image
