@@ -11,7 +11,9 @@ Before running ``SCRIPT`` as ``__main__`` (``runpy``, ``sys.argv = [SCRIPT, *ARG
    ``--minite-*`` flags parse, bad configurations fail fast naming the flag, and the model config
    built by ``gpt_config_from_args`` uses the minite specs;
 4. applies the megatron-core fixes kept in ``patches/`` (:mod:`minite_megatron.training.
-   upstream_patches`; in memory, no installed file is edited).
+   upstream_patches`; in memory, no installed file is edited);
+5. makes ``--cuda-graph-impl full_iteration`` capture the minite layers' step
+   (:mod:`minite_megatron.training.full_iteration_graph`).
 
 Before any of that it silences the upstream warnings a user cannot act on
 (:mod:`minite_megatron.training.upstream_warnings`, each named there).
@@ -38,17 +40,18 @@ USAGE = "usage: python -m minite_megatron.launch SCRIPT [ARGS...]  (e.g. example
 
 
 def prepare() -> bool:
-    """Steps 1-4 above, without running a script (training scripts may call it themselves).
+    """Steps 1-5 above, without running a script (training scripts may call it themselves).
 
     Idempotent. Returns whether the CPU compatibility layer is active.
     """
     from . import cpu_compat, megatron_args
-    from .training import megatron_wheel, upstream_patches
+    from .training import full_iteration_graph, megatron_wheel, upstream_patches
 
     active = cpu_compat.activate()
     megatron_wheel.apply()
     megatron_args.install()
     upstream_patches.apply()
+    full_iteration_graph.install()
     return active
 
 

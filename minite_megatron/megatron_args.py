@@ -146,12 +146,17 @@ def check_minite_flags(args: argparse.Namespace) -> None:
                 else "it selects a Transformer Engine code path"
             )
             errors.append(f"{flag} cannot be combined with --transformer-impl minite ({hint})")
-    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+    graphs = getattr(args, "cuda_graph_impl", "none")
+    if graphs in ("local", "transformer_engine"):
         errors.append(
-            f"--cuda-graph-impl {args.cuda_graph_impl} cannot be combined with --transformer-impl minite: Megatron's "
-            "graph managers are not wired to the minite layers yet; what is supported is a whole forward + backward "
-            "captured by minite_megatron.training.cuda_graphs.GraphedStep (TP = EP = 1, no stochastic rounding, "
-            "not strict; why_not_graphable says why not)")
+            f"--cuda-graph-impl {graphs} cannot be combined with --transformer-impl minite: it graphs layer by layer "
+            "through Megatron's graph managers, which are not wired to the minite layers; use --cuda-graph-impl "
+            "full_iteration (one graph of the whole forward + backward, every recipe)")
+    elif graphs == "full_iteration" and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        errors.append(
+            "--cuda-graph-impl full_iteration cannot be combined with --expert-model-parallel-size "
+            f"{args.expert_model_parallel_size} under --transformer-impl minite: the expert all-to-all takes its split "
+            "sizes on the host")
     if getattr(args, "multi_latent_attention", False):
         errors.append("--multi-latent-attention cannot be combined with --transformer-impl minite (not supported yet)")
     if getattr(args, "spec", None) is not None:

@@ -45,8 +45,9 @@ def strict_config_errors(config) -> list[str]:
         errors.append("window_size (sliding-window attention) is not supported in strict mode")
     if config.softmax_type != "vanilla":
         errors.append("softmax_type must be 'vanilla'")
-    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
-        errors.append("cuda_graph_impl must be 'none'")
+    if getattr(config, "cuda_graph_impl", "none") in ("local", "transformer_engine"):
+        errors.append("cuda_graph_impl must be 'none' or 'full_iteration' (per-layer graph managers are not "
+                      "wired to the minite layers)")
     if config.num_moe_experts:
         if config.moe_router_dtype != "fp32":
             errors.append("moe_router_dtype must be 'fp32' (FP32 router logits)")

@@ -11,8 +11,10 @@ Distinct ranks get distinct streams, so data-parallel replicas do not round alik
 Outside ``megatron.training`` (plain loops, tests, the RL example) the seed is drawn from
 torch's default CPU generator: reproducible under ``torch.manual_seed``, no device sync.
 
-A CUDA graph cannot take host ints that change per step, so while a step is captured
-(:func:`device_seeds`) each draw returns the next slot of a :class:`DeviceSeedSlots` buffer (an
+A CUDA graph cannot take host ints that change per step. An eager warm-up step run under
+:func:`recording` lists the recipe seeds of its stochastic quantizations, in order; a
+:class:`DeviceSeedSlots` built from that list holds one device key per quantization. While the
+step is captured (:func:`device_seeds`) each draw returns the next slot (an
 :class:`~minite_megatron.nvfp4.DeviceSeed` the kernels read when they run) and
 :meth:`DeviceSeedSlots.refill` draws, before every replay, the seeds an eager step would draw
 at that point, in the same order, and writes their keys into the slots: a replay rounds with the
@@ -28,7 +30,7 @@ import torch
 from .. import nvfp4
 from ..nvfp4.stochastic import fmix32
 
-_STATE = {"iteration": None, "n": 0, "draws": 0, "slots": None}
+_STATE = {"iteration": None, "n": 0, "slots": None, "record": None}
 
 
 def _megatron_iteration() -> int | None:
@@ -59,16 +61,26 @@ def next_sr_seed(recipe_seed: int) -> "int | nvfp4.DeviceSeed":
     slots = _STATE["slots"]
     if slots is not None:
         return slots.take(recipe_seed)
+    if _STATE["record"] is not None:
+        _STATE["record"].append(int(recipe_seed))
     return _host_seed(recipe_seed)
 
 
-def draws() -> int:
-    """How many host seeds have been drawn in this process (a step's count: the difference)."""
-    return _STATE["draws"]
+@contextmanager
+def recording():
+    """Within: the recipe seeds of the stochastic quantizations drawn (eagerly), in order, are
+    appended to the list this yields (one warm-up step's list sizes a :class:`DeviceSeedSlots`)."""
+    if _STATE["record"] is not None:
+        raise RuntimeError("recording: already recording a step's draws")
+    drawn: list[int] = []
+    _STATE["record"] = drawn
+    try:
+        yield drawn
+    finally:
+        _STATE["record"] = None
 
 
 def _host_seed(recipe_seed: int) -> int:
-    _STATE["draws"] += 1
     it = _megatron_iteration()
     if it is None:
         return nvfp4.draw_seed()
@@ -80,23 +92,34 @@ def _host_seed(recipe_seed: int) -> int:
 
 
 class DeviceSeedSlots:
-    """``capacity`` device seeds (int32 keys on ``device``) for one captured step: slot ``i`` is
-    the ``i``-th stochastic quantization of the step, filled by :meth:`refill` before each replay."""
+    """One device seed (an int32 key on ``device``) per stochastic quantization of a captured step:
+    ``recipe_seeds`` are those of an eager step of the same shapes (:func:`recording`), slot ``i``
+    is the ``i``-th quantization, filled by :meth:`refill` before each replay."""
 
-    def __init__(self, capacity: int, device: torch.device | str):
+    def __init__(self, recipe_seeds: list[int], device: torch.device | str):
         self.device = torch.device(device)
-        self.keys = torch.zeros(max(int(capacity), 1), dtype=torch.int32, device=self.device)
+        self.recipe_seeds = [int(s) for s in recipe_seeds]
+        self.keys = torch.zeros(max(len(self.recipe_seeds), 1), dtype=torch.int32, device=self.device)
         self._staging = torch.zeros(self.keys.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self._copied = None  # the event after the last staging copy (the staging buffer is reused)
-        self.recipe_seeds: list[int] = []
+        self.taken = 0
 
     def take(self, recipe_seed: int) -> "nvfp4.DeviceSeed":
-        i = len(self.recipe_seeds)
-        if i >= self.keys.numel():
-            raise RuntimeError(f"the captured step draws more than the {self.keys.numel()} stochastic-rounding seeds "
-                               "of its warm-up step (the number of stochastic quantizations changed between steps)")
-        self.recipe_seeds.append(int(recipe_seed))
+        i, n = self.taken, len(self.recipe_seeds)
+        if i >= n:
+            raise RuntimeError(f"the captured step draws more than the {n} stochastic-rounding seeds of its "
+                               "warm-up step (the number of stochastic quantizations changed between steps)")
+        if int(recipe_seed) != self.recipe_seeds[i]:
+            raise RuntimeError(f"the captured step's stochastic quantization {i} has recipe seed {int(recipe_seed)}, "
+                               f"its warm-up step's {self.recipe_seeds[i]} (the step's quantizations changed)")
+        self.taken += 1
         return nvfp4.DeviceSeed(self.keys[i:i + 1])
+
+    def check_taken(self, who: str) -> None:
+        """After the capture: every slot was taken (the captured step drew what its warm-up drew)."""
+        if self.taken != len(self.recipe_seeds):
+            raise RuntimeError(f"{who}: the captured step drew {self.taken} stochastic-rounding seeds, its warm-up "
+                               f"step {len(self.recipe_seeds)} (the step's quantizations must not change)")
 
     def refill(self) -> None:
         """Draw the step's seeds on the host (as an eager step would, in its order) and copy their

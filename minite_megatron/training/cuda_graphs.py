@@ -9,7 +9,7 @@ it. What a captured graph freezes, and so what is refused:
 * expert parallelism: the all-to-all takes its split sizes on the host.
 
 Stochastic rounding: the captured quantizations read their seeds from device memory
-(``ops.seeds.device_seeds``: a slot per stochastic quantization of the step, counted in the last
+(``ops.seeds.device_seeds``: a slot per stochastic quantization of the step, listed by the last
 warm-up step), and :meth:`GraphedStep.step` draws the eager step's seeds on the host, in its
 order, and copies them there before each replay: a replay rounds with the bits of the eager step
 it stands for (also under ``megatron.training``, whose seeds hash the iteration).
@@ -135,11 +135,10 @@ class GraphedStep:
             for i in range(max(1, warmup)):
                 self._set_grads_none()
                 invalidate_weight_caches()
-                drawn = seeds.draws()
-                loss = loss_fn(self.static_tokens, self.static_labels)
-                stale = _foreign_accumulators(loss, side, names) if i == max(1, warmup) - 1 else None
-                loss.backward()
-                drawn = seeds.draws() - drawn  # the stochastic quantizations of one step
+                with seeds.recording() as drawn:  # the stochastic quantizations of one step, in order
+                    loss = loss_fn(self.static_tokens, self.static_labels)
+                    stale = _foreign_accumulators(loss, side, names) if i == max(1, warmup) - 1 else None
+                    loss.backward()
                 del loss
                 release_step_tensors(model)
         torch.cuda.current_stream().wait_stream(side)
@@ -159,9 +158,7 @@ class GraphedStep:
             loss = loss_fn(self.static_tokens, self.static_labels)
             loss.backward()
             self._nan = torch.stack(flags).any() if flags else None  # NaN routed in this replay
-        if len(self.seeds.recipe_seeds) != drawn:
-            raise RuntimeError(f"GraphedStep: the captured step drew {len(self.seeds.recipe_seeds)} stochastic-rounding "
-                               f"seeds, its warm-up step {drawn} (the step's quantizations must not change)")
+        self.seeds.check_taken("GraphedStep")
         self.static_loss = loss.detach()
         del loss
         release_step_tensors(model)  # the captured graph's autograd nodes are not kept by the modules

@@ -116,10 +116,30 @@ def test_te_and_conflicting_flags_fail_naming_the_flag(monkeypatch, extra, flag)
 
 
 def test_cuda_graph_impl_names_what_is_supported(monkeypatch):
-    """Pins: Megatron's graph flags with minite layers get one line naming the supported graph
-    (GraphedStep), not a traceback from a graph manager the minite layers are not wired to."""
-    with pytest.raises(MiniteArgumentError, match="GraphedStep"):
+    """Pins: Megatron's per-layer graph flags with minite layers get one line naming the supported
+    graph (full_iteration), not a traceback from a graph manager the minite layers are not wired to;
+    full_iteration is refused only with expert parallelism, and otherwise parses."""
+    with pytest.raises(MiniteArgumentError, match="use --cuda-graph-impl full_iteration"):
         _parse(BASE + ["--cuda-graph-impl", "transformer_engine"], monkeypatch)
+    graphed = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
+    with pytest.raises(MiniteArgumentError, match="full_iteration cannot be combined with --expert-model-parallel-size 2"):
+        _parse(BASE + graphed + ["--expert-model-parallel-size", "2"], monkeypatch)
+    assert _parse(BASE + graphed, monkeypatch).cuda_graph_impl == "full_iteration"
+
+
+def test_full_iteration_graph_is_the_wrapper_megatron_uses():
+    """``install`` (``launch.prepare`` step 5) puts the minite wrapper where ``megatron.training.training`` looks
+    ``FullCudaGraphWrapper`` up (its ``--cuda-graph-impl full_iteration`` branch); uninstall restores it."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.training import training
+
+    from minite_megatron.training import full_iteration_graph
+
+    full_iteration_graph.install()
+    assert training.FullCudaGraphWrapper is full_iteration_graph.MiniteFullIterationGraph
+    assert issubclass(full_iteration_graph.MiniteFullIterationGraph, FullCudaGraphWrapper)
+    full_iteration_graph.uninstall()
+    assert training.FullCudaGraphWrapper is FullCudaGraphWrapper
 
 
 def test_unknown_recipe_field_in_a_recipe_file_names_the_field(monkeypatch, tmp_path):

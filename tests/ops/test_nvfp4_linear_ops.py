@@ -207,10 +207,10 @@ def test_sr_seeds_follow_the_megatron_iteration(monkeypatch):
 
     args = SimpleNamespace(curr_iteration=7)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "slots": None, "record": None})
     first = [seeds.next_sr_seed(0) for _ in range(3)]
     torch.rand(5)  # unrelated draws from the default generator change nothing
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
+    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "slots": None, "record": None})
     assert [seeds.next_sr_seed(0) for _ in range(3)] == first
     assert len(set(first)) == 3
     args.curr_iteration = 8
@@ -231,22 +231,34 @@ def test_device_seed_slots_hold_the_seeds_an_eager_step_draws(monkeypatch, megat
 
     args = SimpleNamespace(curr_iteration=megatron_iteration) if megatron_iteration is not None else None
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
+    fresh = {"iteration": None, "n": 0, "slots": None, "record": None}
+    monkeypatch.setattr(seeds, "_STATE", dict(fresh))
     torch.manual_seed(3)
-    eager = [seeds.next_sr_seed(s) for s in (0, 5, 0)]
+    with seeds.recording() as drawn:
+        eager = [seeds.next_sr_seed(s) for s in (0, 5, 0)]
+        with pytest.raises(RuntimeError, match="already recording"):
+            with seeds.recording():
+                pass
     after_eager = torch.rand(2)
-    assert seeds.draws() == 3
+    assert drawn == [0, 5, 0] and all(isinstance(s, int) for s in eager)
 
-    monkeypatch.setattr(seeds, "_STATE", {"iteration": None, "n": 0, "draws": 0, "slots": None})
-    slots = seeds.DeviceSeedSlots(3, "cpu")
+    monkeypatch.setattr(seeds, "_STATE", dict(fresh))
+    slots = seeds.DeviceSeedSlots(drawn, "cpu")
     with seeds.device_seeds(slots):
-        taken = [seeds.next_sr_seed(s) for s in (0, 5, 0)]
+        taken = [seeds.next_sr_seed(s) for s in (0, 5)]
+        with pytest.raises(RuntimeError, match="quantization 2 has recipe seed 5, its warm-up step's 0"):
+            seeds.next_sr_seed(5)
+        taken.append(seeds.next_sr_seed(0))
         with pytest.raises(RuntimeError, match="already recording"):
             with seeds.device_seeds(slots):
                 pass
         with pytest.raises(RuntimeError, match="more than the 3"):
             seeds.next_sr_seed(0)
-    assert all(isinstance(t, nvfp4.DeviceSeed) for t in taken) and seeds.draws() == 0
+    slots.check_taken("test")
+    with pytest.raises(RuntimeError, match="test: the captured step drew 0 stochastic-rounding seeds, its warm-up step 3"):
+        seeds.DeviceSeedSlots(drawn, "cpu").check_taken("test")
+    assert all(isinstance(t, nvfp4.DeviceSeed) for t in taken)
+    assert seeds._STATE["n"] == 0  # no host draw while captured
     assert [t.key.data_ptr() for t in taken] == [slots.keys[i:].data_ptr() for i in range(3)]
     torch.manual_seed(3)
     slots.refill()
