@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "minite-vllm plugin, refitted every step (examples/rl/rl_vllm.py; needs .venv-vllm)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="default: the answer length")
     g.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
+    g.add_argument("--cuda-graph-impl", choices=("none", "full_iteration"), default="none",
+                   help="full_iteration: each PPO update's forward + backward (every micro-batch) replays one CUDA "
+                        "graph, Megatron's full-iteration graph with the minite step's seeds (micro-batches padded "
+                        "to the longest possible sequence; GPU, --ep 1)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=2,
+                   help="eager PPO updates before the capture (--cuda-graph-impl full_iteration)")
     g.add_argument("--mini-batch-size", type=int, default=8, help="prompts per optimizer step (all ranks)")
     g.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward, per rank")
     g.add_argument("--lr", type=float, default=1e-4)
@@ -165,6 +171,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         _fail(parser, f"--tis-cap {args.tis_cap}: must be >= 0 (0 turns TIS off)")
     if args.kl_coef < 0 or args.entropy_coef < 0:
         _fail(parser, "--kl-coef and --entropy-coef must be >= 0")
+    if args.cuda_graph_impl == "full_iteration":
+        if args.ep > 1:
+            _fail(parser, f"--cuda-graph-impl full_iteration with --ep {args.ep}: the expert all-to-all takes its split "
+                          "sizes on the host")
+        if args.cuda_graph_warmup_steps < 1:
+            _fail(parser, f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: must be >= 1")
     if args.load and args.save and args.load == args.save:
         pass  # resume in place: allowed (Megatron does the same)
     return args

@@ -140,19 +140,36 @@ def generate_rollouts(engine, task, pairs, args, *, seed: int, stop_at_eod: bool
     )
 
 
-def _micro_batches(batch: RolloutBatch, idx: torch.Tensor, size: int, device) -> list[dict]:
-    """Micro-batches of the sequences ``idx``, each trimmed to its own longest sequence."""
+def _micro_batches(batch: RolloutBatch, idx: torch.Tensor, size: int, device, width: int | None = None,
+                   pad_id: int = 0) -> list[dict]:
+    """Micro-batches of the sequences ``idx``, each trimmed to its own longest sequence, or with
+    ``width`` padded to that many tokens (``pad_id``, masked out): the fixed shapes a CUDA graph
+    replays."""
     out = []
     for start in range(0, idx.numel(), size):
         sel = idx[start : start + size]
-        width = int(batch.response_mask[sel].any(0).nonzero().max()) + 2  # last response entry + 1 token
-        mb = {"tokens": batch.tokens[sel, :width], "mask": batch.loss_mask[sel, : width - 1],
-              "old": batch.old_logp[sel, : width - 1], "rollout": batch.rollout_logp[sel, : width - 1],
-              "adv": batch.advantages[sel]}
-        if batch.ref_logp is not None:
-            mb["ref"] = batch.ref_logp[sel, : width - 1]
+        if width is None:
+            w = int(batch.response_mask[sel].any(0).nonzero().max()) + 2  # last response entry + 1 token
+            mb = {"tokens": batch.tokens[sel, :w], "mask": batch.loss_mask[sel, : w - 1],
+                  "old": batch.old_logp[sel, : w - 1], "rollout": batch.rollout_logp[sel, : w - 1],
+                  "adv": batch.advantages[sel]}
+            if batch.ref_logp is not None:
+                mb["ref"] = batch.ref_logp[sel, : w - 1]
+        else:
+            mb = {"tokens": _padded(batch.tokens[sel], width, pad_id), "mask": _padded(batch.loss_mask[sel], width - 1),
+                  "old": _padded(batch.old_logp[sel], width - 1), "rollout": _padded(batch.rollout_logp[sel], width - 1),
+                  "adv": batch.advantages[sel]}
+            if batch.ref_logp is not None:
+                mb["ref"] = _padded(batch.ref_logp[sel], width - 1)
         out.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
     return out
+
+
+def _padded(x: torch.Tensor, width: int, value=0) -> torch.Tensor:
+    """``x`` ``[B, L]`` right-padded with ``value`` to ``[B, width]`` (``L <= width``)."""
+    if x.shape[1] > width:
+        raise ValueError(f"a rollout of {x.shape[1]} positions does not fit the graphed width {width}")
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
 
 def compute_old_logprobs(model, batch: RolloutBatch, args, device, ref_model=None) -> None:
@@ -177,14 +194,18 @@ def tis_metrics(batch: RolloutBatch, cap: float, sums: MetricSums) -> None:
     sums.add("rollout_corr/rollout_is_clip_frac", masked_sum((w > cap).double(), m), m.sum())
 
 
-def _ppo_loss(mb: dict, logits: torch.Tensor, *, args, strict: bool, denom: float, scale: float, sums: MetricSums):
+def _ppo_loss(mb: dict, logits: torch.Tensor, *, args, strict: bool, scale: float):
+    """The PPO loss of one micro-batch (times ``scale``) and its metrics as Megatron's reduced-loss
+    dict: ``name -> [sum, count]`` tensors, read on the host after the schedule (no host wait
+    inside the step, so a CUDA graph can capture it). ``mb["denom"]``: the mini-batch's token or
+    sequence count over all micro-batches and ranks (a device scalar)."""
     need_entropy_grad = args.entropy_coef > 0
     logp, entropy = logprobs_from_logits(logits, mb["tokens"], strict=strict, temperature=args.temperature,
                                          with_entropy=need_entropy_grad)
     if entropy is None:  # a metric only
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach()[:, :-1], args.temperature)
-    mask = mb["mask"]
+    mask, denom = mb["mask"], mb["denom"]
     token_loss, clipped, lower = ppo_clip_token_loss(logp, mb["old"], mb["adv"], eps_low=args.eps_clip,
                                                      eps_high=args.eps_clip_high, dual_clip=args.dual_clip)
     if args.tis_cap > 0:
@@ -192,25 +213,50 @@ def _ppo_loss(mb: dict, logits: torch.Tensor, *, args, strict: bool, denom: floa
     pg = aggregate(token_loss, mask, args.loss_agg_mode, denominator=denom)
     loss = pg
     n = mask.sum()
+    metrics = {}
+
+    def metric(name, total, count):
+        total = total.detach().double()
+        count = count.double() if isinstance(count, torch.Tensor) else torch.zeros_like(total)  # (no host copy)
+        metrics[name] = torch.stack([total, count])
+
     if "ref" in mb:
         kl = k3_kl(logp, mb["ref"])
         loss = loss + args.kl_coef * aggregate(kl, mask, args.loss_agg_mode, denominator=denom)
-        sums.add("actor/kl_loss", masked_sum(kl.detach(), mask), n)
+        metric("actor/kl_loss", masked_sum(kl.detach(), mask), n)
     if need_entropy_grad:
         loss = loss - args.entropy_coef * aggregate(entropy, mask, args.loss_agg_mode, denominator=denom)
     with torch.no_grad():
-        sums.add("actor/pg_loss", pg.detach(), 0)  # summed over micro-batches and ranks: the update's loss
-        sums.add("actor/entropy", masked_sum(entropy.detach(), mask), n)
-        sums.add("actor/pg_clipfrac", masked_sum(clipped.double(), mask), n)
-        sums.add("actor/pg_clipfrac_lower", masked_sum(lower.double(), mask), n)
-        sums.add("actor/ppo_kl", masked_sum((mb["old"] - logp.detach()).double(), mask), n)
-    return loss * scale, {}
+        metric("actor/pg_loss", pg, 0)  # summed over micro-batches and ranks: the update's loss
+        metric("actor/entropy", masked_sum(entropy.detach(), mask), n)
+        metric("actor/pg_clipfrac", masked_sum(clipped.double(), mask), n)
+        metric("actor/pg_clipfrac_lower", masked_sum(lower.double(), mask), n)
+        metric("actor/ppo_kl", masked_sum((mb["old"] - logp.detach()).double(), mask), n)
+    return loss * scale, metrics
+
+
+def ppo_graph(args):
+    """``--cuda-graph-impl full_iteration``: Megatron's forward-backward schedule inside the minite
+    full-iteration graph (warm-up updates eager, then one capture, then a replay per update); None
+    without the flag."""
+    if args.cuda_graph_impl != "full_iteration":
+        return None
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from minite_megatron.training.full_iteration_graph import MiniteFullIterationGraph
+
+    graph = MiniteFullIterationGraph(get_forward_backward_func(), cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+                                     use_single_mempool=True)
+    graph.reset_cuda_graph()  # Megatron keeps one graph per process: this run's is captured afresh
+    return graph
 
 
 def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, step: int, strict: bool,
-               device, sums: MetricSums) -> dict:
+               device, sums: MetricSums, graph=None, width: int | None = None, pad_id: int = 0) -> dict:
     """``--ppo-epochs`` passes over the batch in mini-batches of ``--mini-batch-size`` prompts (whole
-    groups, shuffled per epoch), one optimizer step each. Returns the per-update values that are not token means (grad norms, losses, lr)."""
+    groups, shuffled per epoch), one optimizer step each. Returns the per-update values that are not
+    token means (grad norms, losses, lr). ``graph``: :func:`ppo_graph`'s schedule, micro-batches
+    padded to ``width`` tokens (``pad_id``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank, dp_size, dp_group = dp_info()
@@ -218,7 +264,7 @@ def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, st
     num_mini = args.rollout_batch_size // args.mini_batch_size
     groups = n // args.group
     per_mini = groups // num_mini  # whole groups (prompts) per mini-batch
-    forward_backward = get_forward_backward_func()
+    forward_backward = graph if graph is not None else get_forward_backward_func()
     grad_norms, pg_losses, skipped = [], [], 0
     ddp_model.train()
     for epoch in range(args.ppo_epochs):
@@ -231,24 +277,28 @@ def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, st
             local = [float(m.sum()), float((m.sum(1) > 0).sum())]
             tokens_all, seqs_all = all_reduce_sum(local, dp_group)
             denom = tokens_all if args.loss_agg_mode == "token-mean" else seqs_all
-            micro = _micro_batches(batch, idx, args.micro_batch_size, device)
+            micro = _micro_batches(batch, idx, args.micro_batch_size, device, width, pad_id)
             update_sums = MetricSums()
             if denom == 0:  # every sample of this mini-batch was filtered out: nothing to learn from
                 skipped += 1
                 continue
             scale = len(micro) * dp_size
+            for mb in micro:
+                mb["denom"] = torch.tensor(float(denom), dtype=torch.float32, device=device)
 
             def forward_step(data_iterator, model):
                 mb = next(data_iterator)
                 logits = forward_logits(model, mb["tokens"])
-                return logits, partial(_ppo_loss, mb, args=args, strict=strict, denom=denom, scale=scale,
-                                       sums=update_sums)
+                return logits, partial(_ppo_loss, mb, args=args, strict=strict, scale=scale)
 
             ddp_model.zero_grad_buffer()
             optimizer.zero_grad()
-            forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp_model],
-                             num_microbatches=len(micro), seq_length=int(batch.tokens.shape[1]),
-                             micro_batch_size=args.micro_batch_size, forward_only=False)
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp_model],
+                                       num_microbatches=len(micro), seq_length=int(micro[0]["tokens"].shape[1]),
+                                       micro_batch_size=args.micro_batch_size, forward_only=False)
+            for metrics in reduced:  # per micro-batch, in order (a graph's static outputs after its replay)
+                for name, pair in metrics.items():
+                    update_sums.add(name, pair[0], pair[1])
             ok, grad_norm, _ = optimizer.step()
             scheduler.step(increment=1)
             if not ok:

@@ -167,14 +167,24 @@ def check_rollout_layout(model, tp: int, ep: int) -> None:
         )
 
 
-def wrap_ddp(model):
+def wrap_ddp(model, *, graphed: bool = False):
     """Megatron's ``DistributedDataParallel`` (grads reduced in FP32, no overlap, no distributed
-    optimizer)."""
+    optimizer). ``graphed``: built on Megatron's full-iteration capture stream, as its training loop
+    does, so the gradient accumulators DDP keeps run on the stream that captures the backward."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
-    return DistributedDataParallel(model.config, ddp_config, module=model)
+    if not graphed:
+        return DistributedDataParallel(model.config, ddp_config, module=model)
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    stream = get_shared_capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ddp = DistributedDataParallel(model.config, ddp_config, module=model)
+    torch.cuda.current_stream().wait_stream(stream)
+    return ddp
 
 
 def build_optimizer(ddp_model, *, lr: float, weight_decay: float, clip_grad: float, beta1: float, beta2: float):

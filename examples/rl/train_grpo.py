@@ -125,7 +125,10 @@ def main(argv=None) -> dict:
     rl_model.check_rollout_layout(model, args.tp, args.ep)
     model_info = {**arch, "parameters_per_rank": sum(p.numel() for p in model.parameters()),
                   "params_dtype": str(dtype).replace("torch.", ""), "backend": recipe.backend or "auto"}
-    ddp = rl_model.wrap_ddp(model)
+    if args.cuda_graph_impl != "none" and device.type != "cuda":
+        raise rl_args.UsageError(f"--cuda-graph-impl {args.cuda_graph_impl} needs a CUDA GPU (device {device})")
+    ddp = rl_model.wrap_ddp(model, graphed=args.cuda_graph_impl != "none")
+    ppo_graph = rl_loop.ppo_graph(args)  # None: eager updates
     strict = recipe.strict
     say(f"train_grpo: {'strict' if strict else 'default'} recipe{' (no quantization)' if args.no_quant else ''}, "
         f"backend {recipe.backend or 'auto'}, {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
@@ -229,7 +232,8 @@ def main(argv=None) -> dict:
             sums = MetricSums()
             rl_loop.tis_metrics(batch, args.tis_cap, sums)
             update, t_upd = rl_loop.timed(rl_loop.ppo_update, ddp, optimizer, scheduler, batch, args, step=step,
-                                          strict=strict, device=device, sums=sums)
+                                          strict=strict, device=device, sums=sums, graph=ppo_graph,
+                                          width=max_seq if ppo_graph is not None else None, pad_id=task.eod)
             sums.all_reduce(dp_group)
 
             # gather the rollout batch's summaries (and the gap inputs) on every rank, log on rank 0

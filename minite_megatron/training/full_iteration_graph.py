@@ -30,18 +30,28 @@ draws, no NaN flags, nothing refused).
 from __future__ import annotations
 
 import torch
-from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 
 
 class MiniteFullIterationGraph(FullCudaGraphWrapper):
     """Megatron's ``FullCudaGraphWrapper`` with the minite step's seeds, NaN flags and weight
     caches handled around capture and replay (module docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._recorded: dict[str, list[int]] = {}
-        self._slots: dict[str, object] = {}
-        self._nan: dict[str, torch.Tensor | None] = {}
+    # per stage, like Megatron's graphs and counters: class-level, because Megatron makes a new
+    # wrapper per evaluation and replays the validation graph an earlier one captured
+    _recorded: dict[str, list[int]] = {}
+    _slots: dict[str, object] = {}
+    _nan: dict[str, torch.Tensor | None] = {}
+
+    def reset_cuda_graph(self, stage=None):
+        """Megatron's reset (the graph, its result and its iteration counter), the static input
+        buffers of the graph it drops (a new capture may read other shapes), and this class's seed
+        lists, slots and NaN flags of ``stage`` (None: both)."""
+        super().reset_cuda_graph(stage)
+        for s in ("training", "validation") if stage is None else (stage,):
+            StaticBufferLoader.static_buffers[s] = []
+            for held in (self._recorded, self._slots, self._nan):
+                held.pop(s, None)
 
     def __call__(self, *args, **kwargs):
         from ..invariant.topk import nan_checks_on_device
