@@ -11,7 +11,7 @@
 #                 interpreted); PYTEST_WORKERS xdist workers, default 12
 #   gpu_set       the whole GPU set, gpu_tests and kernel_tests as one pytest run (-m "gpu or kernels"):
 #                 one worker pool
-#   graphs        the CUDA-graph checks of the learner (graphed step == eager step, bit for bit)
+#   graphs        the CUDA-graph checks (GraphedStep, --cuda-graph-impl full_iteration, the RL trainer): graphed == eager, bit for bit
 #   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, NVFP4 RNE, strict at 4096 and 16384 tokens,
 #                 eager and CUDA-graphed
 #   rollout       benchmarks.rollout on the qwen3-moe preset: engines x batch 1 / 8 / 64
@@ -71,7 +71,7 @@ for s in $RUN; do
     gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
     gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" --durations=30 -m "gpu or kernels" tests ;;
     kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
-    graphs) step graphs "${PYTEST[@]}" -m gpu tests/megatron -k graph ;;
+    graphs) step graphs "${PYTEST[@]}" -n 4 -m gpu tests/megatron tests/examples -k graph ;;
     learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \
       --graphs eager,graphed --iters 6 --warmup 2 --out "$OUT" ;;
     rollout) step rollout python3 -m benchmarks.rollout --batches 1,8,64 --gap-batch 8 --json "$OUT/rollout.jsonl" ;;
