@@ -145,22 +145,17 @@ def _micro_batches(batch: RolloutBatch, idx: torch.Tensor, size: int, device, wi
     """Micro-batches of the sequences ``idx``, each trimmed to its own longest sequence, or with
     ``width`` padded to that many tokens (``pad_id``, masked out): the fixed shapes a CUDA graph
     replays."""
+    fit = _padded if width is not None else (lambda x, n, value=0: x[:, :n])
     out = []
     for start in range(0, idx.numel(), size):
         sel = idx[start : start + size]
-        if width is None:
-            w = int(batch.response_mask[sel].any(0).nonzero().max()) + 2  # last response entry + 1 token
-            mb = {"tokens": batch.tokens[sel, :w], "mask": batch.loss_mask[sel, : w - 1],
-                  "old": batch.old_logp[sel, : w - 1], "rollout": batch.rollout_logp[sel, : w - 1],
-                  "adv": batch.advantages[sel]}
-            if batch.ref_logp is not None:
-                mb["ref"] = batch.ref_logp[sel, : w - 1]
-        else:
-            mb = {"tokens": _padded(batch.tokens[sel], width, pad_id), "mask": _padded(batch.loss_mask[sel], width - 1),
-                  "old": _padded(batch.old_logp[sel], width - 1), "rollout": _padded(batch.rollout_logp[sel], width - 1),
-                  "adv": batch.advantages[sel]}
-            if batch.ref_logp is not None:
-                mb["ref"] = _padded(batch.ref_logp[sel], width - 1)
+        # trimmed: the last response entry + 1 token
+        w = width if width is not None else int(batch.response_mask[sel].any(0).nonzero().max()) + 2
+        mb = {"tokens": fit(batch.tokens[sel], w, pad_id), "mask": fit(batch.loss_mask[sel], w - 1),
+              "old": fit(batch.old_logp[sel], w - 1), "rollout": fit(batch.rollout_logp[sel], w - 1),
+              "adv": batch.advantages[sel]}
+        if batch.ref_logp is not None:
+            mb["ref"] = fit(batch.ref_logp[sel], w - 1)
         out.append({k: v.to(device, non_blocking=True) for k, v in mb.items()})
     return out
 
@@ -283,8 +278,9 @@ def ppo_update(ddp_model, optimizer, scheduler, batch: RolloutBatch, args, *, st
                 skipped += 1
                 continue
             scale = len(micro) * dp_size
+            denom_t = torch.tensor(float(denom), dtype=torch.float32, device=device)
             for mb in micro:
-                mb["denom"] = torch.tensor(float(denom), dtype=torch.float32, device=device)
+                mb["denom"] = denom_t
 
             def forward_step(data_iterator, model):
                 mb = next(data_iterator)

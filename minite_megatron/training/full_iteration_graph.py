@@ -57,6 +57,7 @@ class MiniteFullIterationGraph(FullCudaGraphWrapper):
         from ..invariant.topk import nan_checks_on_device
         from ..ops import seeds
         from ..ops.weight_cache import invalidate_weight_caches
+        from .cuda_graphs import release_step_tensors, why_not_graphable
 
         stage = "validation" if kwargs.get("forward_only") else "training"
         it, warmup = self.curr_iter(stage), self.cuda_graph_warmup_steps
@@ -68,9 +69,14 @@ class MiniteFullIterationGraph(FullCudaGraphWrapper):
             self._recorded[stage] = drawn
             return result
         if it == warmup:  # Megatron captures, then replays once: the seeds must be in place before
-            chunks = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
-            _refuse_what_cannot_be_captured(chunks)
             device = torch.device("cuda", torch.cuda.current_device())
+            chunks = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+            for chunk in chunks:
+                why = why_not_graphable(chunk, None, device)
+                if why is not None:
+                    raise ValueError(f"--cuda-graph-impl full_iteration cannot capture this model: {why}")
+            for chunk in chunks:
+                release_step_tensors(chunk)  # kept autograd history would pin the accumulators' stream
             slots = seeds.DeviceSeedSlots(self._recorded.get(stage, []), device)
             slots.refill()
             invalidate_weight_caches()
@@ -98,19 +104,6 @@ class MiniteFullIterationGraph(FullCudaGraphWrapper):
             raise ValueError(f"--cuda-graph-impl full_iteration: NaN in the routing scores of {stage} iteration "
                              f"{self.curr_iter(stage) - 1} (strict mode refuses to route them; the step is not applied)")
         return result
-
-
-def _refuse_what_cannot_be_captured(chunks: list[torch.nn.Module]) -> None:
-    from .cuda_graphs import release_step_tensors, why_not_graphable
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    for chunk in chunks:
-        why = why_not_graphable(chunk, None, device)
-        if why is not None:
-            raise ValueError(f"--cuda-graph-impl full_iteration cannot capture this model: {why}")
-    for chunk in chunks:
-        release_step_tensors(chunk)
-
 
 
 _ORIGINAL: dict[str, type] = {}
