@@ -15,7 +15,7 @@ import torch
 from rl_args import UsageError
 
 
-def init_distributed(tp: int, ep: int, seed: int) -> torch.device:
+def init_distributed(tp: int, ep: int, seed: int, *, cuda_graphs: bool = False) -> torch.device:
     """torch.distributed + Megatron's parallel state; returns this rank's device.
 
     Raises ValueError when the world size does not fit ``--tp`` / ``--ep``."""
@@ -49,7 +49,9 @@ def init_distributed(tp: int, ep: int, seed: int) -> torch.device:
         expert_tensor_parallel_size=1,
     )
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # a captured step registers the tracker's generators with its graph (Megatron's graph-safe RNG)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs and cuda,
+                                                    force_reset_rng=True)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 

@@ -91,7 +91,7 @@ def main(argv=None) -> dict:
         raise rl_args.UsageError(f"--load {args.load}: the checkpoint's run has sequences of {arch.get('max_seq')} "
                                  f"tokens, this run's task needs {max_seq} (--digits / --max-new-tokens differ)")
 
-    device = rl_model.init_distributed(args.tp, args.ep, args.seed)
+    device = rl_model.init_distributed(args.tp, args.ep, args.seed, cuda_graphs=args.cuda_graph_impl != "none")
     from megatron.core import parallel_state as ps
     from tqdm import tqdm
 

@@ -64,7 +64,9 @@ def _ensure_parallel_state(seed: int | None) -> None:
         init_single_process(seed=None)  # world of 1, or pure data parallel over an existing world
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if seed is not None or not tracker.is_initialized():
-        tensor_parallel.model_parallel_cuda_manual_seed(1234 if seed is None else seed, force_reset_rng=True)
+        tensor_parallel.model_parallel_cuda_manual_seed(  # keeps a graph-safe tracker graph-safe
+            1234 if seed is None else seed, force_reset_rng=True,
+            use_cudagraphable_rng=bool(getattr(tracker, "use_cudagraphable_rng", False)))
 
 
 def build_gpt_from_hf(hf_dir: str | os.PathLike, *, recipe=None, impl: str = "minite", device=None,

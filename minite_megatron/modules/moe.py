@@ -89,7 +89,8 @@ class DeviceTokenCounts(IdentitySortSkip):
             (bool(c.moe_router_padding_for_quantization),
              "moe_router_padding_for_quantization: the permutation's output size is a host int (a wait before it)"),
             (bool(c.moe_permute_fusion), "moe_permute_fusion (Transformer Engine's fused permutation)"),
-            (self.cuda_dtoh_point != "before_permutation_1", "CUDA-graphed MoE preprocessing"),
+            (self.cuda_dtoh_point != "before_permutation_1" and c.cuda_graph_impl != "full_iteration",
+             "per-layer CUDA graphs of the MoE preprocessing"),
             (not self._sort_is_identity(), "the sort by local expert is not the identity"),
             (self._counts_experts is None, "the experts take host counts (Megatron's TEGroupedMLP / SequentialMLP)"),
         )
@@ -109,6 +110,9 @@ class DeviceTokenCounts(IdentitySortSkip):
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
         if self._why_host is None:  # the counts stay where they are: no copy, no wait
             return tokens_per_expert
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a CUDA graph capture reached the MoE token dispatcher's host copy of its token "
+                               f"counts ({point}): {self._why_host}")
         return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):

@@ -52,12 +52,19 @@ def why_not_graphable(model: torch.nn.Module, recipe, device: torch.device | str
     config = getattr(model, "config", None)
     if config is not None and (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
         return "expert parallelism: the all-to-all takes its split sizes on the host"
+    dtype = torch.bfloat16 if config is None else config.params_dtype
     for name, module in model.named_modules():
-        why_host = getattr(module, "why_host_counts", None)
-        if callable(why_host) and hasattr(module, "dispatch_preprocess"):  # a token dispatcher
-            why = why_host(torch.bfloat16 if config is None else config.params_dtype, device)
-            if why is not None:
-                return f"{name}: the MoE token counts go to the host ({why})"
+        dispatcher = getattr(module, "token_dispatcher", None)  # an MoE layer's (not a module: not walked)
+        if dispatcher is None:
+            continue
+        where = f"{name}.token_dispatcher" if name else "token_dispatcher"
+        why_host = getattr(dispatcher, "why_host_counts", None)
+        if not callable(why_host):
+            return (f"{where}: {type(dispatcher).__name__} takes the MoE token counts to the host "
+                    "(--moe-token-dispatcher-type alltoall keeps them on the device)")
+        why = why_host(dtype, device)
+        if why is not None:
+            return f"{where}: the MoE token counts go to the host ({why})"
     return None
 
 
