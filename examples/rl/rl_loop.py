@@ -195,8 +195,9 @@ def _ppo_loss(mb: dict, logits: torch.Tensor, *, args, strict: bool, scale: floa
     inside the step, so a CUDA graph can capture it). ``mb["denom"]``: the mini-batch's token or
     sequence count over all micro-batches and ranks (a device scalar)."""
     need_entropy_grad = args.entropy_coef > 0
+    # (the token ids were checked when compute_old_logprobs scored them: no host wait in the step)
     logp, entropy = logprobs_from_logits(logits, mb["tokens"], strict=strict, temperature=args.temperature,
-                                         with_entropy=need_entropy_grad)
+                                         with_entropy=need_entropy_grad, check=False)
     if entropy is None:  # a metric only
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach()[:, :-1], args.temperature)

@@ -65,12 +65,14 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool, temperature: float = 1.0, with_entropy: bool = False
+    logits: torch.Tensor, tokens: torch.Tensor, *, strict: bool, temperature: float = 1.0, with_entropy: bool = False,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``[B, L - 1]`` log-probs of ``tokens[:, 1:]`` under ``softmax(logits[:, :-1] / temperature)``
-    and, with ``with_entropy``, that distribution's entropy per position (else None)."""
+    and, with ``with_entropy``, that distribution's entropy per position (else None). ``check=False``:
+    no host check of the token ids (a wait; a captured step cannot have it) -- for ids checked before."""
     shifted = logits[:, :-1]
-    lp = token_logprobs(shifted, tokens[:, 1:], strict, temperature)
+    lp = token_logprobs(shifted, tokens[:, 1:], strict, temperature, check=check)
     ent = entropy_from_logits(shifted, temperature) if with_entropy else None
     return lp, ent
 
