@@ -65,11 +65,14 @@ step() {  # step NAME CMD...: run under the step cap, keep the full log, show it
 }
 
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -ra)
-WORKERS=${PYTEST_WORKERS:-12}  # pytest-xdist workers of the test steps (the GPU is shared; 16 CPU cores)
+WORKERS=${PYTEST_WORKERS:-16}  # pytest-xdist workers of the test steps (the GPU is shared; 16 CPU cores)
+# work stealing (pytest-xdist >= 3.2): an idle worker takes queued tests from a busy one, so a few
+# minute-long tests do not leave the set waiting on one worker's queue
+STEAL=$(python3 -c 'import xdist; print("--dist=worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "")' 2>/dev/null)
 for s in $RUN; do
   case $s in
     gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
-    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" --durations=30 -m "gpu or kernels" tests ;;
+    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" $STEAL --durations=30 -m "gpu or kernels" tests ;;
     kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     graphs) step graphs "${PYTEST[@]}" -n 4 -m gpu tests/megatron tests/examples -k graph ;;
     learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \

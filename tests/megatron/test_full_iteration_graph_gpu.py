@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.megatron.test_launch import TINY, _launch, _losses, _ok
+from tests.megatron.test_launch import TINY, _launch_together, _losses, _ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,9 +25,9 @@ GRAPHED = ["--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "
 @pytest.mark.parametrize("recipe", [[], ["--minite-strict"]], ids=["default", "strict"])
 def test_full_iteration_graph_trains_with_the_eager_losses(tmp_path, recipe):
     eager_log, graphed_log = tmp_path / "eager.jsonl", tmp_path / "graphed.jsonl"
-    _ok(_launch(GPU + recipe + ["--loss-log", eager_log]))
-    graphed = _launch(GPU + recipe + GRAPHED + ["--loss-log", graphed_log])
-    _ok(graphed)
+    for run in _launch_together([GPU + recipe + ["--loss-log", eager_log],
+                                 GPU + recipe + GRAPHED + ["--loss-log", graphed_log]]):
+        _ok(run)
     eager, replayed = _losses(eager_log), _losses(graphed_log)
     assert sorted(eager) == list(range(1, 7)), eager
     assert replayed == eager, f"graphed {replayed} != eager {eager}"

@@ -35,15 +35,31 @@ TINY = [
 
 
 def _launch(args: list, timeout: int = 420) -> subprocess.CompletedProcess:
+    return _launch_together([args], timeout)[0]
+
+
+def _launch_together(runs: list[list], timeout: int = 420) -> list[subprocess.CompletedProcess]:
+    """The example script once per argument list, the processes side by side (one GPU holds them)."""
     # Megatron's GPTModel exports NVTE_*_ATTN for its attention backend; models built earlier in
     # this test process must not leak theirs into the script (it asserts they match its own).
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, "-m", "minite_megatron.launch", str(EXAMPLE), *map(str, args)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1")
+    procs = []
+    for args in runs:
+        cmd = [sys.executable, "-m", "minite_megatron.launch", str(EXAMPLE), *map(str, args)]
+        procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, env={**env, "MASTER_PORT": str(free_port())},
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    done = []
+    try:
+        for cmd, proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
 
 
 def _losses(path: Path) -> dict[int, float]:
