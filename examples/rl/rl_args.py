@@ -177,6 +177,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "sizes on the host")
         if args.cuda_graph_warmup_steps < 1:
             _fail(parser, f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: must be >= 1")
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail(parser, "--cuda-graph-impl full_iteration needs a CUDA GPU (this machine has none)")
     if args.load and args.save and args.load == args.save:
         pass  # resume in place: allowed (Megatron does the same)
     return args

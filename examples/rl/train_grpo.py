@@ -125,8 +125,6 @@ def main(argv=None) -> dict:
     rl_model.check_rollout_layout(model, args.tp, args.ep)
     model_info = {**arch, "parameters_per_rank": sum(p.numel() for p in model.parameters()),
                   "params_dtype": str(dtype).replace("torch.", ""), "backend": recipe.backend or "auto"}
-    if args.cuda_graph_impl != "none" and device.type != "cuda":
-        raise rl_args.UsageError(f"--cuda-graph-impl {args.cuda_graph_impl} needs a CUDA GPU (device {device})")
     ddp = rl_model.wrap_ddp(model, graphed=args.cuda_graph_impl != "none")
     ppo_graph = rl_loop.ppo_graph(args)  # None: eager updates
     strict = recipe.strict

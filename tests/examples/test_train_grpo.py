@@ -213,3 +213,19 @@ def test_negative_warmup_is_refused_with_one_line(capsys):
     with pytest.raises(SystemExit):
         rl_args.parse_args(["--sft-lr-warmup-steps", "-1"])
     assert "--sft-lr-warmup-steps and --lr-warmup-steps must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--ep", "2"], "--cuda-graph-impl full_iteration with --ep 2: the expert all-to-all takes its split sizes on the host"),
+    (["--cuda-graph-warmup-steps", "0"], "--cuda-graph-warmup-steps 0: must be >= 1"),
+    ([], "--cuda-graph-impl full_iteration needs a CUDA GPU (this machine has none)"),
+])
+def test_full_iteration_graphs_refuse_what_they_cannot_capture_with_one_line(capsys, monkeypatch, flags, line):
+    """Refused at parse, before a model is built (the CPU refusal with no GPU visible)."""
+    import rl_args
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        rl_args.parse_args(["--cuda-graph-impl", "full_iteration", *flags])
+    assert line in capsys.readouterr().err.strip().splitlines()[-1]
