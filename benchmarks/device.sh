@@ -9,8 +9,8 @@
 #   gpu_tests     every `-m gpu` test of the suite (strict mode, the minite model, the rollout engine on CUDA)
 #   kernel_tests  the other Triton kernel tests, compiled for the GPU (tests/kernels; on a CPU they run
 #                 interpreted); PYTEST_WORKERS xdist workers, default 12
-#   gpu_set       the whole GPU set, gpu_tests and kernel_tests as one pytest run (-m "gpu or kernels"):
-#                 one worker pool
+#   gpu_set       the whole GPU set, gpu_tests and kernel_tests as one pytest run (-m "(gpu or kernels) and not
+#                 aot"): one worker pool; the compile-only `aot` tests (sm_90a SASS, the same on any machine) run in CI
 #   graphs        the CUDA-graph checks (GraphedStep, --cuda-graph-impl full_iteration, the RL trainer): graphed == eager, bit for bit
 #   learner       benchmarks.learner_step: anchor, BF16 twin, NVFP4, NVFP4 RNE, strict at 4096 and 16384 tokens,
 #                 eager and CUDA-graphed
@@ -72,8 +72,8 @@ STEAL=$(python3 -c 'import xdist; print("--dist=worksteal" if tuple(map(int, xdi
 for s in $RUN; do
   case $s in
     gpu_tests) step gpu_tests "${PYTEST[@]}" -n "$WORKERS" -m gpu tests ;;
-    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" $STEAL --durations=30 -m "gpu or kernels" tests ;;
-    kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
+    gpu_set) step gpu_set "${PYTEST[@]}" -n "$WORKERS" $STEAL --durations=30 -m "(gpu or kernels) and not aot" tests ;;
+    kernel_tests) step kernel_tests "${PYTEST[@]}" -n "$WORKERS" -m "not gpu and not aot" tests/kernels ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} ;;
     graphs) step graphs "${PYTEST[@]}" -n 4 -m gpu tests/megatron tests/examples -k graph ;;
     learner) step learner python3 -m benchmarks.learner_step --tokens 4096,16384 --variants anchor,bf16,nvfp4,nvfp4_rne,strict \
       --graphs eager,graphed --iters 6 --warmup 2 --out "$OUT" ;;

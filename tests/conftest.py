@@ -25,11 +25,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "multiproc: spawns several processes (gloo)")
     config.addinivalue_line("markers", "kernels: a test under tests/kernels (set by this conftest)")
+    config.addinivalue_line("markers", "aot: compiles kernels for sm_90a ahead of time and reads their machine code "
+                            "(the same on any machine: CI runs it, the GPU set leaves it out)")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Before `-m` deselects: `-m "gpu or kernels"` is the whole GPU set in one pytest run
+    # Before `-m` deselects: `-m "(gpu or kernels) and not aot"` is the whole GPU set in one pytest run
     # (benchmarks/device.sh gpu_set), the -m gpu tests and the kernel tests compiled for the GPU.
     kernels_dir = os.path.join(os.path.dirname(__file__), "kernels") + os.sep
     for item in items:

@@ -76,6 +76,7 @@ def test_bf16_twin_wgrad_with_device_counts_equals_host_counts():
     assert all((grads[1][i] == 0).all() for i in (1, 3))
 
 
+@pytest.mark.aot  # compile-only (sm_90a on any machine): CI runs it; the GPU set leaves it out
 def test_group_zero_compiles_for_the_h200_with_wide_stores():
     """sm_90a, ahead of time on this machine: no spills, 16-byte stores (8 bf16 per thread)."""
     from minite_kernels.triton._build._testing import run_aot_script

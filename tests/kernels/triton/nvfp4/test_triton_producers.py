@@ -434,6 +434,7 @@ def aot():
     return run_aot_script(AOT_SCRIPT)
 
 
+@pytest.mark.aot  # compile-only (sm_90a on any machine): CI runs it; the GPU set leaves it out
 def test_sm90_norm_reduction_is_bi_rmsnorms(aot):
     """The guarantee of ``y == bi_rmsnorm(x)`` on the GPU: the same fp32 / shuffle / barrier
     instruction sequence up to ``sqrt.rn`` (the layout, tree and FMA contraction of the sum of
@@ -442,6 +443,7 @@ def test_sm90_norm_reduction_is_bi_rmsnorms(aot):
     assert aot["norm"]["ptxas_contractions"] == aot["bi"]["ptxas_contractions"] == 1, aot
 
 
+@pytest.mark.aot  # compile-only (sm_90a on any machine): CI runs it; the GPU set leaves it out
 def test_sm90_contraction_only_merges_exact_products(aot):
     """With FMA contraction on (needed for bi_rmsnorm's bits, nvcc's default for torch's silu),
     the only fused forms besides the sum of squares and libdevice's own explicit FMAs are
@@ -460,6 +462,7 @@ def test_sm90_contraction_only_merges_exact_products(aot):
         assert "div.rn.f32" in ops and not [o for o in ops if o.startswith(("rcp.approx", "div.approx"))], ops
 
 
+@pytest.mark.aot  # compile-only (sm_90a on any machine): CI runs it; the GPU set leaves it out
 def test_sm90_no_spills(aot):
     for name in ("norm", "swiglu"):
         assert aot[name]["spill_bytes"] == 0 and aot[name]["LDL"] == 0 and aot[name]["STL"] == 0, (name, aot[name])
