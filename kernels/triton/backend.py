@@ -42,7 +42,8 @@ from minite_megatron.nvfp4.formats import BLOCK
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 from minite_megatron.nvfp4.gemm import check_gemm_operands
 from minite_megatron.nvfp4.group_sizes import GroupSizes
-from minite_megatron.nvfp4.grouped import check_decode_grouped_operands, check_expert_ids_in_range
+from minite_megatron.nvfp4.grouped import (_take_rows, check_a_rows_in_range, check_decode_grouped_operands,
+                                           check_expert_ids_in_range)
 
 from minite_kernels.triton.nvfp4._nvfp4_math import interpreting
 from minite_kernels.triton.decode import decode_gemm as _decode
@@ -320,7 +321,18 @@ class TritonBackend(Backend):
             reason = self._invariant_limit(op, shape)
         if reason is None and op in ("gemm_nt", "grouped_gemm_nt") and tuple(shape.get("tile", (BLOCK, BLOCK))) != (BLOCK, BLOCK):
             reason = f"{op} reads a weight of 16x16 tiles transposed; this one has {tuple(shape['tile'])} blocks"
+        if reason is None and op == "decode_grouped_gemm" and shape.get("a_rows"):
+            reason = self._rows_by_index_limit(shape.get("batch_invariant", False), torch.device(shape.get("device", "cuda")))
         return reason
+
+    def _rows_by_index_limit(self, batch_invariant: bool, device: torch.device) -> str | None:
+        """Why ``decode_grouped_gemm(..., a_rows=)`` gathers the rows before its kernel (None: the
+        integer-dot kernel reads them by index)."""
+        if batch_invariant:
+            return "the strict MoE decode kernel reads its rows in order: they are gathered first"
+        if not (self.decode_ok(device) and self.idot_decode_ok(device)):
+            return "only the integer-dot MoE decode kernel reads rows by index: they are gathered first"
+        return None
 
     def _require(self, device: torch.device) -> None:
         reason = self.why_not(device)
@@ -512,6 +524,7 @@ class TritonBackend(Backend):
         *,
         num_experts: int | None = None,
         group_offsets: torch.Tensor | None = None,
+        a_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]``
         (``nvfp4.grouped.decode_grouped_gemm_reference``'s contract; ``w_stacked`` ``[E, N, K]``
@@ -520,14 +533,21 @@ class TritonBackend(Backend):
         ``group_offsets`` (optional int32 ``[E + 1]`` prefix offsets on the device) says the rows are
         already sorted by expert (Megatron's expert-major order), expert ``g``'s rows at
         ``offsets[g]:offsets[g + 1]``: the fallback through the learner's grouped GEMM then reads
-        them as they are instead of sorting (same bits)."""
-        e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
+        them as they are instead of sorting (same bits). ``a_rows`` (int ``[R]``): product row ``r``
+        takes row ``a_rows[r]`` of ``a`` -- read by index in the integer-dot kernel, gathered first
+        on the other paths (:meth:`supports` with ``a_rows=True`` says which); eagerly an index
+        outside ``a``'s rows raises ValueError, under capture its row is NaN (integer-dot kernel)."""
+        e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts, a_rows)
         self._require(a.device)
         if out_dtype not in OUT_DTYPES:
             raise TypeError(f"decode_grouped_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
         capturing = a.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.options.check_expert_ids and not capturing:
             check_expert_ids_in_range(expert_ids, e)
+            if a_rows is not None:
+                check_a_rows_in_range(a_rows, a.rows)
+        if a_rows is not None and self._rows_by_index_limit(batch_invariant, a.device) is not None:
+            a, a_rows = _take_rows(a, a_rows.to(torch.int64)), None
         if not self.decode_ok(a.device) or (batch_invariant and not self.strict_decode_ok(k, a.device)):
             return self._sorted_grouped_decode(a, w_stacked, expert_ids, e, n, k, out_dtype, batch_invariant,
                                                group_offsets)
@@ -536,7 +556,7 @@ class TritonBackend(Backend):
             return decode_grouped_idot_forward(
                 a.codes.reshape(a.rows, k // 2), a.linear_scales().view(torch.uint8), _global_decode(a), w_codes,
                 w_scales.view(torch.uint8), w_scale, e, expert_ids=None if group_offsets is not None else expert_ids,
-                offsets=group_offsets, out_dtype=out_dtype)
+                offsets=group_offsets, out_dtype=out_dtype, a_rows=a_rows)
         return decode_grouped_gemm_forward(image_2d(a), w_codes, w_scales.view(torch.uint8), w_scale,
                                            expert_ids, _global_decode(a), e, out_dtype, batch_invariant)
 

@@ -192,9 +192,12 @@ class Backend:
 
     def decode_grouped_gemm(self, a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert_ids: torch.Tensor,
                             out_dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False, *,
-                            num_experts: int | None = None, group_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                            num_experts: int | None = None, group_offsets: torch.Tensor | None = None,
+                            a_rows: torch.Tensor | None = None) -> torch.Tensor:
         """MoE decode on unsorted rows: :func:`~.grouped.decode_grouped_gemm_reference`
-        (``group_offsets``: rows already sorted by expert, ``[E + 1]`` prefix offsets)."""
+        (``group_offsets``: rows already sorted by expert, ``[E + 1]`` prefix offsets; ``a_rows``:
+        product row ``r`` takes row ``a_rows[r]`` of ``a``). ``supports("decode_grouped_gemm",
+        a_rows=True, ...)`` says whether a kernel reads the rows by index (else they are gathered)."""
         self._refuse("decode_grouped_gemm")
 
     def rmsnorm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
@@ -281,10 +284,10 @@ class ReferenceBackend(Backend):
         return grouped_wgrad_reference(grad_out, x, group_sizes, **kwargs)
 
     def decode_grouped_gemm(self, a, w_stacked, expert_ids, out_dtype=torch.bfloat16, batch_invariant=False, *,
-                            num_experts=None, group_offsets=None):
+                            num_experts=None, group_offsets=None, a_rows=None):
         # group_offsets (rows already sorted by expert) changes nothing here: every row is its own GEMM
         return decode_grouped_gemm_reference(a, w_stacked, expert_ids, out_dtype, batch_invariant,
-                                             num_experts=num_experts)
+                                             num_experts=num_experts, a_rows=a_rows)
 
 
 # name -> "module:attribute" of a lazily imported backend object

@@ -236,9 +236,9 @@ def decode_weight_geometry(w_stacked: NVFP4Tensor, num_experts: int | None = Non
 
 
 def check_decode_grouped_operands(a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert_ids: torch.Tensor,
-                                  num_experts: int | None = None) -> tuple[int, int, int]:
-    """The errors every backend's decode_grouped_gemm raises (no host sync: ids are not read).
-    Returns (E, N, K)."""
+                                  num_experts: int | None = None, a_rows: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """The errors every backend's decode_grouped_gemm raises (no host sync: ids and ``a_rows`` are
+    not read). Returns (E, N, K)."""
     e, n, k = decode_weight_geometry(w_stacked, num_experts)
     if not isinstance(a, NVFP4Tensor):
         raise TypeError("decode_grouped_gemm: a must be an NVFP4Tensor (quantize the rows first)")
@@ -246,8 +246,13 @@ def check_decode_grouped_operands(a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert
         raise ValueError(f"decode_grouped_gemm: a must be [R, K={k}], got {tuple(a.shape)}")
     if a.global_scale not in ("row", "tensor"):
         raise ValueError(f"decode_grouped_gemm: a needs a per-row or per-tensor global scale, got {a.global_scale!r}")
-    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 1 or expert_ids.numel() != a.rows:
-        raise ValueError(f"decode_grouped_gemm: expert_ids must be a 1-D tensor of {a.rows} expert indices, got "
+    if a_rows is not None and (not isinstance(a_rows, torch.Tensor) or a_rows.dim() != 1
+                               or a_rows.dtype not in (torch.int32, torch.int64) or a_rows.device != a.device):
+        raise ValueError(f"decode_grouped_gemm: a_rows must be a 1-D int32/int64 tensor of row indices on {a.device}, "
+                         f"got {getattr(a_rows, 'dtype', type(a_rows).__name__)} {tuple(getattr(a_rows, 'shape', ()))}")
+    rows = a.rows if a_rows is None else a_rows.numel()
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 1 or expert_ids.numel() != rows:
+        raise ValueError(f"decode_grouped_gemm: expert_ids must be a 1-D tensor of {rows} expert indices, got "
                          f"{getattr(expert_ids, 'shape', type(expert_ids).__name__)}")
     if expert_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"decode_grouped_gemm: expert_ids must be int32 or int64, got {expert_ids.dtype}")
@@ -255,6 +260,17 @@ def check_decode_grouped_operands(a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert
         raise ValueError(f"decode_grouped_gemm: a on {a.device}, w_stacked on {w_stacked.device}, "
                          f"expert_ids on {expert_ids.device}")
     return e, n, k
+
+
+def check_a_rows_in_range(a_rows: torch.Tensor, rows: int) -> None:
+    """ValueError naming the first product row whose activation row index is outside ``[0, rows)``
+    (a host sync)."""
+    if a_rows.numel() == 0:
+        return
+    bad = (a_rows < 0) | (a_rows >= rows)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise ValueError(f"decode_grouped_gemm: a_rows[{r}] = {int(a_rows[r])} is outside the {rows} rows of a")
 
 
 def check_expert_ids_in_range(expert_ids: torch.Tensor, num_experts: int) -> None:
@@ -302,8 +318,10 @@ def decode_grouped_gemm_reference(
     batch_invariant: bool = False,
     *,
     num_experts: int | None = None,
+    a_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]`` ``out_dtype``.
+    """MoE decode: ``out[r] = gemm(a[r], w_stacked[expert_ids[r]])`` -> ``[R, N]`` ``out_dtype``
+    (with ``a_rows``: ``gemm(a[a_rows[r]], ...)``).
 
     Args:
         a: NVFP4 ``[R, K]``, per-row (or per-tensor) global scale; one row per (token, chosen
@@ -312,6 +330,9 @@ def decode_grouped_gemm_reference(
             ``"group"`` weights), or its ``[E*N, K]`` matrix with per-row scales and
             ``num_experts=E``.
         expert_ids: int32/int64 ``[R]``, each in ``[0, E)``.
+        a_rows: optional int32/int64 ``[R]``: product row ``r`` takes row ``a_rows[r]`` of ``a``
+            (then ``[T, K]``: the decode step's T tokens, each read by its k experts' rows), each
+            in ``[0, T)``; the same bits as ``a``'s rows gathered first.
         batch_invariant: accepted for the backends' signature; the reference is always batch
             invariant (the contract's canonical accumulation order, row by row).
 
@@ -322,8 +343,11 @@ def decode_grouped_gemm_reference(
     Raises TypeError / ValueError for operands of the wrong kind, shape or device, and
     ValueError for an expert index outside ``[0, E)``.
     """
-    e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts)
+    e, n, k = check_decode_grouped_operands(a, w_stacked, expert_ids, num_experts, a_rows)
     check_expert_ids_in_range(expert_ids, e)
+    if a_rows is not None:
+        check_a_rows_in_range(a_rows, a.rows)
+        a = _take_rows(a, a_rows.to(torch.int64))
     out = torch.empty(a.rows, n, dtype=out_dtype, device=a.device)
     if a.rows == 0:
         return out

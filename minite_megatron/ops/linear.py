@@ -138,12 +138,20 @@ def add_wgrad(weight: torch.Tensor, dw: torch.Tensor, like: torch.Tensor) -> tor
 
 
 # ---- the operands of the three GEMMs (shared with the grouped linear; the rule: .roles) --------
+def takes_handed_quantization(lctx: LinearContext) -> bool:
+    """May this linear's fprop input quantization come from its producer (per-token scales of whole
+    rows: no amax shared across ranks)? Where True, a fused producer's NVFP4 of the input under
+    :func:`~.handoff.activation_key` is what :func:`quantize_activation` would compute."""
+    return lctx.recipe.activation_scale == "row" and not needs_sync("row", lctx.tp_group, rows_sharded=False,
+                                                                     k_sharded=lctx.row)
+
+
 def quantize_activation(x2: torch.Tensor, lctx: LinearContext, backend) -> NVFP4Tensor:
     """fprop input ``[M, K]``: per-token (or tensor) scale; K is split under row parallelism.
     Taken from ``lctx.handoff`` (:mod:`.handoff`) when its producer quantized this very tensor."""
     recipe, slot = lctx.recipe, lctx.handoff
     qx = None
-    if recipe.activation_scale == "row" and not needs_sync("row", lctx.tp_group, rows_sharded=False, k_sharded=lctx.row):
+    if takes_handed_quantization(lctx):
         qx = slot and slot.take(x2, activation_key(recipe, backend))  # a fused producer's output (ops.producers)
     if qx is None:
         qx = _quantize(gemm_role(recipe, "fprop", "input"), x2, recipe, lctx, backend)

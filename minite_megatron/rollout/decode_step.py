@@ -70,7 +70,7 @@ from megatron.core.utils import GlobalMemoryBuffer
 from ..modules.grouped_linear import NVFP4GroupedLinear
 from ..nvfp4.tensor import NVFP4Tensor
 from ..ops.handoff import activation_key, clear_all
-from ..ops.linear import backend_for, quantize_activation
+from ..ops.linear import backend_for, quantize_activation, takes_handed_quantization
 from ..modules.deterministic_moe import ordered_sum
 from ..nvfp4.backends import kernel_backend
 from . import fused_ops
@@ -305,18 +305,33 @@ class ExpertsStep:
         """Can :meth:`sorted_rows` run these experts (packed NVFP4 weights of grouped experts)?"""
         return self.kind == "nvfp4"
 
-    def sorted_rows(self, x: torch.Tensor, route) -> torch.Tensor:
+    def input_ctx(self, device: torch.device):
+        """fc1's ``LinearContext`` where the experts can take the T tokens' NVFP4 from the norm
+        before them (per-token scales, and a backend that reads each (token, expert) row's token
+        row by index: ``decode_grouped_gemm(..., a_rows=)``), else None."""
+        if self.kind != "nvfp4" or not hasattr(self, "lctx1") or not takes_handed_quantization(self.lctx1):
+            return None
+        backend = backend_for(self.recipe, device)
+        why = backend.supports("decode_grouped_gemm", a_rows=True, batch_invariant=self.invariant, device=device)
+        return self.lctx1 if why is None else None
+
+    def sorted_rows(self, x: torch.Tensor, route, qx: NVFP4Tensor | None = None) -> torch.Tensor:
         """fc2 outputs ``[T * k, H]`` of the expert-major rows of ``route`` (a
         :class:`~minite_kernels.triton.moe.moe_route.Route`) for tokens ``x`` ``[T, H]``: the rows of
         Megatron's permutation, quantized per row as the learner quantizes them, the grouped
         decode GEMMs on the stacked weights (the backend is told the rows are sorted), the
         experts' activation times the routing probabilities (one fused SwiGLU -> NVFP4 kernel on
-        the GPU where ``fused`` has it, :func:`.fused_ops.use_kernels`), fc2."""
+        the GPU where ``fused`` has it, :func:`.fused_ops.use_kernels`), fc2. ``qx``: the tokens'
+        quantization as fc1 quantizes them (the norm's, :meth:`input_ctx`): fc1 reads each row's
+        token row of it by index (per-token scales: the bits of quantizing the gathered rows)."""
         backend = backend_for(self.recipe, x.device)
-        xs = x.index_select(0, route.tokens)
-        qx = quantize_activation(xs, self.lctx1, backend)
-        h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype,
-                                        batch_invariant=self.invariant, group_offsets=route.offsets)
+        if qx is not None:
+            h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype, batch_invariant=self.invariant,
+                                            group_offsets=route.offsets, a_rows=route.tokens)
+        else:
+            qx = quantize_activation(x.index_select(0, route.tokens), self.lctx1, backend)
+            h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype,
+                                            batch_invariant=self.invariant, group_offsets=route.offsets)
         if self._fused_activation(h, backend):
             _a, qa = backend.swiglu_quantize(h, with_image=True, nonfinite=self.recipe.nonfinite, probs=route.probs)
         else:
@@ -429,7 +444,13 @@ class MoEStep:
         :class:`ExpertsStep`'s token-major rows (same bits; not while tracing)."""
         return fused_ops.route_supported(self.moe.router, tokens, self.routing) and self.experts.sorted_supported()
 
-    def __call__(self, x: torch.Tensor, fire: bool = False):
+    def input_ctx(self, device: torch.device):
+        """fc1's ``LinearContext`` where the routed experts take the tokens' NVFP4 from the norm
+        before the layer (:meth:`ExpertsStep.input_ctx`), else None."""
+        return self.experts.input_ctx(device)
+
+    def __call__(self, x: torch.Tensor, fire: bool = False, qx: NVFP4Tensor | None = None):
+        """``qx``: ``x``'s NVFP4 as fc1 quantizes it (the fused norm's, :meth:`input_ctx`) or None."""
         def compute():
             s, b, h = x.shape
             x2 = x.reshape(s * b, h)
@@ -438,7 +459,7 @@ class MoEStep:
                 logits = router.gating(x2)  # the learner's FP32 batch-invariant gating
                 route = fused_ops.moe_route(logits.view(s * b, -1), self.topk,
                                             router.config.moe_router_topk_scaling_factor, backend=self.fused)
-                rows = self.experts.sorted_rows(x2, route)
+                rows = self.experts.sorted_rows(x2, route, qx)
                 out = fused_ops.combine_rows(rows, route.combine, self.topk, backend=self.fused).view(s, b, h)
             else:
                 probs, routing_map = self.moe.router(x)
@@ -561,9 +582,13 @@ class LayerStep:
         if pending is None:
             x = layer.input_layernorm(h)
         else:
-            h, x = add_then_norm(layer.input_layernorm, h, pending, fire, self.fused)
+            h, x, _ = add_then_norm(layer.input_layernorm, h, pending, fire, self.fused)
         out = self.attention(x, rope, hidden, rows, positions, cache, fire)
-        h, x = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused)
+        if isinstance(self.mlp, MoEStep):  # the routed experts may take the norm's NVFP4 of their input
+            h, x, qx = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused,
+                                     self.mlp.input_ctx(h.device))
+            return h, (self.mlp(x, fire, qx), self.bda("mlp_bda"))
+        h, x, _ = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused)
         return h, (self.mlp(x, fire), self.bda("mlp_bda"))
 
     def bda(self, name: str):
@@ -579,9 +604,12 @@ class LayerStep:
         return apply
 
 
-def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool, fused):
-    """``(h, norm(h))`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``; ``fused``:
-    the backend of the fused decode kernels (:func:`.fused_ops.fused_backend`) or None.
+def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool, fused, consumer=None):
+    """``(h, norm(h), q)`` for ``h = bda(out, residual)``, ``pending = ((out, bias), bda)``; ``fused``:
+    the backend of the fused decode kernels (:func:`.fused_ops.fused_backend`) or None; ``q``: with
+    ``consumer`` (the ``LinearContext`` of an NVFP4 linear that reads ``norm(h)``'s rows, e.g. the
+    routed experts' fc1), the kernel's NVFP4 of ``norm(h)`` where it is what that linear's
+    quantizer gives (the conditions of a producer's handoff), else None.
 
     One kernel (``minite_kernels.triton.nvfp4.norm_quantize.add_rmsnorm_quantize``: ``h`` bitwise torch's
     add, ``norm(h)`` bitwise ``bi_rmsnorm``) where the norm is the batch-invariant RMSNorm the
@@ -590,14 +618,25 @@ def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool, fused):
     ``MiniteNorm`` -- the add is plain and ``fused`` has the kernel (:func:`.fused_ops.use_kernels`);
     else the learner's bias-dropout-add and the norm module."""
     (out, bias), bda = pending
-    done = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out, fused)
+    done = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out, fused, consumer)
     if done is not None:
         return done
     h = bda((out, bias), residual)
-    return h, norm(h)
+    return h, norm(h), None
 
 
-def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused):
+def _quantizes_for(recipe, out: torch.Tensor):
+    """The backend whose fused RMSNorm -> NVFP4 producer gives, for ``out``'s rows, what an NVFP4
+    linear of ``recipe`` quantizes (a handoff's conditions), else None."""
+    from ..ops.producers import fused_supported
+
+    backend = backend_for(recipe, out.device)
+    if recipe.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, recipe, backend):
+        return None
+    return backend
+
+
+def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused, consumer=None):
     from ..modules.norm import MiniteNorm
 
     if not (fused_ops.use_kernels(fused, "add_rmsnorm_quantize") and out.dtype in (torch.bfloat16, torch.float16) and residual.dtype == out.dtype
@@ -606,10 +645,8 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused):
         return None
     slot = norm.offer_to
     if slot is not None:  # the learner's fused producer (rmsnorm_quantize), offering its quantization
-        from ..ops.producers import fused_supported
-
-        backend = backend_for(slot.recipe, out.device)
-        if slot.recipe.nonfinite != "propagate" or not fused_supported("rmsnorm_quantize", out, slot.recipe, backend):
+        backend = _quantizes_for(slot.recipe, out)
+        if backend is None:
             return None
     elif not (norm.invariant_rms and fused_ops.norm_fuses(fused, out.device)):
         return None  # not bi_rmsnorm's arithmetic in the learner
@@ -618,7 +655,8 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused):
                                    norm.zero_centered_gamma, with_image=True)
     if slot is not None:
         slot.offer(y, q, activation_key(slot.recipe, backend))
-    return h.view(shape), y.view(shape)
+    handed = consumer is not None and _quantizes_for(consumer.recipe, out) is not None
+    return h.view(shape), y.view(shape), q if handed else None
 
 
 class DecodeModel:

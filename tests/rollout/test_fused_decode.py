@@ -93,6 +93,53 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
+def test_routed_experts_read_the_norms_quantization_by_token(monkeypatch):
+    """Default mode with the NVFP4 GEMMs on the Triton backend (a GPU's choice): the pre-MLP norm's
+    fused NVFP4 of the T tokens goes to the routed experts' fc1, which reads each (token, expert)
+    row's token row by index (``decode_grouped_gemm(..., a_rows=)``) instead of gathering and
+    quantizing the T * k rows: two decode steps' logits and KV cache bitwise those of the step on
+    the learner's modules (``fused_kernels=False``), which gathers and quantizes."""
+    from minite_kernels.triton.backend import TritonBackend
+
+    from minite_megatron.rollout.decode_step import DecodeModel, KVCache
+    from minite_megatron.settings import overridden
+    from minite_megatron.training.presets import init_single_process
+
+    init_single_process(1)
+    model = _tiny(False, backend="triton", layers=1)
+    calls = []
+    real = TritonBackend.decode_grouped_gemm
+
+    def spy(self, *a, **k):
+        calls.append(k.get("a_rows") is not None)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(TritonBackend, "decode_grouped_gemm", spy)
+    runners = {"off": DecodeModel(model, fused_kernels=False, kernels_on_cpu=True),
+               "fused": DecodeModel(model, kernels_on_cpu=True)}
+    prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
+    outs, by_index = {}, {}
+    with overridden(strict_backend="triton"), torch.no_grad():
+        for name, runner in runners.items():
+            calls.clear()
+            cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
+            runner.prefill(prompts, cache)
+            tokens, positions = torch.tensor([3, 1, 4]), torch.tensor([4, 4, 4])
+            logits = []
+            for _ in range(2):
+                logits.append(runner.step(tokens, positions, cache))
+                tokens, positions = logits[-1].argmax(-1), positions + 1
+            outs[name] = (logits, [t.clone() for t in cache.k + cache.v])
+            by_index[name] = list(calls)
+    assert by_index["fused"] == [True, False] * 2, by_index  # fc1 by index, fc2 on its own rows, per step
+    assert not any(by_index["off"]), by_index
+    for i, (a, b) in enumerate(zip(outs["off"][0], outs["fused"][0])):
+        assert_bitwise_equal(b, a, f"step {i} logits")
+    for i, (a, b) in enumerate(zip(outs["off"][1], outs["fused"][1])):
+        assert_bitwise_equal(b, a, f"cache {i}")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("offered", [True, False], ids=["offering norm", "plain aligned norm"])
 def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offered):
     """``decode_step.add_then_norm`` in one kernel gives bitwise the learner's bias-dropout-add
@@ -136,7 +183,7 @@ def test_add_then_norm_is_the_bias_dropout_add_then_the_norm(monkeypatch, offere
         h_ref = bda((out, None), residual)
         y_ref = norm(h_ref)
         q_ref = slot and slot.take(y_ref, key)
-        h, y = add_then_norm(norm, residual, ((out, None), bda), False, fused)
+        h, y, _ = add_then_norm(norm, residual, ((out, None), bda), False, fused)
         q = slot and slot.take(y, key)
         assert len(launched) == 1
         add_then_norm(norm, residual, ((out, None), bda), True, fused)

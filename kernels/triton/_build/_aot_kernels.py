@@ -93,20 +93,21 @@ def _decode_grouped(config: dict, k: int = 2048, r_pow2: int = 64, experts: int 
 
 
 def _decode_grouped_idot(config: dict, k: int = 2048, sorted_rows: bool = True, r_pow2: int = 64,
-                         experts: int = 128):
+                         experts: int = 128, gather: bool = False):
     """The integer-dot MoE decode kernel at one launch entry (``decode_grouped_idot.GPU_IDOT`` form),
-    K = ``k``, rows by group offsets (``sorted_rows``) or by expert ids (8 tokens x top-8: ``r_pow2``)."""
+    K = ``k``, rows by group offsets (``sorted_rows``) or by expert ids (8 tokens x top-8: ``r_pow2``);
+    ``gather``: activation rows by index (``GATHER``)."""
     from minite_kernels.triton.decode.decode_grouped_idot import _decode_grouped_idot_kernel, idot_config
 
     cfg = idot_config(k, config)
     sig = {
         "xc_ptr": "*i64", "xs_ptr": "*u8", "wc_ptr": "*i64", "ws_ptr": "*u8", "ids_ptr": "*i32", "offs_ptr": "*i32",
         "out_ptr": "*bf16", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "lut_ptr": "*i32", "bias_ptr": "*fp32",
-        "R": "i32", "N": "i32", "KB": "i32", "E": "i32", "s_xc": "i32", "s_xs": "i32", "s_wc": "i32", "s_ws": "i32",
-        "s_om": "i32",
+        "xrows_ptr": "*i32", "R": "i32", "N": "i32", "KB": "i32", "E": "i32", "s_xc": "i32", "s_xs": "i32",
+        "s_wc": "i32", "s_ws": "i32", "s_om": "i32", "T": "i32",
     }
     ce = dict(SORTED=sorted_rows, DENSE=False, HAS_BIAS=False, SA_ROWS=True, SW_ROWS=False,
-              MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
+              MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0, GATHER=gather,
               BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
               R_POW2=r_pow2, E_POW2=experts, ASM=True, BITWISE_BF16=False)
     return compile_for(_decode_grouped_idot_kernel, sig, ce, num_warps=config["num_warps"], num_stages=1,

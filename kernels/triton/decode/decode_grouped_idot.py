@@ -37,13 +37,17 @@ reference's ``fp32_accumulation_bound`` and runs the PTX on a CPU interpreter of
 
 Rows: given group offsets (``SORTED``: rows already in expert-major order, expert ``g``'s rows
 at ``offsets[g]:offsets[g+1]``; the fused decode step's routing gives them) the grid is
-``(E, N tiles)`` and a program reads two offsets; otherwise ``(min(R, E) expert slots, N tiles)``
+``(E, N tiles)`` and a program reads two offsets; sorted rows may name their activation rows
+(``GATHER``: output row ``r`` multiplies activation row ``a_rows[r]`` of ``T`` rows -- the decode step
+hands over its T tokens' quantization once and the kernel reads each token's row for each of its
+experts, instead of a gather and a quantization of the ``T * k`` rows; a row outside ``[0, T)``
+gets NaN); otherwise ``(min(R, E) expert slots, N tiles)``
 and every program finds its slot's expert from the R ids (:func:`.decode_grouped_gemm._slot_expert`;
 rows of ids outside ``[0, E)`` get NaN). A program runs its expert's rows two at a time (``PAIRS``) and the odd one alone,
 over the whole K (weights re-read from L2 for the next chunk). No host sync: CUDA graphs capture it.
 
 Inputs: ``a_codes`` uint8 ``[R, K/2]``, ``a_scales`` uint8 (E4M3 bits) ``[R, K/16]`` linear,
-``a_scale`` fp32 ``[R]``/``[1]``; ``w_codes`` uint8 ``[E*N, K/2]``, ``w_scales`` ``[E*N, K/16]``,
+``a_scale`` fp32 ``[R]``/``[1]`` (with ``a_rows`` int32 ``[R]``: ``[T, ...]`` of each); ``w_codes`` uint8 ``[E*N, K/2]``, ``w_scales`` ``[E*N, K/16]``,
 ``w_scale`` fp32 ``[E]`` or ``[E*N]``; ``expert_ids`` int32 ``[R]`` or ``offsets`` int32 ``[E+1]``. The dense form
 (:func:`decode_idot_gemm_forward`, ``DENSE``: one weight matrix, a program per row pair, fp32 bias)
 is the same kernel; on the H200 it beats the tensor-core decode kernel only at one or two rows
@@ -250,41 +254,53 @@ def _rows_accumulate(wc_rows, ws_rows, xc_ptr, xs_ptr, rows, oks, s_xc, s_xs, KB
 
 @triton.jit
 def _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0, n_rows,
-              s_xc, s_xs, s_om, KB, luts, MC: tl.constexpr, SORTED: tl.constexpr, SA_ROWS: tl.constexpr,
-              HAS_BIAS: tl.constexpr,
+              s_xc, s_xs, s_om, KB, luts, xrows_ptr, T, MC: tl.constexpr, SORTED: tl.constexpr, SA_ROWS: tl.constexpr,
+              HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, NSTEPS: tl.constexpr, UNROLL: tl.constexpr,
               MASK_K: tl.constexpr, R_POW2: tl.constexpr, ASM: tl.constexpr, BITWISE_BF16: tl.constexpr):
-    """Rows ``c0 .. c0 + MC - 1`` of this program's expert (those below ``n_rows``): outputs stored."""
+    """Rows ``c0 .. c0 + MC - 1`` of this program's expert (those below ``n_rows``): outputs stored
+    (``GATHER``: each reads activation row ``xrows_ptr[row]`` of ``T``; NaN for one outside ``[0, T)``)."""
     rows = ()
+    arows = ()
     oks = ()
     if not SORTED:
         chunk = _chunk_rows(mine, pos, c0, R_POW2, MC)
     for m in tl.static_range(MC):
         if SORTED:
-            rows = rows + ((start + c0 + m).to(tl.int64),)
+            row = (start + c0 + m).to(tl.int64)
         else:
-            rows = rows + (_row_ids(chunk, m, MC).to(tl.int64),)
-        oks = oks + (c0 + m < n_rows,)
-    sums = _rows_accumulate(wc_rows, ws_rows, xc_ptr, xs_ptr, rows, oks, s_xc, s_xs, KB, luts,
+            row = _row_ids(chunk, m, MC).to(tl.int64)
+        ok = c0 + m < n_rows
+        rows = rows + (row,)
+        oks = oks + (ok,)
+        if GATHER:  # clamped into [0, T) for the loads; the index is read again for the NaN below
+            arow = tl.load(xrows_ptr + row, mask=ok, other=0)
+            arows = arows + (tl.where((arow >= 0) & (arow < T), arow, 0).to(tl.int64),)
+        else:
+            arows = arows + (row,)
+    sums = _rows_accumulate(wc_rows, ws_rows, xc_ptr, xs_ptr, arows, oks, s_xc, s_xs, KB, luts,
                             BLOCK_N, BLOCK_KB, MC, NSTEPS, UNROLL, MASK_K, ASM)
     for m in tl.static_range(MC):
         if SA_ROWS:
-            sa = tl.load(sa_ptr + rows[m], mask=oks[m], other=1.0)
+            sa = tl.load(sa_ptr + arows[m], mask=oks[m], other=1.0)
         else:
             sa = tl.load(sa_ptr)
         out = (sums[m] * 0.25) * (sa * swg)
         if HAS_BIAS:
             out = out + bias
+        if GATHER:  # an activation row outside [0, T): NaN, never a silent value
+            arow = tl.load(xrows_ptr + rows[m], mask=oks[m], other=0)
+            out = tl.where((arow >= 0) & (arow < T), out, float("nan"))
         tl.store(out_ptr + rows[m] * s_om + rn, round_to(out, out_ptr.dtype.element_ty, BITWISE_BF16),
                  mask=n_ok & oks[m])
 
 
 @triton.jit
 def _decode_grouped_idot_kernel(
-    xc_ptr, xs_ptr, wc_ptr, ws_ptr, ids_ptr, offs_ptr, out_ptr, sa_ptr, sw_ptr, lut_ptr, bias_ptr,
-    R, N, KB, E, s_xc, s_xs, s_wc, s_ws, s_om,
+    xc_ptr, xs_ptr, wc_ptr, ws_ptr, ids_ptr, offs_ptr, out_ptr, sa_ptr, sw_ptr, lut_ptr, bias_ptr, xrows_ptr,
+    R, N, KB, E, s_xc, s_xs, s_wc, s_ws, s_om, T,
     SORTED: tl.constexpr, DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, SA_ROWS: tl.constexpr, SW_ROWS: tl.constexpr,
-    MASK_K: tl.constexpr,
+    MASK_K: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr, PAIRS: tl.constexpr, NSTEPS: tl.constexpr,
     UNROLL: tl.constexpr, R_POW2: tl.constexpr, E_POW2: tl.constexpr, ASM: tl.constexpr,
     BITWISE_BF16: tl.constexpr,
@@ -336,12 +352,14 @@ def _decode_grouped_idot_kernel(
         if PAIRS:  # rows two at a time (the weights read once per pair), then the odd one alone
             for c0 in range(0, n_rows - 1, 2):
                 _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0,
-                          n_rows, s_xc, s_xs, s_om, KB, luts, 2, SORTED or DENSE, SA_ROWS, HAS_BIAS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
+                          n_rows, s_xc, s_xs, s_om, KB, luts, xrows_ptr, T, 2, SORTED or DENSE, SA_ROWS, HAS_BIAS, GATHER,
+                          BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
                           MASK_K, R_POW2, ASM, BITWISE_BF16)
             singles = n_rows - n_rows % 2
         for c0 in range(singles, n_rows):
             _run_rows(wc_rows, ws_rows, xc_ptr, xs_ptr, out_ptr, sa_ptr, swg, bias, rn, n_ok, mine, pos, start, c0,
-                      n_rows, s_xc, s_xs, s_om, KB, luts, 1, SORTED or DENSE, SA_ROWS, HAS_BIAS, BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
+                      n_rows, s_xc, s_xs, s_om, KB, luts, xrows_ptr, T, 1, SORTED or DENSE, SA_ROWS, HAS_BIAS, GATHER,
+                      BLOCK_N, BLOCK_KB, NSTEPS, UNROLL,
                       MASK_K, R_POW2, ASM, BITWISE_BF16)
 
 
@@ -379,10 +397,12 @@ def _int64_rows(codes: torch.Tensor) -> torch.Tensor:
 
 def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts: int, out,
                                expert_ids=None, offsets=None, cfg: dict | None = None, asm: bool | None = None,
-                               dense: bool = False, bias=None) -> None:
+                               dense: bool = False, bias=None, a_rows=None) -> None:
     """Run the kernel (rows by ``offsets`` when given, else by ``expert_ids``; ``dense``: every row
-    times the one weight matrix, ``experts == 1``, optional fp32-added ``bias [N]``) into ``out``."""
-    r, k = a_codes.shape[0], a_codes.shape[1] * 2
+    times the one weight matrix, ``experts == 1``, optional fp32-added ``bias [N]``; ``a_rows``
+    int32 ``[R]``: output row ``r`` reads activation row ``a_rows[r]``) into ``out``."""
+    t, k = a_codes.shape[0], a_codes.shape[1] * 2
+    r = out.shape[0]
     n = out.shape[1]
     cfg = idot_config(k) if cfg is None else cfg
     sorted_rows = offsets is not None or dense
@@ -396,11 +416,11 @@ def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_
     wc = _int64_rows(w_codes)
     _decode_grouped_idot_kernel[grid](
         xc, a_scales, wc, w_scales, rows, rows, out, a_scale, w_scale, device_words(IDOT_TABLES, a_codes.device),
-        bias if bias is not None else w_scale,
-        r, n, k // 16, experts, xc.stride(0), a_scales.stride(0), wc.stride(0), w_scales.stride(0), out.stride(0),
-        SORTED=sorted_rows and not dense, DENSE=dense, HAS_BIAS=bias is not None, SA_ROWS=a_scale.numel() != 1 or r == 1,
+        bias if bias is not None else w_scale, a_rows if a_rows is not None else rows,
+        r, n, k // 16, experts, xc.stride(0), a_scales.stride(0), wc.stride(0), w_scales.stride(0), out.stride(0), t,
+        SORTED=sorted_rows and not dense, DENSE=dense, HAS_BIAS=bias is not None, SA_ROWS=a_scale.numel() != 1 or t == 1,
         SW_ROWS=w_scale.numel() != experts or (n == 1 and experts == 1), MASK_K=(k // 16) % cfg["BLOCK_KB"] != 0,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
+        GATHER=a_rows is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_KB=cfg["BLOCK_KB"], PAIRS=cfg["PAIRS"], NSTEPS=cfg["NSTEPS"], UNROLL=cfg["UNROLL"],
         R_POW2=1 if sorted_rows else next_pow2(max(r, 1)),  # (sorted: unused; one compile for any R)
         E_POW2=1 if sorted_rows else next_pow2(experts),
         ASM=(not interpreting()) if asm is None else asm, BITWISE_BF16=interpreting(),
@@ -409,30 +429,39 @@ def launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_
 
 
 def decode_grouped_idot_forward(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts: int,
-                                expert_ids=None, offsets=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+                                expert_ids=None, offsets=None, out_dtype=torch.bfloat16, a_rows=None) -> torch.Tensor:
     """Checked entry point: rows ``a`` (codes ``[R, K/2]``, E4M3 block scales ``[R, K/16]``, global
     ``[R]``/``[1]``) times their experts' weights (``[E*N, K/2]`` / ``[E*N, K/16]`` / ``[E]`` or
     ``[E*N]``) -> ``[R, N]`` ``out_dtype``; by ``expert_ids`` int ``[R]`` or sorted rows'
-    ``offsets`` int ``[E+1]`` (exactly one). Raises ValueError / TypeError naming the operand."""
+    ``offsets`` int ``[E+1]`` (exactly one). ``a_rows`` int ``[R]``: ``a`` holds ``T`` rows
+    (``[T, K/2]``, ``[T, K/16]``, ``[T]``/``[1]``) and output row ``r`` multiplies row ``a_rows[r]``
+    (NaN for one outside ``[0, T)``). Raises ValueError / TypeError naming the operand."""
     if (expert_ids is None) == (offsets is None):
         raise ValueError("decode_grouped_idot: give exactly one of expert_ids and offsets")
     if a_codes.dim() != 2 or a_codes.dtype != torch.uint8:
         raise ValueError(f"decode_grouped_idot: activation codes must be uint8 [R, K/2], got {a_codes.dtype} "
                          f"{tuple(a_codes.shape)}")
-    r, k = a_codes.shape[0], a_codes.shape[1] * 2
+    t, k = a_codes.shape[0], a_codes.shape[1] * 2
     if k % 16:
         raise ValueError(f"decode_grouped_idot: K must be a multiple of 16, got {k}")
-    if tuple(a_scales.shape) != (r, k // 16):
-        raise ValueError(f"decode_grouped_idot: activation scales {tuple(a_scales.shape)} are not {(r, k // 16)}")
-    check_expert_weights("decode_grouped_idot", k, w_codes, w_scales, w_scale, experts, a_scale, r, out_dtype,
+    if tuple(a_scales.shape) != (t, k // 16):
+        raise ValueError(f"decode_grouped_idot: activation scales {tuple(a_scales.shape)} are not {(t, k // 16)}")
+    check_expert_weights("decode_grouped_idot", k, w_codes, w_scales, w_scale, experts, a_scale, t, out_dtype,
                          OUT_DTYPES)
+    if a_rows is not None:
+        if a_rows.dim() != 1 or a_rows.dtype not in (torch.int32, torch.int64) or a_rows.device != a_codes.device:
+            raise ValueError(f"decode_grouped_idot: a_rows must be int32/int64 [R] on {a_codes.device}, got "
+                             f"{a_rows.dtype} {tuple(a_rows.shape)} on {a_rows.device}")
+        a_rows = a_rows.to(torch.int32).contiguous()
+        if expert_ids is not None and expert_ids.numel() != a_rows.numel():
+            raise ValueError(f"decode_grouped_idot: {expert_ids.numel()} expert ids for {a_rows.numel()} rows (a_rows)")
     if offsets is not None and offsets.numel() != experts + 1:
         raise ValueError(f"decode_grouped_idot: offsets must be [E + 1] = [{experts + 1}], got {offsets.numel()}")
     rows = (expert_ids if offsets is None else offsets).to(torch.int32).reshape(-1).contiguous()
     return decode_idot_op(
         a_codes.contiguous(), a_scales.contiguous().view(torch.uint8), a_scale.float().reshape(-1).contiguous(),
         w_codes.contiguous(), w_scales.contiguous().view(torch.uint8), w_scale.float().reshape(-1).contiguous(),
-        rows, None, experts, "ids" if offsets is None else "offsets", out_dtype)
+        rows, None, experts, "ids" if offsets is None else "offsets", out_dtype, a_rows)
 
 
 @custom_op("minite::decode_idot", mutates_args=())
@@ -448,12 +477,13 @@ def decode_idot_op(
     experts: int,
     mode: str,
     out_dtype: torch.dtype,
+    a_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel as one op: ``mode`` ``"ids"`` (``rows``: the expert ids), ``"offsets"``
     (``rows``: the sorted rows' group offsets ``[E + 1]``) or ``"dense"`` (one weight matrix,
-    ``bias`` optional) -> ``[R, N]`` (see :func:`decode_grouped_idot_forward`,
-    :func:`decode_idot_gemm_forward`)."""
-    r = a_codes.shape[0]
+    ``bias`` optional) -> ``[R, N]``; ``a_rows``: output row ``r``'s activation row (see
+    :func:`decode_grouped_idot_forward`, :func:`decode_idot_gemm_forward`)."""
+    r = a_codes.shape[0] if a_rows is None else a_rows.numel()
     n = w_codes.shape[0] // experts
     out = torch.empty(r, n, dtype=out_dtype, device=a_codes.device)
     if r == 0 or n == 0:
@@ -463,13 +493,14 @@ def decode_idot_op(
         cfg = idot_config(a_codes.shape[1] * 2, INTERPRETER_IDOT if interpreting() else GPU_IDOT_DENSE)
     launch_decode_grouped_idot(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, experts, out,
                                expert_ids=rows if mode == "ids" else None, offsets=rows if mode == "offsets" else None,
-                               cfg=cfg, dense=mode == "dense", bias=bias)
+                               cfg=cfg, dense=mode == "dense", bias=bias, a_rows=a_rows)
     return out
 
 
 @decode_idot_op.register_fake
-def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, rows, bias, experts, mode, out_dtype):
-    return a_codes.new_empty((a_codes.shape[0], w_codes.shape[0] // experts), dtype=out_dtype)
+def _(a_codes, a_scales, a_scale, w_codes, w_scales, w_scale, rows, bias, experts, mode, out_dtype, a_rows=None):
+    r = a_codes.shape[0] if a_rows is None else a_rows.shape[0]
+    return a_codes.new_empty((r, w_codes.shape[0] // experts), dtype=out_dtype)
 
 
 #: The dense launch (one weight matrix, rows two at a time): fewer weight rows per program than the

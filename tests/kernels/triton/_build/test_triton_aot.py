@@ -123,12 +123,14 @@ from minite_kernels.triton._build import _aot_kernels as K
 from minite_kernels.triton.decode.decode_grouped_idot import GPU_IDOT
 from minite_kernels.triton._build._aot import kernel_opcodes, ptxas_resources, sass
 out = {}
-for k in (2048, 768):
-    for sorted_rows in (True, False):
-        kern = K._decode_grouped_idot(dict(GPU_IDOT), k=k, sorted_rows=sorted_rows)
+# (K, rows by offsets, activation rows by index): fc1 and fc2, and fc1 as the decode step runs it
+# (sorted rows reading the tokens' quantization through the route's token index)
+for k, sorted_rows, gather in ((2048, True, False), (2048, False, False), (768, True, False), (768, False, False),
+                               (2048, True, True)):
+        kern = K._decode_grouped_idot(dict(GPU_IDOT), k=k, sorted_rows=sorted_rows, gather=gather)
         text = sass(kern)
         ops = kernel_opcodes(text)
-        out[f"{k} {sorted_rows}"] = {**ptxas_resources(kern), "IDP": ops.count("IDP"), "HGMMA": ops.count("HGMMA"),
+        out[f"{k} {sorted_rows}{' gather' if gather else ''}"] = {**ptxas_resources(kern), "IDP": ops.count("IDP"), "HGMMA": ops.count("HGMMA"),
                                      "HMMA": ops.count("HMMA"), "x_or": len(re.findall(r"LOP3\.LUT R\d+, R\d+, 0x80808080, RZ, 0xfc", text))}
 print("JSON" + json.dumps(out))
 """
@@ -136,11 +138,12 @@ print("JSON" + json.dumps(out))
 
 def test_integer_dot_decode_runs_dp4a_without_spills_and_shares_the_activation_conversion():
     """The integer-dot MoE decode (``decode_grouped_idot.GPU_IDOT``) at fc1's and fc2's K, rows by
-    offsets and by ids, on sm_90a: dp4a (``IDP.4A``) and no tensor-core op, no spill; the
+    offsets and by ids (and fc1's rows by offsets reading the activation rows by index), on sm_90a: dp4a (``IDP.4A``) and no tensor-core op, no spill; the
     activation's conversion (4 ``or 0x80808080`` per code word) is shared by a thread's weight rows:
     at least 4 dp4a per such ``or`` (a thread with one weight row does the conversion once per row:
     1 per ``or``; what Triton's default layout, 8 K blocks of one row per thread, gave)."""
     got = run_aot_script(IDOT_SCRIPT)
+    assert len(got) == 5, sorted(got)
     for name, r in got.items():
         assert r["IDP"] > 0 and r["HGMMA"] == 0 and r["HMMA"] == 0, (name, r)
         assert r["spill_bytes"] == 0, (name, r)

@@ -122,15 +122,15 @@ def _dev_q(q):
                    image=None if q.image is None else _dev(q.image))
 
 
-def idot(a, st, ids=None, offsets=None, out_dtype=torch.bfloat16, matrix=False):
-    """The kernel on ``a``'s rows (by ids, or by the sorted rows' offsets)."""
+def idot(a, st, ids=None, offsets=None, out_dtype=torch.bfloat16, matrix=False, a_rows=None):
+    """The kernel on ``a``'s rows (by ids, or by the sorted rows' offsets; ``a_rows``: by index)."""
     wm = st.matrix()
     w_scale = wm.global_decode if matrix else st.global_decode
     out = decode_grouped_idot_forward(
         _dev(a.codes), _dev(a.linear_scales().view(torch.uint8)), _dev(a.row_global_decode()), _dev(wm.codes),
         _dev(wm.block_scales.view(torch.uint8)), _dev(w_scale), E,
         expert_ids=None if ids is None else _dev(ids), offsets=None if offsets is None else _dev(offsets),
-        out_dtype=out_dtype)
+        out_dtype=out_dtype, a_rows=None if a_rows is None else _dev(a_rows))
     return out.cpu()
 
 
@@ -161,6 +161,35 @@ def test_rows_within_bound_by_ids_and_by_offsets_with_the_same_bits(experts, ids
     rows_within_bound(out, a, qs, ids)
     order, a_sorted, offsets = sorted_rows(a, ids)
     assert_bitwise_equal(idot(a_sorted, st, offsets=offsets), out[order], "sorted rows by offsets")
+
+
+@needs_kernels
+@pytest.mark.parametrize("by_offsets", [True, False], ids=["by offsets", "by ids"])
+def test_activation_rows_by_index_give_the_gathered_rows_bits(experts, by_offsets):
+    """``a_rows``: 3 token rows, each read by several (token, expert) rows (the decode step's k
+    experts per token, the route's token index) == the kernel on the gathered rows, bit for bit; an
+    index outside ``[0, T)`` gives its row NaN and leaves the others' bits."""
+    _, _, st = experts
+    a = nvfp4.quantize_reference(randn(3, K, seed=55, scale=2.0))
+    tok = torch.tensor([0, 0, 1, 2, 1, 2, 0, 1], dtype=torch.int32)
+    ids = torch.tensor([4, 1, 4, 0, 2, 5, 3, 4], dtype=torch.int32)
+    offsets = None
+    if by_offsets:  # expert-major, as the routing kernel orders them
+        order = torch.argsort(ids.long(), stable=True)
+        tok, ids = tok[order], ids[order]
+        offsets = torch.zeros(E + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(torch.bincount(ids.long(), minlength=E), 0)
+    by = dict(offsets=offsets) if by_offsets else dict(ids=ids)
+    expect = idot(_take_rows(a, tok.long()), st, **by)
+    got = idot(a, st, a_rows=tok, **by)
+    assert got.shape == (len(tok), N)
+    assert_bitwise_equal(got, expect, "rows by index vs the gathered rows")
+    bad = tok.clone()
+    bad[1], bad[5] = 3, -1
+    got = idot(a, st, a_rows=bad, **by)
+    assert torch.isnan(got[[1, 5]]).all()
+    keep = [r for r in range(len(tok)) if r not in (1, 5)]
+    assert_bitwise_equal(got[keep], expect[keep], "the other rows beside out-of-range indices")
 
 
 @needs_kernels
@@ -216,6 +245,11 @@ def test_bad_operands_name_what_is_wrong(experts):
     with pytest.raises(ValueError, match="activation scales"):
         decode_grouped_idot_forward(a.codes, a.linear_scales()[:, :2].view(torch.uint8), *args[2:],
                                     expert_ids=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="a_rows must be int32/int64"):
+        decode_grouped_idot_forward(*args, expert_ids=torch.zeros(2, dtype=torch.int32), a_rows=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"3 expert ids for 2 rows \(a_rows\)"):
+        decode_grouped_idot_forward(*args, expert_ids=torch.zeros(3, dtype=torch.int32),
+                                    a_rows=torch.zeros(2, dtype=torch.int32))
 
 
 @needs_kernels
@@ -237,6 +271,43 @@ def test_backend_default_mode_dispatches_to_it_and_can_be_switched_off(experts):
     assert_bitwise_equal(got_sorted.cpu(), got.cpu()[order], "sorted through the backend")
     off = TritonBackend(TritonOptions(idot_decode=False)).decode_grouped_gemm(_dev_q(a), _dev_q(st), _dev(ids))
     rows_within_bound(off.cpu(), a, qs, ids)
+
+
+@needs_kernels
+def test_backend_rows_by_index_on_every_path_give_the_gathered_rows_bits(experts):
+    """``decode_grouped_gemm(..., a_rows=)`` through the backends: default mode (the integer-dot kernel
+    reads the rows by index), strict mode and the tensor-core kernel (rows gathered first), the
+    reference: each gives its own path's bits for the gathered rows; ``supports`` says which path
+    reads by index; an index outside ``a``'s rows raises one line eagerly."""
+    from minite_kernels.triton.backend import TritonBackend, TritonOptions
+
+    from minite_megatron.nvfp4.backends import ReferenceBackend
+
+    _, _, st = experts
+    a = nvfp4.quantize_reference(randn(3, K, seed=56, scale=2.0))
+    tok = torch.tensor([0, 2, 1, 0, 2, 1], dtype=torch.int32)
+    ids = torch.tensor([0, 0, 1, 3, 3, 5], dtype=torch.int32)  # expert-major
+    offsets = torch.tensor([0, 2, 3, 3, 5, 5, 6], dtype=torch.int32)
+    gathered = _take_rows(a, tok.long())
+    dev = torch.device(DEVICE)
+    on, tc = TritonBackend(), TritonBackend(TritonOptions(idot_decode=False))
+    assert on.supports("decode_grouped_gemm", a_rows=True, batch_invariant=False, device=dev) is None
+    assert "in order" in on.supports("decode_grouped_gemm", a_rows=True, batch_invariant=True, device=dev)
+    assert "integer-dot" in tc.supports("decode_grouped_gemm", a_rows=True, batch_invariant=False, device=dev)
+    for backend in (on, tc):
+        for strict in (False, True):
+            for by in (dict(group_offsets=_dev(offsets)), {}):
+                expect = backend.decode_grouped_gemm(_dev_q(gathered), _dev_q(st), _dev(ids), batch_invariant=strict, **by)
+                got = backend.decode_grouped_gemm(_dev_q(a), _dev_q(st), _dev(ids), batch_invariant=strict,
+                                                  a_rows=_dev(tok), **by)
+                assert_bitwise_equal(got.cpu(), expect.cpu(), f"{backend.options.idot_decode} strict={strict} {sorted(by)}")
+    ref = ReferenceBackend()
+    assert_bitwise_equal(ref.decode_grouped_gemm(a, st, ids, a_rows=tok), ref.decode_grouped_gemm(gathered, st, ids),
+                         "reference")
+    with pytest.raises(ValueError, match=r"a_rows\[4\] = 3 is outside the 3 rows of a"):
+        on.decode_grouped_gemm(_dev_q(a), _dev_q(st), _dev(ids), a_rows=_dev(torch.tensor([0, 2, 1, 0, 3, 1])))
+    with pytest.raises(ValueError, match="expert_ids must be a 1-D tensor of 5 expert indices"):
+        ref.decode_grouped_gemm(a, st, ids, a_rows=tok[:5])
 
 
 @needs_kernels
