@@ -262,25 +262,25 @@ def check_decode_grouped_operands(a: NVFP4Tensor, w_stacked: NVFP4Tensor, expert
     return e, n, k
 
 
+def _check_indices_in_range(indices: torch.Tensor, limit: int, name: str, where: str) -> None:
+    """ValueError naming the first entry of ``indices`` outside ``[0, limit)`` (a host sync)."""
+    if indices.numel() == 0:
+        return
+    bad = (indices < 0) | (indices >= limit)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        raise ValueError(f"decode_grouped_gemm: {name}[{r}] = {int(indices[r])} is outside {where}")
+
+
 def check_a_rows_in_range(a_rows: torch.Tensor, rows: int) -> None:
     """ValueError naming the first product row whose activation row index is outside ``[0, rows)``
     (a host sync)."""
-    if a_rows.numel() == 0:
-        return
-    bad = (a_rows < 0) | (a_rows >= rows)
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0, 0])
-        raise ValueError(f"decode_grouped_gemm: a_rows[{r}] = {int(a_rows[r])} is outside the {rows} rows of a")
+    _check_indices_in_range(a_rows, rows, "a_rows", f"the {rows} rows of a")
 
 
 def check_expert_ids_in_range(expert_ids: torch.Tensor, num_experts: int) -> None:
     """ValueError naming the first row whose expert index is outside ``[0, E)`` (a host sync)."""
-    if expert_ids.numel() == 0:
-        return
-    bad = (expert_ids < 0) | (expert_ids >= num_experts)
-    if bool(bad.any()):
-        r = int(bad.nonzero()[0, 0])
-        raise ValueError(f"decode_grouped_gemm: expert_ids[{r}] = {int(expert_ids[r])} is outside [0, {num_experts})")
+    _check_indices_in_range(expert_ids, num_experts, "expert_ids", f"[0, {num_experts})")
 
 
 def _expert_matrix(w_stacked: NVFP4Tensor, e: int, n: int, k: int) -> NVFP4Tensor:

@@ -33,6 +33,17 @@ def _tiny(strict: bool, seed: int = 3, backend: str = "reference", layers: int =
                      dtype=torch.bfloat16, seed=seed).eval()
 
 
+def _two_decode_steps(runner, cache):
+    """Two greedy decode steps of the 3 prompts from ``cache`` (filled to position 4): the logits
+    of each and the KV cache after them."""
+    tokens, positions = torch.tensor([3, 1, 4]), torch.tensor([4, 4, 4])
+    logits = []
+    for _ in range(2):
+        logits.append(runner.step(tokens, positions, cache))
+        tokens, positions = logits[-1].argmax(-1), positions + 1
+    return logits, [t.clone() for t in cache.k + cache.v]
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
@@ -73,12 +84,7 @@ def test_fused_decode_step_equals_the_unfused_step(monkeypatch, strict):
             cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
             for dst, src in zip(cache.k + cache.v, prefilled.k + prefilled.v):
                 dst.copy_(src)
-            tokens, positions = torch.tensor([3, 1, 4]), torch.tensor([4, 4, 4])
-            logits = []
-            for _ in range(2):
-                logits.append(runner.step(tokens, positions, cache))
-                tokens, positions = logits[-1].argmax(-1), positions + 1
-            outs[name] = (logits, [t.clone() for t in cache.k + cache.v])
+            outs[name] = _two_decode_steps(runner, cache)
             launches[name] = list(launched)
     assert launches["cpu"] == launches["off"] == []
     assert {"moe_route", "qk_norm_rope_cache", "add_rmsnorm_quantize"} <= set(launches["fused"])
@@ -124,12 +130,7 @@ def test_routed_experts_read_the_norms_quantization_by_token(monkeypatch):
             calls.clear()
             cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
             runner.prefill(prompts, cache)
-            tokens, positions = torch.tensor([3, 1, 4]), torch.tensor([4, 4, 4])
-            logits = []
-            for _ in range(2):
-                logits.append(runner.step(tokens, positions, cache))
-                tokens, positions = logits[-1].argmax(-1), positions + 1
-            outs[name] = (logits, [t.clone() for t in cache.k + cache.v])
+            outs[name] = _two_decode_steps(runner, cache)
             by_index[name] = list(calls)
     assert by_index["fused"] == [True, False] * 2, by_index  # fc1 by index, fc2 on its own rows, per step
     assert not any(by_index["off"]), by_index
