@@ -115,6 +115,57 @@ def _foreign_accumulators(loss: torch.Tensor, stream: "torch.cuda.Stream", names
     return foreign
 
 
+class CaptureGuards:
+    """What a minite step needs around its CUDA-graph capture and replays, for both graph paths
+    (:class:`GraphedStep`, ``full_iteration_graph.MiniteFullIterationGraph``); the module docstring
+    says why each is needed.
+
+    Made right before the capture from the last warm-up step's stochastic quantizations
+    (``drawn``, :func:`ops.seeds.recording`): empties the quantized-weight caches (the quantize
+    kernels are captured). :meth:`captured` wraps the captured body (device seed slots, the
+    router's NaN checks as one device flag); :meth:`after_capture` checks the body drew every slot
+    and empties the caches again; :meth:`before_replay` writes the seeds an eager step would draw;
+    :meth:`check_routing` raises after a replay that routed NaN (``who`` opens each message)."""
+
+    def __init__(self, drawn: list[int], device: torch.device, who: str):
+        from ..ops import seeds
+        from ..ops.weight_cache import invalidate_weight_caches
+
+        invalidate_weight_caches()
+        self.who = who
+        self.slots = seeds.DeviceSeedSlots(drawn, device)
+        self.nan: torch.Tensor | None = None  # set by the captured body: NaN routed in a replay
+
+    def captured(self, body: Callable) -> Callable:
+        """``body`` as the capture must run it: its stochastic quantizations take the device seed
+        slots, and the NaN checks of its routers become one device flag, computed by every replay."""
+        from ..invariant.topk import nan_checks_on_device
+        from ..ops import seeds
+
+        def run(*args, **kwargs):
+            with seeds.device_seeds(self.slots), nan_checks_on_device() as flags:
+                out = body(*args, **kwargs)
+                self.nan = torch.stack(flags).any() if flags else None
+            return out
+
+        return run
+
+    def after_capture(self) -> None:
+        from ..ops.weight_cache import invalidate_weight_caches
+
+        self.slots.check_taken(self.who)
+        invalidate_weight_caches()  # an eager step after this one quantizes afresh (the graph's pool is its own)
+
+    def before_replay(self) -> None:
+        self.slots.refill()  # this step's stochastic-rounding seeds, as an eager step draws them
+
+    def check_routing(self, what: str, consequence: str) -> None:
+        """After a replay: ValueError if strict routing saw NaN (one wait per step)."""
+        if self.nan is not None and bool(self.nan):
+            raise ValueError(f"{self.who}: NaN in the routing scores of {what} (strict mode refuses to route them; "
+                             f"{consequence})")
+
+
 class GraphedStep:
     """One forward + backward of ``loss_fn(tokens, labels)`` (a scalar loss of ``model``) for
     inputs of the shapes of ``tokens`` / ``labels``, captured once and replayed by :meth:`step`.
@@ -124,7 +175,6 @@ class GraphedStep:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, tokens: torch.Tensor, labels: torch.Tensor,
                  *, recipe=None, warmup: int = 3):
-        from ..invariant.topk import nan_checks_on_device
         from ..ops import seeds
         from ..ops.weight_cache import invalidate_weight_caches
 
@@ -158,20 +208,22 @@ class GraphedStep:
                 "step is kept outside the modules (release_step_tensors drops what modules keep), e.g. a loss kept "
                 "from an eager step; drop it before graphing")
         self._set_grads_none()
-        invalidate_weight_caches()  # the quantize kernels run inside the graph, every replay
-        self.seeds = seeds.DeviceSeedSlots(drawn, tokens.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with seeds.device_seeds(self.seeds), nan_checks_on_device() as flags, torch.cuda.graph(self.graph):
+        self.guards = CaptureGuards(drawn, tokens.device, "GraphedStep")
+
+        def body():
             loss = loss_fn(self.static_tokens, self.static_labels)
             loss.backward()
-            self._nan = torch.stack(flags).any() if flags else None  # NaN routed in this replay
-        self.seeds.check_taken("GraphedStep")
+            return loss
+
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            loss = self.guards.captured(body)()
+        self.guards.after_capture()
         self.static_loss = loss.detach()
         del loss
         release_step_tensors(model)  # the captured graph's autograd nodes are not kept by the modules
         self.static_grads = [p.grad for p in self.params]
         self.replays = 0
-        invalidate_weight_caches()  # an eager step after this one quantizes afresh (the graph's pool is its own)
         torch.cuda.synchronize()
 
     def _set_grads_none(self) -> None:
@@ -190,10 +242,8 @@ class GraphedStep:
                                    "(keep the graph's gradients; do not set them to None between replays)")
         self.static_tokens.copy_(tokens)
         self.static_labels.copy_(labels)
-        self.seeds.refill()  # this step's stochastic-rounding seeds, as an eager step draws them
+        self.guards.before_replay()
         self.graph.replay()
         self.replays += 1
-        if self._nan is not None and bool(self._nan):  # strict routing's NaN checks: one wait per step
-            raise ValueError(f"GraphedStep: NaN in the routing scores of replay {self.replays} (strict mode refuses "
-                             "to route them; do not apply this step's gradients)")
+        self.guards.check_routing(f"replay {self.replays}", "do not apply this step's gradients")
         return self.static_loss

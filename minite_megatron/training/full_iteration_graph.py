@@ -6,7 +6,8 @@ is given: ``--cuda-graph-warmup-steps`` eager iterations, then one capture of ev
 forward and backward (static input buffers, the shared pool and capture stream, Megatron's RNG
 states registered), then a replay per iteration. :class:`MiniteFullIterationGraph` is that class
 with the three things a minite step needs around it, the same ones
-:class:`~minite_megatron.training.cuda_graphs.GraphedStep` does for a plain loop:
+:class:`~minite_megatron.training.cuda_graphs.GraphedStep` does for a plain loop, both through one
+:class:`~minite_megatron.training.cuda_graphs.CaptureGuards`:
 
 * stochastic rounding: the last warm-up iteration lists its stochastic quantizations
   (``ops.seeds.recording``), the capture reads one device seed per quantization
@@ -40,24 +41,21 @@ class MiniteFullIterationGraph(FullCudaGraphWrapper):
     # per stage, like Megatron's graphs and counters: class-level, because Megatron makes a new
     # wrapper per evaluation and replays the validation graph an earlier one captured
     _recorded: dict[str, list[int]] = {}
-    _slots: dict[str, object] = {}
-    _nan: dict[str, torch.Tensor | None] = {}
+    _guards: dict[str, object] = {}
 
     def reset_cuda_graph(self, stage=None):
         """Megatron's reset (the graph, its result and its iteration counter), the static input
         buffers of the graph it drops (a new capture may read other shapes), and this class's seed
-        lists, slots and NaN flags of ``stage`` (None: both)."""
+        lists and capture guards (seed slots, NaN flag) of ``stage`` (None: both)."""
         super().reset_cuda_graph(stage)
         for s in ("training", "validation") if stage is None else (stage,):
             StaticBufferLoader.static_buffers[s] = []
-            for held in (self._recorded, self._slots, self._nan):
+            for held in (self._recorded, self._guards):
                 held.pop(s, None)
 
     def __call__(self, *args, **kwargs):
-        from ..invariant.topk import nan_checks_on_device
         from ..ops import seeds
-        from ..ops.weight_cache import invalidate_weight_caches
-        from .cuda_graphs import release_step_tensors, why_not_graphable
+        from .cuda_graphs import CaptureGuards, release_step_tensors, why_not_graphable
 
         stage = "validation" if kwargs.get("forward_only") else "training"
         it, warmup = self.curr_iter(stage), self.cuda_graph_warmup_steps
@@ -77,32 +75,21 @@ class MiniteFullIterationGraph(FullCudaGraphWrapper):
                     raise ValueError(f"--cuda-graph-impl full_iteration cannot capture this model: {why}")
             for chunk in chunks:
                 release_step_tensors(chunk)  # kept autograd history would pin the accumulators' stream
-            slots = seeds.DeviceSeedSlots(self._recorded.get(stage, []), device)
-            slots.refill()
-            invalidate_weight_caches()
-            inner, held = self.forward_backward_func, {}
-
-            def captured(*a, **kw):
-                with seeds.device_seeds(slots), nan_checks_on_device() as flags:
-                    out = inner(*a, **kw)
-                    held["nan"] = torch.stack(flags).any() if flags else None
-                return out
-
-            self.forward_backward_func = captured
+            guards = CaptureGuards(self._recorded.get(stage, []), device, "--cuda-graph-impl full_iteration")
+            guards.before_replay()  # Megatron replays right after the capture
+            inner = self.forward_backward_func
+            self.forward_backward_func = guards.captured(inner)
             try:
                 result = super().__call__(*args, **kwargs)
             finally:
                 self.forward_backward_func = inner
-            slots.check_taken("--cuda-graph-impl full_iteration")
-            invalidate_weight_caches()  # an eager step after this one quantizes afresh
-            self._slots[stage], self._nan[stage] = slots, held.get("nan")
+            guards.after_capture()
+            self._guards[stage] = guards
         else:
-            self._slots[stage].refill()  # this iteration's stochastic-rounding seeds
+            self._guards[stage].before_replay()
             result = super().__call__(*args, **kwargs)
-        nan = self._nan.get(stage)
-        if nan is not None and bool(nan):  # strict routing's NaN checks: one wait per iteration
-            raise ValueError(f"--cuda-graph-impl full_iteration: NaN in the routing scores of {stage} iteration "
-                             f"{self.curr_iter(stage) - 1} (strict mode refuses to route them; the step is not applied)")
+        if stage in self._guards:
+            self._guards[stage].check_routing(f"{stage} iteration {self.curr_iter(stage) - 1}", "the step is not applied")
         return result
 
 
