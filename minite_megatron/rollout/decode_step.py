@@ -427,6 +427,20 @@ def _grouped_bf16_expert(linear: NVFP4GroupedLinear, e: int, x: torch.Tensor) ->
     return torch.nn.functional.linear(x, linear.weights[e], None)
 
 
+class CombinedRows:
+    """An MoE layer's output before its combine: the expert rows ``[T * k, H]`` and the route's
+    ``combine`` index (token ``t``'s rows at ``t * k .. t * k + k - 1``). The next norm adds them
+    into the residual stream in its own kernel where it can (:func:`add_then_norm`); anything else
+    takes :meth:`tensor` (``fused_ops.combine_rows``: the same bits)."""
+
+    def __init__(self, rows: torch.Tensor, combine: torch.Tensor, k: int, shape: tuple, fused):
+        self.rows, self.combine, self.k, self.shape, self.fused = rows, combine, k, torch.Size(shape), fused
+        self.dtype, self.device = rows.dtype, rows.device
+
+    def tensor(self) -> torch.Tensor:
+        return fused_ops.combine_rows(self.rows, self.combine, self.k, backend=self.fused).view(self.shape)
+
+
 class MoEStep:
     """An MoE layer: the router (module), the routed experts, the ordered combine, shared experts.
     ``fused``: the backend of the fused decode kernels or None; ``routing``: the backend whose
@@ -460,7 +474,9 @@ class MoEStep:
                 route = fused_ops.moe_route(logits.view(s * b, -1), self.topk,
                                             router.config.moe_router_topk_scaling_factor, backend=self.fused)
                 rows = self.experts.sorted_rows(x2, route, qx)
-                out = fused_ops.combine_rows(rows, route.combine, self.topk, backend=self.fused).view(s, b, h)
+                out = CombinedRows(rows, route.combine, self.topk, (s, b, h), self.fused)
+                if self.shared is not None:
+                    out = out.tensor()
             else:
                 probs, routing_map = self.moe.router(x)
                 experts, weights = routed_experts(routing_map, probs, self.topk)
@@ -621,8 +637,13 @@ def add_then_norm(norm, residual: torch.Tensor, pending, fire: bool, fused, cons
     done = None if (fire or bias is not None or not bda.plain) else _fused_add_norm(norm, residual, out, fused, consumer)
     if done is not None:
         return done
-    h = bda((out, bias), residual)
+    h = bda((materialized(out), bias), residual)
     return h, norm(h), None
+
+
+def materialized(out):
+    """An MLP output as a tensor (a :class:`CombinedRows` combined)."""
+    return out.tensor() if isinstance(out, CombinedRows) else out
 
 
 def _quantizes_for(recipe, out: torch.Tensor):
@@ -651,8 +672,12 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused, cons
     elif not (norm.invariant_rms and fused_ops.norm_fuses(fused, out.device)):
         return None  # not bi_rmsnorm's arithmetic in the learner
     shape, hdim = out.shape, out.shape[-1]
-    h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
-                                   norm.zero_centered_gamma, with_image=True)
+    if isinstance(out, CombinedRows):  # the MoE combine in the same kernel, before the add
+        h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.rows, norm.weight, norm.eps,
+                                             norm.zero_centered_gamma, with_image=True, combine=out.combine)
+    else:
+        h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
+                                             norm.zero_centered_gamma, with_image=True)
     if slot is not None:
         slot.offer(y, q, activation_key(slot.recipe, backend))
     handed = consumer is not None and _quantizes_for(consumer.recipe, out) is not None
@@ -786,7 +811,7 @@ class DecodeModel:
             h = add_then_norm(gpt.decoder.final_layernorm, h, pending, fire_hooks, self.fused)[1]
         else:
             (out, bias), bda = pending
-            h = bda((out, bias), h)
+            h = bda((materialized(out), bias), h)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
         logits = gpt._scale_logits(logits)

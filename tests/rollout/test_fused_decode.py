@@ -103,8 +103,9 @@ def test_routed_experts_read_the_norms_quantization_by_token(monkeypatch):
     """Default mode with the NVFP4 GEMMs on the Triton backend (a GPU's choice): the pre-MLP norm's
     fused NVFP4 of the T tokens goes to the routed experts' fc1, which reads each (token, expert)
     row's token row by index (``decode_grouped_gemm(..., a_rows=)``) instead of gathering and
-    quantizing the T * k rows: two decode steps' logits and KV cache bitwise those of the step on
-    the learner's modules (``fused_kernels=False``), which gathers and quantizes."""
+    quantizing the T * k rows, and the MoE combine runs inside the final norm's kernel
+    (``add_rmsnorm_quantize(..., combine=)``, no ``moe_sum_rows``): two decode steps' logits and KV
+    cache bitwise those of the step on the learner's modules (``fused_kernels=False``)."""
     from minite_kernels.triton.backend import TritonBackend
 
     from minite_megatron.rollout.decode_step import DecodeModel, KVCache
@@ -113,27 +114,39 @@ def test_routed_experts_read_the_norms_quantization_by_token(monkeypatch):
 
     init_single_process(1)
     model = _tiny(False, backend="triton", layers=1)
-    calls = []
-    real = TritonBackend.decode_grouped_gemm
+    calls, combines = [], []
+    real = {name: getattr(TritonBackend, name) for name in ("decode_grouped_gemm", "add_rmsnorm_quantize", "moe_sum_rows")}
 
-    def spy(self, *a, **k):
+    def spy_gemm(self, *a, **k):
         calls.append(k.get("a_rows") is not None)
-        return real(self, *a, **k)
+        return real["decode_grouped_gemm"](self, *a, **k)
 
-    monkeypatch.setattr(TritonBackend, "decode_grouped_gemm", spy)
+    def spy_norm(self, *a, **k):
+        combines.append("in the norm" if k.get("combine") is not None else "none")
+        return real["add_rmsnorm_quantize"](self, *a, **k)
+
+    def spy_sum(self, *a, **k):
+        combines.append("moe_sum_rows")
+        return real["moe_sum_rows"](self, *a, **k)
+
+    monkeypatch.setattr(TritonBackend, "decode_grouped_gemm", spy_gemm)
+    monkeypatch.setattr(TritonBackend, "add_rmsnorm_quantize", spy_norm)
+    monkeypatch.setattr(TritonBackend, "moe_sum_rows", spy_sum)
     runners = {"off": DecodeModel(model, fused_kernels=False, kernels_on_cpu=True),
                "fused": DecodeModel(model, kernels_on_cpu=True)}
     prompts = torch.tensor([[5, 17, 33, 2], [9, 8, 7, 6], [11, 22, 1, 3]])
     outs, by_index = {}, {}
     with overridden(strict_backend="triton"), torch.no_grad():
         for name, runner in runners.items():
-            calls.clear()
             cache = KVCache(runner.num_layers, 16, 3, runner.groups, runner.head_dim, torch.bfloat16, "cpu")
             runner.prefill(prompts, cache)
+            calls.clear()
+            combines.clear()
             outs[name] = _two_decode_steps(runner, cache)
-            by_index[name] = list(calls)
-    assert by_index["fused"] == [True, False] * 2, by_index  # fc1 by index, fc2 on its own rows, per step
-    assert not any(by_index["off"]), by_index
+            by_index[name] = (list(calls), list(combines))
+    # per step: fc1 by index, fc2 on its own rows; the pre-MLP norm, then the final norm with the combine
+    assert by_index["fused"] == ([True, False] * 2, ["none", "in the norm"] * 2), by_index
+    assert not any(by_index["off"][0]) and by_index["off"][1] == [], by_index
     for i, (a, b) in enumerate(zip(outs["off"][0], outs["fused"][0])):
         assert_bitwise_equal(b, a, f"step {i} logits")
     for i, (a, b) in enumerate(zip(outs["off"][1], outs["fused"][1])):

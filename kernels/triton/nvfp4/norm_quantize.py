@@ -70,6 +70,7 @@ from minite_megatron.nvfp4.producers import (
     rmsnorm_quantize_reference,
     validate_rmsnorm,
 )
+from minite_megatron.nvfp4.moe_reference import ordered_sum_reference
 from minite_megatron.nvfp4.quantize import check_finite
 from minite_megatron.nvfp4.tensor import NVFP4Tensor
 
@@ -180,20 +181,30 @@ def _rmsnorm_quantize_kernel(
     ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
     IS_FP16: tl.constexpr, W_KIND: tl.constexpr, WITH_IMAGE: tl.constexpr, BITWISE_BF16: tl.constexpr,
     BLOCK_NB: tl.constexpr, CHUNKS: tl.constexpr,
-    r_ptr=None, o_ptr=None, s_r=0, s_o=0, RESIDUAL: tl.constexpr = False,
+    r_ptr=None, o_ptr=None, s_r=0, s_o=0, RESIDUAL: tl.constexpr = False, c_ptr=None, COMBINE: tl.constexpr = 0,
 ):
     """One row per program (bi_rmsnorm's grid and warps). ``sxh`` is 1 (unit stride along H;
     kept as an argument so phase 1's load expression is bi_rmsnorm's). See the module docstring.
     ``RESIDUAL``: first ``x = round(residual + out)`` is written to ``x_ptr`` (the residual add of
     Megatron's bias-dropout-add: an fp32 add rounded once to the 16-bit dtype, as torch adds), then
-    a barrier, then the kernel as without it (phase 1 reads ``x`` back: the same load expression)."""
+    a barrier, then the kernel as without it (phase 1 reads ``x`` back: the same load expression).
+    ``COMBINE`` (k > 0): ``out`` is the MoE layer's expert rows, row ``t``'s being ``c_ptr[t * k + j]``,
+    added in that order from ``+0`` with each sum rounded to the 16-bit dtype (the deterministic
+    combine, ``moe_combine.moe_sum_rows``' arithmetic) before the residual add."""
     if RESIDUAL:
         row0 = tl.program_id(0).to(tl.int64)
         for h0 in range(0, H, BLOCK):
             cols0 = h0 + tl.arange(0, BLOCK)
             m0 = cols0 < H
             a = _load_f32(r_ptr + row0 * s_r + cols0, m0, BITWISE_BF16)
-            b = _load_f32(o_ptr + row0 * s_o + cols0, m0, BITWISE_BF16)
+            if COMBINE > 0:
+                b = tl.zeros((BLOCK,), tl.float32)  # +0.0
+                for j in tl.static_range(COMBINE):
+                    src = tl.load(c_ptr + row0 * COMBINE + j).to(tl.int64)
+                    _bb, b = round_half(b + _load_f32(o_ptr + src * s_o + cols0, m0, BITWISE_BF16), IS_FP16,
+                                        BITWISE_BF16)
+            else:
+                b = _load_f32(o_ptr + row0 * s_o + cols0, m0, BITWISE_BF16)
             hb, _hv = round_half(a + b, IS_FP16, BITWISE_BF16)
             tl.store(x_ptr.to(tl.pointer_type(tl.int16)) + row0 * sxm + cols0, hb.to(tl.int16), mask=m0)
         tl.debug_barrier()  # x's stores are visible to every thread's loads below
@@ -269,14 +280,15 @@ def _w_kind(weight: torch.Tensor) -> int:
 @custom_op("minite::rmsnorm_quantize", mutates_args=())
 def rmsnorm_quantize_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool, with_image: bool,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, combine: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel launch: ``x`` [M, H] bf16/fp16 (unit stride along H, rows on 4-byte boundaries),
     ``weight`` [H] contiguous bf16/fp16/fp32. Returns ``(y [M, H], codes [M, H/2] uint8,
     scales [M, H/16] uint8 (E4M3 bits), global decode [M] fp32, image [M, H] bf16 or [0],
     x + residual [M, H] or [0])``; with ``residual`` ([M, H], x's dtype, unit stride along H) the
-    kernel normalizes ``x + residual``."""
-    m, h = x.shape
+    kernel normalizes ``x + residual``; with ``combine`` (int32 ``[M * k]``) ``x`` holds expert rows
+    ``[P, H]`` and row ``t`` of ``x`` is first their ordered sum ``x[combine[t * k + j]]``, ``j < k``."""
+    m, h = (x.shape if combine is None else (residual.shape[0], x.shape[1]))
     dev = x.device
     summed = torch.empty((m, h) if residual is not None else (0,), dtype=x.dtype, device=dev)
     y = torch.empty(m, h, dtype=x.dtype, device=dev)
@@ -290,6 +302,8 @@ def rmsnorm_quantize_op(
     extra = {}
     if residual is not None:
         extra = dict(r_ptr=residual, o_ptr=x, s_r=residual.stride(0), s_o=x.stride(0), RESIDUAL=True)
+        if combine is not None:
+            extra.update(c_ptr=combine, COMBINE=combine.numel() // m)
     # bi_rmsnorm's launch options (Triton's defaults: FMA contraction on), see the module docstring
     xin = summed if residual is not None else x
     _rmsnorm_quantize_kernel[(m,)](
@@ -303,8 +317,8 @@ def rmsnorm_quantize_op(
 
 
 @rmsnorm_quantize_op.register_fake
-def _(x, weight, eps, zero_centered_gamma, with_image, residual=None):
-    m, h = x.shape
+def _(x, weight, eps, zero_centered_gamma, with_image, residual=None, combine=None):
+    m, h = x.shape if combine is None else (residual.shape[0], x.shape[1])
     return (x.new_empty((m, h)), x.new_empty((m, h // 2), dtype=torch.uint8),
             x.new_empty((m, h // 16), dtype=torch.uint8), x.new_empty((m,), dtype=torch.float32),
             x.new_empty((m, h) if with_image else (0,), dtype=torch.bfloat16),
@@ -413,6 +427,7 @@ def add_rmsnorm_quantize(
     zero_centered_gamma: bool = False,
     *,
     with_image: bool = True,
+    combine: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, NVFP4Tensor]:
     """The residual add of a transformer layer fused into the next norm: ``h = residual + out``
     (torch's 16-bit add: the fp32 sum rounded once), then :func:`rmsnorm_quantize` of ``h``.
@@ -420,6 +435,10 @@ def add_rmsnorm_quantize(
     Args:
         residual, out: ``[M, H]`` bf16 / fp16, the same dtype, unit stride along H.
         weight, eps, zero_centered_gamma, with_image: as :func:`rmsnorm_quantize`.
+        combine: int32 / int64 ``[M * k]``: ``out`` is an MoE layer's expert rows ``[P, H]`` and the
+            layer's output row ``t`` is their deterministic combine first (``nvfp4.moe_reference``'s
+            ``ordered_sum_reference`` of rows ``combine[t * k:(t + 1) * k]``, what
+            ``moe_combine.moe_sum_rows`` computes), in the same kernel.
     Returns:
         ``(h, y, q)``: ``h`` bitwise ``residual + out``; ``y`` bitwise ``bi_rmsnorm(h)``; ``q`` bitwise
         ``quantize_reference(y, global_scale="row")`` (the kernel's phase 1 reads ``h`` back with
@@ -428,10 +447,21 @@ def add_rmsnorm_quantize(
         TypeError / ValueError as :func:`rmsnorm_quantize`, and for a mismatched ``residual``.
     """
     validate_rmsnorm(out, weight, "propagate")
-    if not isinstance(residual, torch.Tensor) or residual.shape != out.shape or residual.dtype != out.dtype:
+    if combine is not None:
+        rows_out = residual.shape[0] if isinstance(residual, torch.Tensor) and residual.dim() == 2 else 0
+        if (combine.dim() != 1 or combine.dtype not in (torch.int32, torch.int64) or rows_out == 0
+                or combine.numel() % rows_out or combine.device != out.device):
+            raise ValueError(f"add_rmsnorm_quantize: combine must be int32/int64 [M * k] on {out.device} for the "
+                             f"residual's M rows, got {combine.dtype} {tuple(combine.shape)} on {combine.device}")
+        combined = (rows_out, out.shape[1])
+    if not isinstance(residual, torch.Tensor) or residual.dtype != out.dtype or (
+            residual.shape != (out.shape if combine is None else combined)):
         raise ValueError(f"add_rmsnorm_quantize: residual {getattr(residual, 'dtype', None)} "
                          f"{tuple(getattr(residual, 'shape', ()))} vs out {out.dtype} {tuple(out.shape)}")
     if not out.is_cuda and not interpreting():
+        if combine is not None:
+            k = combine.numel() // residual.shape[0]
+            out = ordered_sum_reference(out.index_select(0, combine.long()).view(residual.shape[0], k, out.shape[1]))
         h = residual + out
         y, q = rmsnorm_quantize_reference(h, weight, eps, zero_centered_gamma, with_image=with_image)
         return h, y, q
@@ -442,12 +472,14 @@ def add_rmsnorm_quantize(
     if weight.dtype != torch.float32 and weight.data_ptr() % 4:
         weight = weight.clone()
     y, codes, scales, sdec, image, h = rmsnorm_quantize_op(out, weight, float(eps), bool(zero_centered_gamma),
-                                                           bool(with_image), residual)
-    return h, y, as_nvfp4(codes, scales, sdec, image, out.shape, with_image)
+                                                           bool(with_image), residual,
+                                                           None if combine is None else combine.to(torch.int32).contiguous())
+    return h, y, as_nvfp4(codes, scales, sdec, image, residual.shape, with_image)
 
 
-def aot_add_kernel(h: int = 2048, dtype: str = "bf16"):
-    """The residual-add variant as launched (image written), compiled for sm_90a on this machine."""
+def aot_add_kernel(h: int = 2048, dtype: str = "bf16", combine: int = 0):
+    """The residual-add variant as launched (image written; ``combine``: the MoE combine of that
+    many expert rows first), compiled for sm_90a on this machine."""
     from minite_kernels.triton._build._aot import compile_for
 
     block, block_nb, chunks = config(h)
@@ -455,7 +487,10 @@ def aot_add_kernel(h: int = 2048, dtype: str = "bf16"):
            "scales_ptr": "*u8", "sdec_ptr": "*fp32", "image_ptr": "*bf16", "H": "i32", "sxm": "i32",
            "eps": "fp32", "r_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "s_r": "i32", "s_o": "i32"}
     ce = dict(ZERO_CENTERED=False, BLOCK=block, IS_FP16=dtype == "fp16", W_KIND=1 if dtype == "fp16" else 0,
-              WITH_IMAGE=True, BITWISE_BF16=False, BLOCK_NB=block_nb, CHUNKS=chunks, sxh=1, RESIDUAL=True)
+              WITH_IMAGE=True, BITWISE_BF16=False, BLOCK_NB=block_nb, CHUNKS=chunks, sxh=1, RESIDUAL=True,
+              COMBINE=combine)
+    if combine:
+        sig["c_ptr"] = "*i32"
     return compile_for(_rmsnorm_quantize_kernel, sig, ce, num_warps=NORM_WARPS, divisible=("H", "sxm", "s_r", "s_o"))
 
 

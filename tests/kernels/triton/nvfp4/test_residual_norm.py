@@ -116,18 +116,71 @@ def test_residual_add_strided_empty_and_bad_arguments():
         add_rmsnorm_quantize(r.half(), r, w)
 
 
+def check_combined(residual, rows, combine, w, name):
+    """The combine variant (``out`` = expert rows, each output row their ordered sum first) == the
+    plain kernel on the torch combine (``ordered_sum_reference``), which :func:`check` pins against
+    torch's add, bi_rmsnorm and quantize_reference: h, y and q bit for bit."""
+    from minite_megatron.nvfp4.moe_reference import ordered_sum_reference
+
+    t, k = residual.shape[0], combine.numel() // residual.shape[0]
+    out = ordered_sum_reference(rows.index_select(0, combine.long()).view(t, k, rows.shape[1]))
+    want = check(residual, out, w, name)
+    got = add_rmsnorm_quantize(residual.to(DEVICE), rows.to(DEVICE), w.to(DEVICE), 1e-6, False, combine=combine.to(DEVICE))
+    for field, a, b in zip(("h", "y"), got[:2], want[:2]):
+        assert_bitwise_equal(a.cpu(), b, f"{name}.{field}", nan_equal=True)
+    assert_quantized_equal(_cpu(got[2]), want[2], f"{name}.q")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("t,k,hdim", [(1, 8, 256), (3, 4, 48), (2, 8, 2048)])
+def test_the_moe_combine_fused_before_the_add(dtype, t, k, hdim):
+    """Expert rows in expert-major order (a permutation of the tokens' rows, as the routing kernel
+    lays them out), heavy tails, a row's k rows cancelling to zero, NaN and inf in one expert row."""
+    g = torch.Generator().manual_seed(t * k + hdim)
+    combine = torch.randperm(t * k, generator=g).to(torch.int32)
+    w = (torch.rand(hdim, generator=g) + 0.5).to(dtype)
+    rows = heavy_tailed(t * k, hdim, seed=hdim, dtype=dtype)
+    check_combined(randn(t, hdim, seed=t, scale=3.0, dtype=dtype), rows, combine, w, f"combine {dtype} {t}x{k}x{hdim}")
+    if k % 2 == 0:  # token 0's rows in +/- pairs: its combine is exactly 0 before the add
+        pairs = combine[:k].long()
+        rows[pairs[1::2]] = -rows[pairs[0::2]]
+    rows[combine[-1].long(), 5] = float("nan")
+    rows[combine[-2].long(), 7] = float("inf")
+    check_combined(randn(t, hdim, seed=t + 1, dtype=dtype), rows, combine, w, f"combine hard {dtype} {t}x{k}x{hdim}")
+
+
+def test_the_moe_combine_refuses_a_combine_index_of_the_wrong_size():
+    r = randn(3, 64, seed=14, dtype=torch.bfloat16).to(DEVICE)
+    rows = randn(12, 64, seed=15, dtype=torch.bfloat16).to(DEVICE)
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="combine must be int32/int64"):
+        add_rmsnorm_quantize(r, rows, w, combine=torch.arange(10, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="residual"):
+        add_rmsnorm_quantize(r[:, :48], rows, w, combine=torch.arange(12, dtype=torch.int32, device=DEVICE))
+
+
 AOT_SCRIPT = r"""
 import json
 from minite_kernels.triton._build._aot import report
 from minite_kernels.triton.nvfp4 import norm_quantize as N
-ka, kb = N.aot_add_kernel(2048, "bf16"), N.aot_bi_rmsnorm(2048, "bf16")
-before, red = N.reduction_ptx_after_residual(ka.asm["ptx"])
-print("JSON" + json.dumps(dict(before=before, same=red == N.reduction_ptx(kb.asm["ptx"]), n=len(red), **report(ka))))
+kb = N.aot_bi_rmsnorm(2048, "bf16")
+out = {}
+for combine in (0, 8):
+    ka = N.aot_add_kernel(2048, "bf16", combine=combine)
+    before, red = N.reduction_ptx_after_residual(ka.asm["ptx"])
+    out[combine] = dict(before=before, same=red == N.reduction_ptx(kb.asm["ptx"]), n=len(red), **report(ka))
+print("JSON" + json.dumps(out))
 """
 
 
 @pytest.mark.aot  # compile-only (sm_90a on any machine): CI runs it; the GPU set leaves it out
 def test_sm90_reduction_after_the_residual_pass_is_bi_rmsnorms():
-    aot = run_aot_script(AOT_SCRIPT)
-    assert aot["before"] == ["bar.sync"] and aot["same"] and aot["n"] > 20, aot
-    assert aot["spill_bytes"] == 0 and aot["LDL"] == 0, aot
+    """The plain residual add and the MoE combine of 8 expert rows before it (whose sums are plain
+    ``add.f32``, each rounded to bf16: nothing before the barrier can contract into an FMA)."""
+    got = run_aot_script(AOT_SCRIPT)
+    assert sorted(got) == ["0", "8"], got
+    assert got["0"]["before"] == ["bar.sync"], got["0"]
+    assert got["8"]["before"][-1] == "bar.sync" and set(got["8"]["before"]) == {"add.f32", "bar.sync"}, got["8"]
+    for combine, aot in got.items():
+        assert aot["same"] and aot["n"] > 20, (combine, aot)
+        assert aot["spill_bytes"] == 0 and aot["LDL"] == 0, (combine, aot)
