@@ -309,7 +309,7 @@ class ExpertsStep:
         """fc1's ``LinearContext`` where the experts can take the T tokens' NVFP4 from the norm
         before them (per-token scales, and a backend that reads each (token, expert) row's token
         row by index: ``decode_grouped_gemm(..., a_rows=)``), else None."""
-        if self.kind != "nvfp4" or not hasattr(self, "lctx1") or not takes_handed_quantization(self.lctx1):
+        if self.kind != "nvfp4" or not takes_handed_quantization(self.lctx1):
             return None
         backend = backend_for(self.recipe, device)
         why = backend.supports("decode_grouped_gemm", a_rows=True, batch_invariant=self.invariant, device=device)
@@ -325,13 +325,11 @@ class ExpertsStep:
         quantization as fc1 quantizes them (the norm's, :meth:`input_ctx`): fc1 reads each row's
         token row of it by index (per-token scales: the bits of quantizing the gathered rows)."""
         backend = backend_for(self.recipe, x.device)
-        if qx is not None:
-            h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype, batch_invariant=self.invariant,
-                                            group_offsets=route.offsets, a_rows=route.tokens)
-        else:
-            qx = quantize_activation(x.index_select(0, route.tokens), self.lctx1, backend)
-            h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype,
-                                            batch_invariant=self.invariant, group_offsets=route.offsets)
+        a_rows = route.tokens
+        if qx is None:  # the rows gathered and quantized here
+            qx, a_rows = quantize_activation(x.index_select(0, route.tokens), self.lctx1, backend), None
+        h = backend.decode_grouped_gemm(qx, self.w1.value, route.ids, out_dtype=x.dtype, batch_invariant=self.invariant,
+                                        group_offsets=route.offsets, a_rows=a_rows)
         if self._fused_activation(h, backend):
             _a, qa = backend.swiglu_quantize(h, with_image=True, nonfinite=self.recipe.nonfinite, probs=route.probs)
         else:
@@ -600,12 +598,10 @@ class LayerStep:
         else:
             h, x, _ = add_then_norm(layer.input_layernorm, h, pending, fire, self.fused)
         out = self.attention(x, rope, hidden, rows, positions, cache, fire)
-        if isinstance(self.mlp, MoEStep):  # the routed experts may take the norm's NVFP4 of their input
-            h, x, qx = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused,
-                                     self.mlp.input_ctx(h.device))
-            return h, (self.mlp(x, fire, qx), self.bda("mlp_bda"))
-        h, x, _ = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused)
-        return h, (self.mlp(x, fire), self.bda("mlp_bda"))
+        moe = isinstance(self.mlp, MoEStep)  # the routed experts may take the norm's NVFP4 of their input
+        h, x, qx = add_then_norm(layer.pre_mlp_layernorm, h, (out, self.bda("self_attn_bda")), fire, self.fused,
+                                 self.mlp.input_ctx(h.device) if moe else None)
+        return h, (self.mlp(x, fire, qx) if moe else self.mlp(x, fire), self.bda("mlp_bda"))
 
     def bda(self, name: str):
         """The layer's bias-dropout-add ``name`` as ``fn(out_with_bias, residual)``; ``fn.plain``:
@@ -672,12 +668,10 @@ def _fused_add_norm(norm, residual: torch.Tensor, out: torch.Tensor, fused, cons
     elif not (norm.invariant_rms and fused_ops.norm_fuses(fused, out.device)):
         return None  # not bi_rmsnorm's arithmetic in the learner
     shape, hdim = out.shape, out.shape[-1]
-    if isinstance(out, CombinedRows):  # the MoE combine in the same kernel, before the add
-        h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.rows, norm.weight, norm.eps,
-                                             norm.zero_centered_gamma, with_image=True, combine=out.combine)
-    else:
-        h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), out.reshape(-1, hdim), norm.weight, norm.eps,
-                                             norm.zero_centered_gamma, with_image=True)
+    # a CombinedRows: the MoE combine in the same kernel, before the add
+    rows, combine = (out.rows, out.combine) if isinstance(out, CombinedRows) else (out.reshape(-1, hdim), None)
+    h, y, q = fused.add_rmsnorm_quantize(residual.reshape(-1, hdim), rows, norm.weight, norm.eps,
+                                         norm.zero_centered_gamma, with_image=True, combine=combine)
     if slot is not None:
         slot.offer(y, q, activation_key(slot.recipe, backend))
     handed = consumer is not None and _quantizes_for(consumer.recipe, out) is not None
